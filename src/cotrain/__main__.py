@@ -1,0 +1,5 @@
+import sys
+
+from cotrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""The `cotrain` command: one entry point, each subcommand a plain function.
+
+Options are generated from the config dataclasses' field metadata (cotrain.config), so the help, the TOML keys
+and the README's flag table never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from cotrain import config as cfg
+from cotrain.errors import UserError
+
+DESCRIPTIONS = {
+    "prepare": "Turn a corpus into training examples (and train a tokenizer when none is given).",
+    "train": "Join a swarm as a trainer: compute gradients locally and average them with peers.",
+    "monitor": "Start the swarm's first peer: welcome others, aggregate and log the swarm's metrics.",
+    "demo": "Run a whole swarm on this machine (a monitor and N trainers on 127.0.0.1) and report.",
+    "config": "Show the resolved configuration of a preset (and an optional TOML file).",
+}
+
+
+def _metavar(f: dataclasses.Field) -> str:
+    return f.name.upper().split("_")[-1]
+
+
+def add_config_options(parser: argparse.ArgumentParser, role: str) -> None:
+    """Add every config field that ``role`` takes, with all its spellings and its doc line as help."""
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [run]/[peer] tables (below the CLI).")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, f in cfg.fields_for(role):
+        group = groups.get(section) or groups.setdefault(
+            section, parser.add_argument_group(f"{section} options", cfg.SECTIONS[section].__doc__)
+        )
+        t = cfg.field_type(f)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kwargs: dict = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
+        if t is bool:
+            kwargs.update(action="store_true", help=f.metadata["doc"])
+        elif t is list:
+            kwargs.update(nargs="+", action="extend", metavar=_metavar(f), help=f"{f.metadata['doc']}")
+        else:
+            shown = f" (default: {default})" if default not in ("", None) else ""
+            kwargs.update(type=t, metavar=_metavar(f), help=f"{f.metadata['doc']}{shown}")
+        group.add_argument(*cfg.cli_flags(f), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cotrain",
+        description="Train language models collaboratively: volunteers' machines form a swarm with hivemind.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for role in ("prepare", "train", "monitor", "demo"):
+        p = sub.add_parser(role, help=DESCRIPTIONS[role], description=DESCRIPTIONS[role])
+        add_config_options(p, role)
+    p = sub.add_parser("config", help=DESCRIPTIONS["config"], description=DESCRIPTIONS["config"])
+    p.add_argument("action", choices=["show"], help="show: print the resolved config as TOML")
+    p.add_argument("preset", help=f"preset name ({', '.join(cfg.preset_names())})")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file applied on top of the preset.")
+    return parser
+
+
+def overrides_from(ns: argparse.Namespace) -> dict:
+    out: dict[str, dict] = {}
+    for key, value in vars(ns).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            out.setdefault(section, {})[name] = value
+    return out
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, cfg.Config | None]:
+    """Parse a command line and resolve its config (raises UserError with every problem listed)."""
+    ns = build_parser().parse_args(argv)
+    if ns.command == "config":
+        return ns, cfg.resolve(ns.preset, ns.config)
+    overrides = overrides_from(ns)
+    if ns.command == "demo":  # the demo trains the CPU-sized model unless told otherwise
+        overrides.setdefault("run", {}).setdefault("preset", "albert-tiny")
+    return ns, cfg.resolve(config_file=ns.config, overrides=overrides)
+
+
+def fail(command: str, message: str) -> int:
+    print(f"cotrain {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_config(config: cfg.Config) -> int:
+    import tomli_w
+
+    d = config.to_dict()
+    print(tomli_w.dumps({"run": d["run"], "peer": d["peer"]}), end="")
+    return 0
+
+
+def cmd_prepare(config: cfg.Config) -> int:
+    import json
+
+    from cotrain.data import prepare_from_source
+
+    p = config.prepare
+    manifest = prepare_from_source(
+        demo=p.demo_corpus,
+        text_files=p.text_files or None,
+        out_dir=p.output,
+        max_length=config.run.max_seq_length,
+        seed=config.peer.seed,
+        tokenizer_path=p.tokenizer or None,
+        vocab_size=p.vocab_size,
+        progress=True,
+    )
+    print(json.dumps({"event": "prepared", "path": p.output, **manifest}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    try:
+        ns, config = parse(argv)
+        if ns.command == "config":
+            return cmd_config(config)
+        if ns.command == "prepare":
+            return cmd_prepare(config)
+        if ns.command in ("train", "monitor"):
+            from cotrain.procs import supervise
+
+            return supervise(argv)
+        if ns.command == "demo":
+            from cotrain.demo import run_demo
+
+            return run_demo(config)
+    except UserError as e:
+        return fail(command, str(e))
+    except KeyboardInterrupt:
+        print(f"cotrain {command}: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""`cotrain demo`: a whole swarm on this machine (a monitor and N trainers on 127.0.0.1), then a summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cotrain.config import Config
+from cotrain.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+DEMO_PRESET = "albert-tiny"
+
+
+def _say(message: str) -> None:
+    print(f"[demo] {message}", file=sys.stderr, flush=True)
+
+
+def _common_args(config: Config, out: Path) -> list[str]:
+    run = config.run
+    return [
+        "--preset", run.preset, "--run-id", run.run_id, "--host-maddrs", LOCALHOST, "--torch-threads", "1",
+        "--matchmaking-time", str(run.matchmaking_time), "--averaging-timeout", str(run.averaging_timeout),
+        "--target-batch-size", str(run.target_batch_size), "--learning-rate", str(run.learning_rate),
+    ]
+
+
+class Swarm:
+    """Child processes of the demo: each a supervised `cotrain` role with its log in the output folder."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: list = []
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.out / f"{name}.log", "w")
+        self.logs.append(log)
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cotrain", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        self.procs[name] = proc
+        return proc
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, timeout: float = 14.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self.logs:
+            log.close()
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return rows
+
+
+def _prepare_data(config: Config, data: Path) -> None:
+    from cotrain.data import prepare_from_source
+
+    manifest_path = data / "manifest.json"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("max_length") == config.run.max_seq_length and manifest.get("vocab_size"):
+            _say(f"using the demo dataset already prepared in {data}")
+            return
+    _say("preparing the built-in demo corpus (text that ships with Python) and training a tokenizer")
+    prepare_from_source(
+        demo=True, text_files=None, out_dir=data, max_length=config.run.max_seq_length, seed=0,
+        tokenizer_path=None, vocab_size=config.prepare.vocab_size, progress=False,
+    )
+
+
+def summarize(rows: list[dict], peers: int, seconds: float) -> dict:
+    """The demo's result from the monitor's per-step metrics."""
+    steps = [r for r in rows if r.get("loss") is not None]
+    first, last = steps[:3], steps[-3:]
+
+    def mean(rs: list[dict]) -> float | None:
+        return round(sum(r["loss"] for r in rs) / len(rs), 4) if rs else None
+
+    return {
+        "event": "demo_summary",
+        "peers": peers,
+        "global_steps": max((r["step"] for r in steps), default=0),
+        "max_group_size": max((r.get("max_group_size", 1) for r in steps), default=1),
+        "loss_first": mean(first),
+        "loss_last": mean(last),
+        "samples": max((r.get("samples", 0) for r in steps), default=0),
+        "seconds": round(seconds, 1),
+    }
+
+
+def run_demo(config: Config) -> int:
+    demo = config.demo
+    root = Path(config.peer.output_dir) / "demo"
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    _prepare_data(config, root / "data")
+    swarm = Swarm(root)
+    metrics = root / "monitor" / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    (root / "monitor" / "initial_peers.txt").unlink(missing_ok=True)
+    try:
+        swarm.start("monitor", ["monitor", *_common_args(config, root), "--output-dir", str(root / "monitor"),
+                                "--refresh-period", "1"])
+        peers_file = root / "monitor" / "initial_peers.txt"
+        while not peers_file.exists():
+            if swarm.dead() or time.monotonic() - t0 > 120:
+                raise UserError(f"the monitor did not start; see {root / 'monitor.log'}")
+            time.sleep(0.2)
+        initial = [a for a in peers_file.read_text().split() if "/127.0.0.1/" in a]
+        _say(f"monitor is up at {initial[0]}; starting {demo.peers} trainers")
+        for i in range(demo.peers):
+            swarm.start(f"trainer{i}", [
+                "train", *_common_args(config, root), "--initial-peers", *initial,
+                "--dataset-path", str(root / "data"), "--output-dir", str(root / f"trainer{i}"),
+                "--seed", str(i + 1), "--per-device-train-batch-size", str(config.peer.per_device_train_batch_size),
+                "--statistics-expiration", "30",
+            ])
+        seen = 0
+        while True:
+            rows = _read_jsonl(metrics)
+            for r in rows[seen:]:
+                if r.get("loss") is not None:
+                    _say(f"global step {r['step']}: loss {r['loss']:.3f}, {r['alive_peers']} peers, "
+                         f"group of {r.get('max_group_size', 1)}, {r['samples_per_second']:.1f} samples/s")
+            seen = len(rows)
+            summary = summarize(rows, demo.peers, time.monotonic() - t0)
+            if summary["global_steps"] >= demo.steps and summary["max_group_size"] >= 2:
+                break
+            if time.monotonic() - t0 > demo.deadline:
+                _say(f"deadline of {demo.deadline:.0f} s reached")
+                break
+            if swarm.dead():
+                _say(f"{', '.join(swarm.dead())} stopped unexpectedly; see the logs in {root}")
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        _say("interrupted: stopping the swarm")
+        swarm.stop()
+        return 130
+    finally:
+        if swarm.procs and any(p.poll() is None for p in swarm.procs.values()):
+            _say("stopping the swarm")
+            swarm.stop()
+    summary = summarize(_read_jsonl(metrics), demo.peers, time.monotonic() - t0)
+    print(json.dumps(summary), flush=True)
+    ok = (
+        summary["max_group_size"] >= 2
+        and summary["loss_first"] is not None
+        and summary["loss_last"] < summary["loss_first"]
+    )
+    if not ok:
+        _say(f"the swarm did not both average (group of 2+) and reduce its loss; logs are in {root}")
+    return 0 if ok else 1

@@ -1,0 +1,1 @@
+"""Shipped TOML run configs (read with importlib.resources)."""

@@ -1,0 +1,114 @@
+"""Process hygiene: every role runs as a thin supervisor plus a worker in its own process group.
+
+hivemind leaves its DHT process, its p2pd daemon and averager processes running when the main process dies, and
+they print tracebacks when Ctrl+C reaches the whole terminal group. So:
+
+- the supervisor (the process the user started) owns the signals: on Ctrl+C or SIGTERM it asks the worker to stop
+  (SIGTERM), waits a grace period, then kills the worker's whole process group;
+- the worker runs in a new session, so the terminal's Ctrl+C never reaches hivemind's children directly;
+- the worker watches its supervisor: if the supervisor vanishes (even by SIGKILL) the worker stops and, after a
+  grace period, kills its own process group, hivemind's children included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+GRACE_SECONDS = 10.0  # from a stop request to SIGKILL of whatever is left
+SUPERVISOR_ENV = "COTRAIN_SUPERVISOR_PID"
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def supervise(argv: list[str]) -> int:
+    """Run ``python -m cotrain._worker ARGV`` as a worker in its own session; return its exit code."""
+    env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
+    proc = subprocess.Popen([sys.executable, "-m", "cotrain._worker", *argv], start_new_session=True, env=env)
+    stop_requested: list[float] = []
+
+    def on_signal(signum, frame):
+        if not stop_requested:
+            stop_requested.append(time.monotonic())
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        else:  # a second Ctrl+C: stop now
+            kill_group(proc.pid)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    while True:
+        try:
+            rc = proc.wait(timeout=0.25)
+            break
+        except subprocess.TimeoutExpired:
+            if stop_requested and time.monotonic() - stop_requested[0] > GRACE_SECONDS:
+                kill_group(proc.pid)
+    kill_group(proc.pid)  # hivemind's children that outlived the worker
+    if rc < 0:
+        return 0 if stop_requested else 128 - rc
+    return rc
+
+
+class StopSignals:
+    """In the worker: turn SIGTERM/SIGINT and the supervisor's disappearance into a stop event, with a hard
+    deadline after which the whole process group is killed."""
+
+    def __init__(self, on_stop: Callable[[], None] | None = None):
+        self.event = threading.Event()
+        self.on_stop = on_stop
+        self._deadline_started = False
+        supervisor = os.environ.get(SUPERVISOR_ENV)
+        self.supervisor_pid = int(supervisor) if supervisor else None
+
+    def install(self) -> StopSignals:
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+        if self.supervisor_pid is not None:
+            threading.Thread(target=self._watch_supervisor, daemon=True, name="supervisor-watch").start()
+        return self
+
+    def request_stop(self, reason: str) -> None:
+        if not self.event.is_set():
+            logger.info(f"Stopping ({reason})")
+            self.event.set()
+        if not self._deadline_started:
+            self._deadline_started = True
+            timer = threading.Timer(GRACE_SECONDS, self._hard_stop)
+            timer.daemon = True
+            timer.start()
+
+    def _handle(self, signum, frame) -> None:
+        self.request_stop(signal.Signals(signum).name)
+        if self.on_stop is not None:
+            self.on_stop()
+
+    def _watch_supervisor(self) -> None:
+        while not self.event.wait(0.5):
+            if os.getppid() != self.supervisor_pid:
+                self.request_stop("the supervising process is gone")
+                os.kill(os.getpid(), signal.SIGTERM)  # run the handler in the main thread too
+                return
+
+    @staticmethod
+    def _hard_stop() -> None:
+        logging.getLogger(__name__).warning("Shutdown took too long; killing the remaining processes")
+        if os.getpgrp() == os.getpid():  # only a group leader (a supervised worker) kills its whole group
+            kill_group(os.getpgrp())
+        os._exit(1)

@@ -1,0 +1,159 @@
+"""A trainer peer: computes gradients on local micro-batches and steps hivemind.Optimizer with the swarm."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from cotrain.config import Config
+from cotrain.errors import UserError
+from cotrain.models import build_model, forward_loss, optimizer_factory, parameter_groups, scheduler_factory
+from cotrain.swarm.dht import create_dht
+from cotrain.swarm.optimizer import SwarmOptimizer, build_optimizer
+from cotrain.swarm.records import LocalMetrics, make_validators, publish_metrics
+
+logger = logging.getLogger(__name__)
+
+
+class StopTraining(Exception):
+    """Raised from a signal handler to leave a blocking optimizer step when asked to stop."""
+
+
+def batches(dataset, batch_size: int, collator, seed: int) -> Iterator[dict]:
+    """Endless micro-batches in a per-peer shuffled order, a new order each epoch."""
+    epoch = 0
+    while True:
+        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collator, generator=generator)
+        yield from loader
+        epoch += 1
+
+
+class Trainer:
+    def __init__(self, config: Config, stop: threading.Event):
+        self.config = config
+        self.stop = stop
+        self.dht = None
+        self.opt: SwarmOptimizer | None = None
+        self.in_step = False
+
+    def run(self) -> int:
+        from cotrain.data import AlbertCollator, load_prepared
+
+        run, peer = self.config.run, self.config.peer
+        if peer.torch_threads:
+            torch.set_num_threads(peer.torch_threads)
+        validators, public_key = make_validators(run.run_id)
+        self.dht = create_dht(peer, validators)  # first: an unreachable swarm is the first thing to report
+        if not peer.dataset_path:
+            raise UserError("--dataset-path is required: a folder made by `cotrain prepare`")
+        data = load_prepared(peer.dataset_path)
+        if data.manifest.get("objective") != run.objective:
+            raise UserError(
+                f"dataset {peer.dataset_path} was prepared for {data.manifest.get('objective')!r}, "
+                f"but preset {run.preset} trains {run.objective!r}"
+            )
+        if data.manifest.get("max_length", 0) > run.max_seq_length:
+            raise UserError(
+                f"dataset {peer.dataset_path} has examples of up to {data.manifest['max_length']} tokens, "
+                f"longer than max_seq_length {run.max_seq_length}"
+            )
+        tokenizer = data.tokenizer
+        model = build_model(run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        model.train()
+
+        micro = peer.per_device_train_batch_size
+        step_samples = micro * peer.gradient_accumulation_steps
+        self.opt = opt = build_optimizer(
+            self.dht,
+            run,
+            peer,
+            parameter_groups(model, run.weight_decay),
+            optimizer_factory(run),
+            scheduler_factory(run),
+            batch_size_per_step=step_samples,
+        )
+        opt.should_stop = self.stop.is_set
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info(f"Trainer {self.dht.peer_id} joined run {run.run_id!r}: {n_params / 1e6:.1f}M parameters, "
+                    f"{len(data.train)} training examples, micro-batch {micro} x {peer.gradient_accumulation_steps}")
+        self._catch_up()
+
+        collator = AlbertCollator(tokenizer, mlm_probability=run.mlm_probability, seed=peer.seed)
+        stream = batches(data.train, micro, collator, peer.seed)
+        last_epoch, loss_sum, mini_steps, contribution = opt.local_epoch, 0.0, 0, 0
+        while not self.stop.is_set():
+            step_loss = 0.0
+            for _ in range(peer.gradient_accumulation_steps):
+                loss = forward_loss(model, next(stream)) / peer.gradient_accumulation_steps
+                loss.backward()
+                step_loss += loss.item()
+            if run.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
+            if math.isfinite(step_loss):
+                self.in_step = True
+                try:
+                    opt.step(batch_size=step_samples)
+                finally:
+                    self.in_step = False
+                loss_sum, mini_steps, contribution = loss_sum + step_loss, mini_steps + 1, contribution + step_samples
+            else:
+                logger.warning("Non-finite loss on this micro-batch: its gradients are dropped, not sent to the swarm")
+            opt.zero_grad()
+            if opt.local_epoch != last_epoch:
+                self._report(public_key, loss_sum, mini_steps, contribution)
+                last_epoch, loss_sum, mini_steps = opt.local_epoch, 0.0, 0
+                if peer.max_steps and opt.local_epoch >= peer.max_steps:
+                    logger.info(f"Reached --max-steps {peer.max_steps}; stopping")
+                    break
+        return 0
+
+    def _catch_up(self) -> None:
+        """Load the swarm's state when others are already training (bounded, with a message)."""
+        opt, peer = self.opt, self.config.peer
+        tracker = opt.tracker
+        deadline = time.monotonic() + min(5.0, peer.load_state_timeout)
+        while tracker.global_progress.num_peers <= 1 and time.monotonic() < deadline and not self.stop.is_set():
+            time.sleep(0.2)
+        if tracker.global_epoch > opt.local_epoch:
+            logger.info(
+                f"The swarm is at step {tracker.global_epoch} ({tracker.global_progress.num_peers} peers): "
+                f"loading its current state (waiting up to {peer.load_state_timeout:.0f} s)"
+            )
+            opt.load_state_from_peers()
+            logger.info(f"Starting from global step {opt.local_epoch}")
+
+    def _report(self, public_key: bytes, loss_sum: float, mini_steps: int, contribution: int) -> None:
+        opt, run, peer = self.opt, self.config.run, self.config.peer
+        sps = float(opt.tracker.performance_ema.samples_per_second)
+        record = LocalMetrics(
+            step=opt.local_epoch,
+            samples_per_second=min(max(sps, 0.0), 1e5) if math.isfinite(sps) else 0.0,
+            samples_accumulated=contribution,
+            loss=float(loss_sum),
+            mini_steps=mini_steps,
+            group_size=int(opt.last_group_size),
+            client_mode=bool(peer.client_mode),
+            time=time.time(),
+        )
+        publish_metrics(self.dht, run.run_id, public_key, record, peer.statistics_expiration)
+        mean = loss_sum / mini_steps if mini_steps else float("nan")
+        logger.info(
+            f"step {opt.local_epoch} | loss {mean:.4f} | averaged with {opt.last_group_size} peers | "
+            f"{sps:.1f} samples/s | contribution {contribution} samples"
+        )
+
+    def close(self) -> None:
+        if self.opt is not None:
+            try:
+                self.opt.shutdown()
+            except Exception as e:
+                logger.debug(f"optimizer shutdown: {e!r}")
+        if self.dht is not None:
+            self.dht.shutdown()

@@ -1,0 +1,1 @@
+"""The thin layer over hivemind: the DHT, signed records and the collaborative optimizer."""

@@ -1,0 +1,78 @@
+"""Signed, schema-validated metrics records that peers publish to the DHT under ``{run_id}_metrics``.
+
+Each peer writes one subkey, its own RSA public key; hivemind's ``RSASignatureValidator`` refuses a record whose
+subkey names another peer's key, and ``SchemaValidator`` refuses values outside the schema (negative, NaN, absurd).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
+from pydantic.v1 import BaseModel, StrictBool, confloat, conint
+
+logger = logging.getLogger(__name__)
+
+MAX_SAMPLES_PER_SECOND = 1e6
+
+
+class LocalMetrics(BaseModel):
+    """What one trainer reports after each global step."""
+
+    step: conint(ge=0, strict=True)
+    samples_per_second: confloat(ge=0.0, le=MAX_SAMPLES_PER_SECOND, strict=True)
+    samples_accumulated: conint(ge=0, le=10**9, strict=True)
+    loss: confloat(ge=0.0, le=1e7, strict=True)  # sum over mini_steps, as in the seed recipe
+    mini_steps: conint(ge=0, le=10**7, strict=True)
+    group_size: conint(ge=1, le=100_000, strict=True)  # peers in the last gradient-averaging group, self included
+    client_mode: StrictBool = False
+    time: confloat(ge=0.0, strict=True) = 0.0
+
+
+class MetricsSchema(BaseModel):
+    metrics: dict[BytesWithPublicKey, LocalMetrics]
+
+
+def metrics_key(run_id: str) -> str:
+    return f"{run_id}_metrics"
+
+
+def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
+    """The record validators every peer of a run installs, and this process's public key (the subkey to write)."""
+    signature_validator = RSASignatureValidator()
+    validators = [SchemaValidator(MetricsSchema, prefix=run_id), signature_validator]
+    return validators, signature_validator.local_public_key
+
+
+def read_metrics(dht: Any, run_id: str) -> dict[bytes, LocalMetrics]:
+    """The latest valid record of every peer (records that fail the schema are dropped with a debug line)."""
+    found = dht.get(metrics_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out = {}
+    for subkey, entry in found.value.items():
+        try:
+            out[subkey] = LocalMetrics.parse_obj(entry.value)
+        except Exception as e:  # a record another version wrote, or garbage: never crash the reader
+            logger.debug(f"ignoring malformed metrics record: {e}")
+    return out
+
+
+def publish_metrics(dht: Any, run_id: str, public_key: bytes, metrics: LocalMetrics, expiration: float) -> None:
+    from hivemind.utils import get_dht_time
+
+    dht.store(
+        key=metrics_key(run_id),
+        subkey=public_key,
+        value=metrics.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )
+
+
+def now() -> float:
+    return time.time()
