@@ -11,10 +11,29 @@ from cotrain.errors import UserError
 from cotrain.procs import StopSignals
 
 
+class OneLineErrors(logging.Filter):
+    """hivemind logs expected network failures (a peer left, no group found) with full tracebacks;
+    show them as one line unless --verbose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.name.startswith("hivemind"):
+            exc = record.exc_info[1]
+            record.msg = (
+                f"{record.getMessage()} ({type(exc).__name__}: {exc})" if exc else record.getMessage()
+            )
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
 def setup_logging(verbose: bool) -> None:
-    from hivemind.utils.logging import use_hivemind_log_handler
+    from hivemind.utils.logging import get_logger, use_hivemind_log_handler
 
     use_hivemind_log_handler("in_root_logger")
+    if not verbose:
+        for handler in get_logger().handlers:
+            handler.addFilter(OneLineErrors())
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
     for noisy in ("urllib3", "filelock", "datasets", "torch"):
@@ -28,30 +47,18 @@ def run_role(argv: list[str]) -> int:
         ns, config = parse(argv)
         setup_logging(config.peer.verbose)
         if ns.command == "train":
-            from cotrain.roles.trainer import StopTraining, Trainer
-
-            role = Trainer(config, stop=None)  # type: ignore[arg-type]
-
-            def interrupt_step() -> None:
-                if role.in_step:
-                    raise StopTraining()
-
-            signals = StopSignals(on_stop=interrupt_step).install()
+            from cotrain.roles.trainer import Trainer as role_class
         elif ns.command == "monitor":
-            from cotrain.roles.monitor import Monitor
-
-            signals = StopSignals().install()
-            role = Monitor(config, stop=None)  # type: ignore[arg-type]
+            from cotrain.roles.monitor import Monitor as role_class
         else:
             return fail(command, f"{command!r} is not a supervised role")
-        role.stop = signals.event
+        signals = StopSignals().install()
+        role = role_class(config, stop=signals.event)
         try:
             return role.run()
         except UserError as e:
             return fail(command, str(e))
         except Exception as e:
-            if type(e).__name__ == "StopTraining":
-                return 0
             logging.getLogger("cotrain").exception(f"{command} failed: {e!r}")
             return 1
     except UserError as e:

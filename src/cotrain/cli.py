@@ -28,7 +28,9 @@ def _metavar(f: dataclasses.Field) -> str:
 
 def add_config_options(parser: argparse.ArgumentParser, role: str) -> None:
     """Add every config field that ``role`` takes, with all its spellings and its doc line as help."""
-    parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [run]/[peer] tables (below the CLI).")
+    parser.add_argument(
+        "--config", metavar="FILE.toml", help="TOML file with [run]/[peer] tables (below the CLI)."
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for section, f in cfg.fields_for(role):
         group = groups.get(section) or groups.setdefault(

@@ -1,7 +1,8 @@
 """Typed run and peer configuration.
 
 Each field's metadata (its one-line doc, its command-line spellings and the roles that take it) is the single
-source from which the CLI options, their ``--help`` text, TOML validation and the README's flag table are made.
+source from which the CLI options, their ``--help`` text, TOML validation and the README's flag table are
+made.
 
 Precedence: command line > ``--config FILE.toml`` > preset > dataclass defaults.
 """
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from cotrain.errors import UserError
 
@@ -27,7 +29,9 @@ class ConfigError(UserError):
     """A user-caused configuration problem; the message lists every problem found."""
 
 
-def opt(default: Any, doc: str, *, flags: tuple[str, ...] = (), roles: tuple[str, ...] = ROLES_ALL, **kw: Any):
+def opt(
+    default: Any, doc: str, *, flags: tuple[str, ...] = (), roles: tuple[str, ...] = ROLES_ALL, **kw: Any
+):
     """A dataclass field carrying its doc line, extra CLI spellings and the roles that accept it."""
     meta = {"doc": doc, "flags": flags, "roles": roles}
     if isinstance(default, list | dict):
@@ -45,16 +49,25 @@ class RunConfig:
         flags=("--experiment-prefix",),
     )
     preset: str = opt(
-        "albert-large-v2", "Name of the shipped preset this config starts from.", roles=ROLES_ALL + ("prepare",)
+        "albert-large-v2",
+        "Name of the shipped preset this config starts from.",
+        roles=ROLES_ALL + ("prepare",),
     )
     model_family: str = opt("albert", "Model family: albert (sentence order + masked LM).", roles=())
     objective: str = opt("sop+mlm", "Training objective the dataset was prepared for.", roles=())
-    model: dict = opt({}, "Model architecture ([model] table: hidden_size, num_attention_heads, ...).", roles=())
+    model: dict = opt(
+        {}, "Model architecture ([model] table: hidden_size, num_attention_heads, ...).", roles=()
+    )
     max_seq_length: int = opt(
-        512, "Sequence length of the training examples (tokens).", flags=("--seq-length",), roles=ROLES_ALL + ("prepare",)
+        512,
+        "Sequence length of the training examples (tokens).",
+        flags=("--seq-length",),
+        roles=ROLES_ALL + ("prepare",),
     )
     mlm_probability: float = opt(0.15, "Fraction of tokens masked for the masked-LM objective.")
-    target_batch_size: int = opt(4096, "Samples the whole swarm accumulates before each global optimizer step.")
+    target_batch_size: int = opt(
+        4096, "Samples the whole swarm accumulates before each global optimizer step."
+    )
     optimizer: str = opt("lamb", "Optimizer: lamb (the seed recipe) or adamw.")
     learning_rate: float = opt(0.00176, "Peak learning rate.")
     adam_beta1: float = opt(0.9, "First-moment decay of LAMB/Adam.")
@@ -105,24 +118,32 @@ class PeerConfig:
     )
     use_ipfs: bool = opt(False, "Bootstrap through the public IPFS network.", roles=("train", "monitor"))
     nat_port_map: bool = opt(
-        False, "Ask the router for a port mapping (UPnP/NAT-PMP); off unless asked.", roles=("train", "monitor")
+        False,
+        "Ask the router for a port mapping (UPnP/NAT-PMP); off unless asked.",
+        roles=("train", "monitor"),
     )
     dataset_path: str = opt("", "Folder made by `cotrain prepare`.", roles=("train", "eval"))
     output_dir: str = opt("outputs", "Folder for this peer's logs, metrics and checkpoints.")
-    per_device_train_batch_size: int = opt(4, "Samples per micro-batch on this peer.", roles=("train", "demo"))
+    per_device_train_batch_size: int = opt(
+        4, "Samples per micro-batch on this peer.", roles=("train", "demo")
+    )
     gradient_accumulation_steps: int = opt(
         1, "Micro-batches accumulated per optimizer.step call.", roles=("train", "demo")
     )
     max_steps: int = opt(0, "Stop after this many global steps of the swarm (0: never).", roles=("train",))
     seed: int = opt(
-        0, "Seed of this peer's data order and masking (each peer should use its own).", roles=ROLES_ALL + ("prepare",)
+        0,
+        "Seed of this peer's data order and masking (each peer should use its own).",
+        roles=ROLES_ALL + ("prepare",),
     )
     torch_threads: int = opt(0, "CPU threads for torch on this peer (0: torch's default).")
     batch_size_lead: int = opt(
         0, "Start averaging this many samples before the target batch is reached.", roles=("train",)
     )
     bandwidth: float = opt(
-        0.0, "This peer's network bandwidth in Mbit/s, to balance all-reduce load (0: unknown).", roles=("train",)
+        0.0,
+        "This peer's network bandwidth in Mbit/s, to balance all-reduce load (0: unknown).",
+        roles=("train",),
     )
     statistics_expiration: float = opt(
         600.0, "Seconds a published metrics record stays valid in the DHT.", roles=("train", "eval")
@@ -134,7 +155,9 @@ class PeerConfig:
         30.0, "Seconds between the monitor's reads of the swarm's metrics.", roles=("monitor", "status")
     )
     startup_timeout: float = opt(
-        20.0, "Seconds to wait for the network layer to start and reach initial peers.", roles=("train", "monitor")
+        20.0,
+        "Seconds to wait for the network layer to start and reach initial peers.",
+        roles=("train", "monitor"),
     )
     verbose: bool = opt(False, "Log hivemind's status lines at INFO instead of DEBUG.")
 
@@ -143,10 +166,16 @@ class PeerConfig:
 class PrepareConfig:
     """Options of `cotrain prepare` (turning a corpus into training examples)."""
 
-    demo_corpus: bool = opt(False, "Use the built-in demo corpus (text that ships with Python).", roles=("prepare",))
-    text_files: list = opt([], "Local text files or globs (WikiText format is recognised).", roles=("prepare",))
+    demo_corpus: bool = opt(
+        False, "Use the built-in demo corpus (text that ships with Python).", roles=("prepare",)
+    )
+    text_files: list = opt(
+        [], "Local text files or globs (WikiText format is recognised).", roles=("prepare",)
+    )
     output: str = opt("data", "Folder to write the prepared dataset to.", roles=("prepare",))
-    tokenizer: str = opt("", "Pretrained tokenizer folder; a new one is trained when empty.", roles=("prepare",))
+    tokenizer: str = opt(
+        "", "Pretrained tokenizer folder; a new one is trained when empty.", roles=("prepare",)
+    )
     vocab_size: int = opt(8000, "Vocabulary size of a tokenizer trained here.", roles=("prepare", "demo"))
     valid_fraction: float = opt(0.02, "Fraction of documents held out for evaluation.", roles=("prepare",))
 
@@ -157,7 +186,9 @@ class DemoConfig:
 
     peers: int = opt(2, "Number of trainer peers to start.", roles=("demo",))
     steps: int = opt(8, "Global steps to train before stopping.", roles=("demo",))
-    deadline: float = opt(540.0, "Seconds after which the demo stops even if the steps are not done.", roles=("demo",))
+    deadline: float = opt(
+        540.0, "Seconds after which the demo stops even if the steps are not done.", roles=("demo",)
+    )
 
 
 @dataclass
@@ -171,7 +202,12 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {"run": RunConfig, "peer": PeerConfig, "prepare": PrepareConfig, "demo": DemoConfig}
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "peer": PeerConfig,
+    "prepare": PrepareConfig,
+    "demo": DemoConfig,
+}
 
 
 def field_type(f: dataclasses.Field) -> type:
@@ -209,7 +245,11 @@ def cli_flags(f: dataclasses.Field) -> list[str]:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.name[: -len(".toml")] for p in resources.files("cotrain.presets").iterdir() if p.name.endswith(".toml"))
+    return sorted(
+        p.name[: -len(".toml")]
+        for p in resources.files("cotrain.presets").iterdir()
+        if p.name.endswith(".toml")
+    )
 
 
 def load_preset(name: str) -> dict:
@@ -274,7 +314,9 @@ def validate(config: Config) -> list[str]:
         if getattr(peer, name) <= 0:
             problems.append(f"{name} must be positive, got {getattr(peer, name)}")
     if run.warmup_steps < 0 or run.warmup_steps > run.total_steps:
-        problems.append(f"warmup_steps must be between 0 and total_steps ({run.total_steps}), got {run.warmup_steps}")
+        problems.append(
+            f"warmup_steps must be between 0 and total_steps ({run.total_steps}), got {run.warmup_steps}"
+        )
     if run.learning_rate <= 0:
         problems.append(f"learning_rate must be positive, got {run.learning_rate}")
     if not 0 < run.mlm_probability < 1:
@@ -302,11 +344,15 @@ def validate(config: Config) -> list[str]:
     return problems
 
 
-def resolve(preset: str | None = None, config_file: str | None = None, overrides: dict | None = None) -> Config:
-    """Build a config from defaults < preset < TOML file < command-line overrides; raise ConfigError listing all
-    problems."""
+def resolve(
+    preset: str | None = None, config_file: str | None = None, overrides: dict | None = None
+) -> Config:
+    """Build a config from defaults < preset < TOML file < command-line overrides.
+
+    Raises ConfigError listing every problem found."""
     values: dict[str, dict] = {
-        section: {f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)} for section, cls in SECTIONS.items()
+        section: {f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)}
+        for section, cls in SECTIONS.items()
     }
     problems: list[str] = []
     overrides = overrides or {}

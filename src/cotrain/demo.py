@@ -27,9 +27,22 @@ def _say(message: str) -> None:
 def _common_args(config: Config, out: Path) -> list[str]:
     run = config.run
     return [
-        "--preset", run.preset, "--run-id", run.run_id, "--host-maddrs", LOCALHOST, "--torch-threads", "1",
-        "--matchmaking-time", str(run.matchmaking_time), "--averaging-timeout", str(run.averaging_timeout),
-        "--target-batch-size", str(run.target_batch_size), "--learning-rate", str(run.learning_rate),
+        "--preset",
+        run.preset,
+        "--run-id",
+        run.run_id,
+        "--host-maddrs",
+        LOCALHOST,
+        "--torch-threads",
+        "1",
+        "--matchmaking-time",
+        str(run.matchmaking_time),
+        "--averaging-timeout",
+        str(run.averaging_timeout),
+        "--target-batch-size",
+        str(run.target_batch_size),
+        "--learning-rate",
+        str(run.learning_rate),
     ]
 
 
@@ -92,8 +105,14 @@ def _prepare_data(config: Config, data: Path) -> None:
             return
     _say("preparing the built-in demo corpus (text that ships with Python) and training a tokenizer")
     prepare_from_source(
-        demo=True, text_files=None, out_dir=data, max_length=config.run.max_seq_length, seed=0,
-        tokenizer_path=None, vocab_size=config.prepare.vocab_size, progress=False,
+        demo=True,
+        text_files=None,
+        out_dir=data,
+        max_length=config.run.max_seq_length,
+        seed=0,
+        tokenizer_path=None,
+        vocab_size=config.prepare.vocab_size,
+        progress=False,
     )
 
 
@@ -128,8 +147,17 @@ def run_demo(config: Config) -> int:
     metrics.unlink(missing_ok=True)
     (root / "monitor" / "initial_peers.txt").unlink(missing_ok=True)
     try:
-        swarm.start("monitor", ["monitor", *_common_args(config, root), "--output-dir", str(root / "monitor"),
-                                "--refresh-period", "1"])
+        swarm.start(
+            "monitor",
+            [
+                "monitor",
+                *_common_args(config, root),
+                "--output-dir",
+                str(root / "monitor"),
+                "--refresh-period",
+                "1",
+            ],
+        )
         peers_file = root / "monitor" / "initial_peers.txt"
         while not peers_file.exists():
             if swarm.dead() or time.monotonic() - t0 > 120:
@@ -138,19 +166,34 @@ def run_demo(config: Config) -> int:
         initial = [a for a in peers_file.read_text().split() if "/127.0.0.1/" in a]
         _say(f"monitor is up at {initial[0]}; starting {demo.peers} trainers")
         for i in range(demo.peers):
-            swarm.start(f"trainer{i}", [
-                "train", *_common_args(config, root), "--initial-peers", *initial,
-                "--dataset-path", str(root / "data"), "--output-dir", str(root / f"trainer{i}"),
-                "--seed", str(i + 1), "--per-device-train-batch-size", str(config.peer.per_device_train_batch_size),
-                "--statistics-expiration", "30",
-            ])
+            swarm.start(
+                f"trainer{i}",
+                [
+                    "train",
+                    *_common_args(config, root),
+                    "--initial-peers",
+                    *initial,
+                    "--dataset-path",
+                    str(root / "data"),
+                    "--output-dir",
+                    str(root / f"trainer{i}"),
+                    "--seed",
+                    str(i + 1),
+                    "--per-device-train-batch-size",
+                    str(config.peer.per_device_train_batch_size),
+                    "--statistics-expiration",
+                    "30",
+                ],
+            )
         seen = 0
         while True:
             rows = _read_jsonl(metrics)
             for r in rows[seen:]:
                 if r.get("loss") is not None:
-                    _say(f"global step {r['step']}: loss {r['loss']:.3f}, {r['alive_peers']} peers, "
-                         f"group of {r.get('max_group_size', 1)}, {r['samples_per_second']:.1f} samples/s")
+                    _say(
+                        f"global step {r['step']}: loss {r['loss']:.3f}, {r['alive_peers']} peers, "
+                        f"group of {r.get('max_group_size', 1)}, {r['samples_per_second']:.1f} samples/s"
+                    )
             seen = len(rows)
             summary = summarize(rows, demo.peers, time.monotonic() - t0)
             if summary["global_steps"] >= demo.steps and summary["max_group_size"] >= 2:

@@ -1,4 +1,4 @@
-"""Model families: a preset's architecture -> a model, its parameter groups, optimizer and schedule factories."""
+"""Model families: a preset's architecture -> a model, its parameter groups, optimizer and schedule."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import logging
 from collections.abc import Callable, Iterable
 
 import torch
-from transformers import AlbertConfig, AlbertForPreTraining, get_cosine_schedule_with_warmup
-from transformers import get_linear_schedule_with_warmup
+from transformers import (
+    AlbertConfig,
+    AlbertForPreTraining,
+    get_cosine_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+)
 
 from cotrain.config import RunConfig
 
@@ -52,7 +56,10 @@ def optimizer_factory(run: RunConfig) -> Callable[[Iterable], torch.optim.Optimi
         return make
     if run.optimizer == "adamw":
         return lambda params: torch.optim.AdamW(
-            params, lr=run.learning_rate, betas=(run.adam_beta1, run.adam_beta2), eps=run.adam_epsilon,
+            params,
+            lr=run.learning_rate,
+            betas=(run.adam_beta1, run.adam_beta2),
+            eps=run.adam_epsilon,
             weight_decay=run.weight_decay,
         )
     raise ValueError(f"unknown optimizer {run.optimizer!r}")

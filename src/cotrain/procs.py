@@ -1,12 +1,15 @@
 """Process hygiene: every role runs as a thin supervisor plus a worker in its own process group.
 
-hivemind leaves its DHT process, its p2pd daemon and averager processes running when the main process dies, and
+hivemind leaves its DHT process, its p2pd daemon and averager processes running when the main process
+dies, and
 they print tracebacks when Ctrl+C reaches the whole terminal group. So:
 
-- the supervisor (the process the user started) owns the signals: on Ctrl+C or SIGTERM it asks the worker to stop
+- the supervisor (the process the user started) owns the signals: on Ctrl+C or SIGTERM it asks the worker
+  to stop
   (SIGTERM), waits a grace period, then kills the worker's whole process group;
 - the worker runs in a new session, so the terminal's Ctrl+C never reaches hivemind's children directly;
-- the worker watches its supervisor: if the supervisor vanishes (even by SIGKILL) the worker stops and, after a
+- the worker watches its supervisor: if the supervisor vanishes (even by SIGKILL) the worker stops and,
+  after a
   grace period, kills its own process group, hivemind's children included.
 """
 
@@ -19,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +72,8 @@ class StopSignals:
     """In the worker: turn SIGTERM/SIGINT and the supervisor's disappearance into a stop event, with a hard
     deadline after which the whole process group is killed."""
 
-    def __init__(self, on_stop: Callable[[], None] | None = None):
+    def __init__(self) -> None:
         self.event = threading.Event()
-        self.on_stop = on_stop
         self._deadline_started = False
         supervisor = os.environ.get(SUPERVISOR_ENV)
         self.supervisor_pid = int(supervisor) if supervisor else None
@@ -96,14 +97,11 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         self.request_stop(signal.Signals(signum).name)
-        if self.on_stop is not None:
-            self.on_stop()
 
     def _watch_supervisor(self) -> None:
         while not self.event.wait(0.5):
             if os.getppid() != self.supervisor_pid:
                 self.request_stop("the supervising process is gone")
-                os.kill(os.getpid(), signal.SIGTERM)  # run the handler in the main thread too
                 return
 
     @staticmethod

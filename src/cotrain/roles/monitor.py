@@ -51,7 +51,9 @@ class Monitor:
         self.dht = create_dht(peer, validators, client_mode=False)
         maddrs = visible_maddrs(self.dht)
         (out / "initial_peers.txt").write_text("\n".join(maddrs) + "\n")
-        logger.info(f"Monitor of run {run.run_id!r} is up. To join, run:\n  {join_command(maddrs, run.run_id)}")
+        logger.info(
+            f"Monitor of run {run.run_id!r} is up. To join, run:\n  {join_command(maddrs, run.run_id)}"
+        )
 
         current_step = -1
         with open(out / "metrics.jsonl", "a", buffering=1) as sink:
@@ -70,7 +72,8 @@ class Monitor:
                 line = aggregate(latest, records)
                 sink.write(json.dumps(line) + "\n")
                 logger.info(
-                    f"step {latest} | loss {line['loss'] or float('nan'):.5f} | {line['alive_peers']} peers | "
+                    f"step {latest} | loss {line['loss'] or float('nan'):.5f} | "
+                    f"{line['alive_peers']} peers | "
                     f"{line['samples']} samples | {line['samples_per_second']:.1f} samples/s"
                 )
         return 0

@@ -21,16 +21,14 @@ from cotrain.swarm.records import LocalMetrics, make_validators, publish_metrics
 logger = logging.getLogger(__name__)
 
 
-class StopTraining(Exception):
-    """Raised from a signal handler to leave a blocking optimizer step when asked to stop."""
-
-
 def batches(dataset, batch_size: int, collator, seed: int) -> Iterator[dict]:
     """Endless micro-batches in a per-peer shuffled order, a new order each epoch."""
     epoch = 0
     while True:
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collator, generator=generator)
+        loader = DataLoader(
+            dataset, batch_size=batch_size, shuffle=True, collate_fn=collator, generator=generator
+        )
         yield from loader
         epoch += 1
 
@@ -41,16 +39,16 @@ class Trainer:
         self.stop = stop
         self.dht = None
         self.opt: SwarmOptimizer | None = None
-        self.in_step = False
+        threading.Thread(target=self._cancel_rounds_on_stop, daemon=True, name="stop-rounds").start()
 
     def run(self) -> int:
-        from cotrain.data import AlbertCollator, load_prepared
-
         run, peer = self.config.run, self.config.peer
         if peer.torch_threads:
             torch.set_num_threads(peer.torch_threads)
         validators, public_key = make_validators(run.run_id)
         self.dht = create_dht(peer, validators)  # first: an unreachable swarm is the first thing to report
+        from cotrain.data import AlbertCollator, load_prepared
+
         if not peer.dataset_path:
             raise UserError("--dataset-path is required: a folder made by `cotrain prepare`")
         data = load_prepared(peer.dataset_path)
@@ -81,8 +79,10 @@ class Trainer:
         )
         opt.should_stop = self.stop.is_set
         n_params = sum(p.numel() for p in model.parameters())
-        logger.info(f"Trainer {self.dht.peer_id} joined run {run.run_id!r}: {n_params / 1e6:.1f}M parameters, "
-                    f"{len(data.train)} training examples, micro-batch {micro} x {peer.gradient_accumulation_steps}")
+        logger.info(
+            f"Trainer {self.dht.peer_id} joined run {run.run_id!r}: {n_params / 1e6:.1f}M parameters, "
+            f"{len(data.train)} training examples, micro-batch {micro} x {peer.gradient_accumulation_steps}"
+        )
         self._catch_up()
 
         collator = AlbertCollator(tokenizer, mlm_probability=run.mlm_probability, seed=peer.seed)
@@ -101,10 +101,18 @@ class Trainer:
                 try:
                     opt.step(batch_size=step_samples)
                 finally:
-                    self.in_step = False
-                loss_sum, mini_steps, contribution = loss_sum + step_loss, mini_steps + 1, contribution + step_samples
+                    threading.Thread(
+                        target=self._cancel_rounds_on_stop, daemon=True, name="stop-rounds"
+                    ).start()
+                loss_sum, mini_steps, contribution = (
+                    loss_sum + step_loss,
+                    mini_steps + 1,
+                    contribution + step_samples,
+                )
             else:
-                logger.warning("Non-finite loss on this micro-batch: its gradients are dropped, not sent to the swarm")
+                logger.warning(
+                    "Non-finite loss on this micro-batch: its gradients are dropped, not sent to the swarm"
+                )
             opt.zero_grad()
             if opt.local_epoch != last_epoch:
                 self._report(public_key, loss_sum, mini_steps, contribution)
@@ -114,12 +122,29 @@ class Trainer:
                     break
         return 0
 
+    def _cancel_rounds_on_stop(self) -> None:
+        """When asked to stop, cancel pending averaging rounds so a blocked step returns within a second
+        (hivemind then falls back to local gradients) and shutdown proceeds in order."""
+        self.stop.wait()
+        while True:
+            opt = self.opt
+            if opt is not None:
+                for control in (opt.scheduled_grads, opt.scheduled_state):
+                    try:
+                        if control is not None and not control.done():
+                            control.cancel()
+                    except Exception as e:
+                        logger.debug(f"cancelling an averaging round: {e!r}")
+            time.sleep(0.2)
+
     def _catch_up(self) -> None:
         """Load the swarm's state when others are already training (bounded, with a message)."""
         opt, peer = self.opt, self.config.peer
         tracker = opt.tracker
         deadline = time.monotonic() + min(5.0, peer.load_state_timeout)
-        while tracker.global_progress.num_peers <= 1 and time.monotonic() < deadline and not self.stop.is_set():
+        while (
+            tracker.global_progress.num_peers <= 1 and time.monotonic() < deadline and not self.stop.is_set()
+        ):
             time.sleep(0.2)
         if tracker.global_epoch > opt.local_epoch:
             logger.info(

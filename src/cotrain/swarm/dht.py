@@ -7,7 +7,7 @@ import logging
 import re
 
 import hivemind
-from multiaddr import Multiaddr
+from hivemind.utils.multiaddr import Multiaddr
 
 from cotrain.config import PeerConfig
 from cotrain.errors import UserError
@@ -18,7 +18,7 @@ _OLD_STYLE = re.compile(r"^\[?([0-9a-fA-F:.]*)\]?:(\d+|\*)$")
 
 
 def parse_maddrs(values: list[str], what: str) -> list[str]:
-    """Validate multiaddrs; translate the seed recipe's ``[::]:1337`` listen form; refuse bare IP:PORT peers."""
+    """Validate multiaddrs; translate the seed's ``[::]:1337`` listen form; refuse bare IP:PORT peers."""
     out = []
     for value in values:
         m = _OLD_STYLE.match(value)
@@ -35,9 +35,13 @@ def parse_maddrs(values: list[str], what: str) -> list[str]:
         try:
             Multiaddr(value)
         except Exception:
-            raise UserError(f"malformed {what} multiaddr {value!r} (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/ID)")
+            raise UserError(
+                f"malformed {what} multiaddr {value!r} (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/ID)"
+            ) from None
         if what == "initial peer" and "/p2p/" not in value:
-            raise UserError(f"initial peer {value!r} lacks its /p2p/PEER_ID part; copy the full address it prints")
+            raise UserError(
+                f"initial peer {value!r} lacks its /p2p/PEER_ID part; copy the full address it prints"
+            )
         out.append(value)
     return out
 
@@ -68,7 +72,8 @@ def create_dht(
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if initial_peers and ("bootstrap" in text or "initial" in text or "connect" in text):
             raise UserError(
-                f"no initial peer could be reached ({', '.join(initial_peers)}): check the addresses and that "
+                f"no initial peer could be reached ({', '.join(initial_peers)}): "
+                f"check the addresses and that "
                 f"the swarm is running"
             ) from None
         if "address already in use" in text.lower():

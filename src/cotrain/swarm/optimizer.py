@@ -99,7 +99,9 @@ def load_state_bounded(opt: hivemind.Optimizer, timeout: float, should_stop: Cal
         while not should_stop():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                logger.warning(f"Could not load the swarm's state within {timeout:.0f} s; continuing from local state")
+                logger.warning(
+                    f"Could not load the swarm's state within {timeout:.0f} s; continuing from local state"
+                )
                 return False
             try:
                 opt.state_averager.load_state_from_peers(timeout=min(remaining, opt.load_state_timeout))

@@ -1,7 +1,9 @@
 """Signed, schema-validated metrics records that peers publish to the DHT under ``{run_id}_metrics``.
 
-Each peer writes one subkey, its own RSA public key; hivemind's ``RSASignatureValidator`` refuses a record whose
-subkey names another peer's key, and ``SchemaValidator`` refuses values outside the schema (negative, NaN, absurd).
+Each peer writes one subkey, its own RSA public key; hivemind's ``RSASignatureValidator`` refuses a
+record whose
+subkey names another peer's key, and ``SchemaValidator`` refuses values outside the schema (negative,
+NaN, absurd).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ class LocalMetrics(BaseModel):
     samples_accumulated: conint(ge=0, le=10**9, strict=True)
     loss: confloat(ge=0.0, le=1e7, strict=True)  # sum over mini_steps, as in the seed recipe
     mini_steps: conint(ge=0, le=10**7, strict=True)
-    group_size: conint(ge=1, le=100_000, strict=True)  # peers in the last gradient-averaging group, self included
+    group_size: conint(
+        ge=1, le=100_000, strict=True
+    )  # peers in the last gradient-averaging group, self included
     client_mode: StrictBool = False
     time: confloat(ge=0.0, strict=True) = 0.0
 
@@ -42,7 +46,7 @@ def metrics_key(run_id: str) -> str:
 
 
 def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
-    """The record validators every peer of a run installs, and this process's public key (the subkey to write)."""
+    """The record validators every peer of a run installs, and this process's public key (its subkey)."""
     signature_validator = RSASignatureValidator()
     validators = [SchemaValidator(MetricsSchema, prefix=run_id), signature_validator]
     return validators, signature_validator.local_public_key
@@ -62,7 +66,9 @@ def read_metrics(dht: Any, run_id: str) -> dict[bytes, LocalMetrics]:
     return out
 
 
-def publish_metrics(dht: Any, run_id: str, public_key: bytes, metrics: LocalMetrics, expiration: float) -> None:
+def publish_metrics(
+    dht: Any, run_id: str, public_key: bytes, metrics: LocalMetrics, expiration: float
+) -> None:
     from hivemind.utils import get_dht_time
 
     dht.store(

@@ -1,0 +1,181 @@
+"""Shared fixtures: real peers as processes on 127.0.0.1, and a guard that no test peer listens elsewhere."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+# timeouts shrunk so that a multi-peer run takes seconds on 2 loaded cores
+FAST = [
+    "--matchmaking-time",
+    "2",
+    "--averaging-timeout",
+    "10",
+    "--torch-threads",
+    "1",
+    "--startup-timeout",
+    "30",
+]
+
+
+def _is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class NetworkGuard(threading.Thread):
+    """Watches every process this test session started and records any socket listening off loopback."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.violations: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        me = psutil.Process()
+        while not self.stop.wait(0.5):
+            for proc in me.children(recursive=True):
+                try:
+                    conns = proc.net_connections(kind="inet")
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+                for c in conns:
+                    if c.status == psutil.CONN_LISTEN and not _is_loopback(c.laddr.ip):
+                        self.violations.append(
+                            f"{proc.name()} (pid {proc.pid}) listens on {c.laddr.ip}:{c.laddr.port}"
+                        )
+
+
+@pytest.fixture(autouse=True)
+def network_guard():
+    """Fails any test whose peers listen on an address other than 127.0.0.1."""
+    guard = NetworkGuard()
+    guard.start()
+    yield guard
+    guard.stop.set()
+    guard.join(timeout=5)
+    assert not guard.violations, f"a test peer listened off loopback: {sorted(set(guard.violations))}"
+
+
+def check_announced(maddrs: list[str]) -> None:
+    for addr in maddrs:
+        ip = addr.split("/")[2]
+        assert _is_loopback(ip), f"a test peer announced a non-loopback address: {addr}"
+
+
+def cotrain_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+
+
+class Role:
+    """A `cotrain` role started as a user would start it: in its own process group, like a terminal job."""
+
+    def __init__(self, args: list[str], log: Path):
+        if args[0] in ("train", "monitor"):
+            assert "--host-maddrs" in args and LOCALHOST in args, "test peers must listen on 127.0.0.1 only"
+        self.args = args
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cotrain", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=cotrain_env(),
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+
+    def tree(self) -> list[int]:
+        """PIDs of the supervisor, its worker and everything in the worker's process group."""
+        pids = {self.pid}
+        try:
+            for child in psutil.Process(self.pid).children(recursive=True):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) in pids:
+                    pids.add(p.pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return sorted(pids)
+
+    def text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def signal_group(self, sig: int) -> None:
+        os.killpg(self.pid, sig)
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+        self._log.close()
+
+    def kill_all(self) -> None:
+        for pid in self.tree():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=10)
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    """A small prepared dataset (built-in corpus, sequence length 128) shared by the multi-peer tests."""
+    from cotrain.data import prepare_from_source
+
+    out = tmp_path_factory.mktemp("data") / "demo"
+    prepare_from_source(
+        demo=True,
+        text_files=None,
+        out_dir=out,
+        max_length=128,
+        seed=0,
+        tokenizer_path=None,
+        vocab_size=4000,
+        progress=False,
+    )
+    return out

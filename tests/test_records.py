@@ -1,0 +1,87 @@
+"""Signed metrics records: a peer cannot write another's record, and out-of-schema values are refused."""
+
+import math
+
+import hivemind
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from cotrain.roles.monitor import aggregate
+from cotrain.swarm.records import LocalMetrics, MetricsSchema, metrics_key, read_metrics
+
+LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def good(**kw) -> dict:
+    fields = dict(
+        step=3, samples_per_second=10.0, samples_accumulated=64, loss=20.0, mini_steps=8, group_size=2
+    )
+    return LocalMetrics(**{**fields, **kw}).dict()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"loss": -1.0},
+        {"loss": math.nan},
+        {"loss": math.inf},
+        {"samples_per_second": 1e12},
+        {"step": -1},
+        {"samples_accumulated": "many"},
+        {"group_size": 0},
+        {"samples_per_second": math.nan},
+    ],
+)
+def test_out_of_schema_values_are_refused(bad):
+    with pytest.raises(ValueError):
+        LocalMetrics(**{**good(), **bad})
+
+
+def test_aggregate_follows_the_seed_recipe():
+    records = {
+        b"a": LocalMetrics(**good(loss=16.0, mini_steps=8)),
+        b"b": LocalMetrics(**good(loss=8.0, mini_steps=8)),
+    }
+    line = aggregate(3, records)
+    assert line["loss"] == pytest.approx(1.5) and line["alive_peers"] == 2 and line["samples"] == 128
+    assert line["max_group_size"] == 2
+
+
+def _validators(run_id: str, key: RSAPrivateKey):
+    signer = RSASignatureValidator(key)
+    return [SchemaValidator(MetricsSchema, prefix=run_id), signer], signer.local_public_key
+
+
+@pytest.mark.timeout(60)
+def test_live_dht_refuses_forged_and_out_of_schema_records():
+    run_id = "records-test"
+    v1, key1 = _validators(run_id, RSAPrivateKey())
+    v2, key2 = _validators(run_id, RSAPrivateKey())
+    dht1 = hivemind.DHT(host_maddrs=LOCALHOST, record_validators=v1, nat_port_map=False, start=True)
+    dht2 = hivemind.DHT(
+        initial_peers=[str(a) for a in dht1.get_visible_maddrs()],
+        host_maddrs=LOCALHOST,
+        record_validators=v2,
+        nat_port_map=False,
+        start=True,
+    )
+    try:
+        expiration = get_dht_time() + 60
+        key = metrics_key(run_id)
+        # peer 2 writes its own record: accepted
+        assert dht2.store(key, good(step=5), expiration, subkey=key2)
+        # peer 2 tries to write under peer 1's key (a forgery): refused
+        assert not dht2.store(key, good(step=99, loss=0.0), expiration, subkey=key1)
+        # an absurd value, even under its own key: refused by the schema
+        bad = {**good(), "samples_per_second": 1e12}
+        assert not dht2.store(key, bad, expiration, subkey=key2)
+        # an unsigned subkey: refused
+        assert not dht2.store(key, good(), expiration, subkey=b"anyone")
+        seen = read_metrics(dht1, run_id)
+        assert list(seen) == [key2] and seen[key2].step == 5
+    finally:
+        dht2.shutdown()
+        dht1.shutdown()
