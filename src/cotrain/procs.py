@@ -49,7 +49,7 @@ def supervise(argv: list[str]) -> int:
                 proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        else:  # a second Ctrl+C: stop now
+        elif signum == signal.SIGINT:  # a second Ctrl+C: stop now
             kill_group(proc.pid)
 
     signal.signal(signal.SIGINT, on_signal)

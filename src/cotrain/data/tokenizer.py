@@ -1,0 +1,152 @@
+"""An ALBERT-style SentencePiece Unigram tokenizer: train, save, load and fingerprint it.
+
+The layout matches ``albert-base-v2``: ids 0-4 are ``<pad> <unk> [CLS] [SEP] [MASK]``, text is NFKC
+normalized and lowercased, words get a ``▁`` prefix (Metaspace), and pairs are encoded as
+``[CLS] A [SEP] B [SEP]`` with token type 1 on ``B [SEP]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from cotrain.data.errors import DataError
+from cotrain.data.fsutil import replace_dir, temp_dir_beside
+
+logger = logging.getLogger(__name__)
+
+PAD, UNK, CLS, SEP, MASK = "<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"
+SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4, in this order
+MODEL_MAX_LENGTH = 1_000_000
+METASPACE = "▁"
+
+
+def _build_backend(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Lowercase(), normalizers.Replace(Regex(" {2,}"), " ")]
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement=METASPACE)]
+    )
+    tokenizer.decoder = decoders.Metaspace(replacement=METASPACE)
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        unk_token=UNK,
+        max_piece_length=16,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
+    if ids != list(range(len(SPECIAL_TOKENS))):
+        raise RuntimeError(f"special tokens got ids {ids}, expected 0..4")
+    cls_id, sep_id = ids[2], ids[3]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{CLS} $A {SEP}",
+        pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
+        special_tokens=[(CLS, cls_id), (SEP, sep_id)],
+    )
+    return tokenizer
+
+
+def _wrap(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token=UNK,
+        pad_token=PAD,
+        cls_token=CLS,
+        sep_token=SEP,
+        mask_token=MASK,
+        bos_token=CLS,
+        eos_token=SEP,
+        model_max_length=MODEL_MAX_LENGTH,
+        padding_side="right",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> None:
+    """``save_pretrained`` into a temporary folder beside ``out_dir``, then rename it into place
+    (an existing ``out_dir`` is replaced only once the new one is complete)."""
+    out_dir = Path(out_dir)
+    tmp = temp_dir_beside(out_dir)
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def train_albert_tokenizer(
+    texts: Iterable[str], vocab_size: int, out_dir: str | Path
+) -> PreTrainedTokenizerFast:
+    """Train a Unigram (SentencePiece-style) tokenizer with ALBERT's special tokens on ``texts`` and
+    save it to ``out_dir`` atomically. ``vocab_size`` includes the 5 special tokens; on a small
+    corpus the trainer may stop below it."""
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise DataError(f"vocab_size must be larger than {len(SPECIAL_TOKENS)}, got {vocab_size}")
+    backend = _build_backend(vocab_size, texts)
+    if backend.get_vocab_size() <= len(SPECIAL_TOKENS):
+        raise DataError("tokenizer training saw no text: the corpus is empty")
+    tokenizer = _wrap(backend)
+    save_tokenizer(tokenizer, out_dir)
+    logger.info("trained a Unigram tokenizer with %d tokens into %s", len(tokenizer), out_dir)
+    return tokenizer
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerFast, where: str) -> None:
+    """DataError unless the tokenizer is a fast one with the tokens ALBERT training needs."""
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise DataError(f"tokenizer at {where} is not a fast (tokenizers) tokenizer; retrain it")
+    missing = [
+        name
+        for name in ("mask_token", "cls_token", "sep_token", "pad_token")
+        if getattr(tokenizer, name, None) is None or getattr(tokenizer, f"{name}_id", None) is None
+    ]
+    if missing:
+        raise DataError(
+            f"tokenizer at {where} lacks {', '.join(missing)}: ALBERT needs [MASK], [CLS], [SEP] and a "
+            "pad token; train one with `cotrain prepare` (without --tokenizer)"
+        )
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a tokenizer saved with ``save_pretrained`` from a local folder, checking that it has
+    [MASK], [CLS], [SEP] and a pad token."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"no tokenizer at {path}: give a folder written by save_pretrained")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # tokenizers raises bare Exceptions for corrupt files
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"cannot load tokenizer at {path} ({type(e).__name__}: {detail}); is it corrupt? "
+            "prepare again without --tokenizer to train a new one"
+        ) from None
+    check_tokenizer(tokenizer, str(path))
+    return tokenizer
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerFast) -> str:
+    """sha256 of the tokenizer's content (model, normalizer, pre-/post-processor, decoder, added
+    tokens and the special-token roles), independent of where it is stored and of transient
+    truncation/padding settings."""
+    content = json.loads(tokenizer.backend_tokenizer.to_str())
+    content.pop("truncation", None)
+    content.pop("padding", None)
+    canonical = {
+        "backend": content,
+        "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+    }
+    blob = json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()

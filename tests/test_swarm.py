@@ -1,0 +1,172 @@
+"""A real swarm on 127.0.0.1: a monitor and two trainers as processes, shared by the tests that observe it.
+
+The last tests of this module stop the roles in the three ways a user or the system does (SIGTERM to the main
+process, Ctrl+C to the whole terminal group, SIGKILL of the main process) and check that nothing is left.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from conftest import FAST, LOCALHOST, Role, alive, check_announced, wait_until
+
+pytestmark = [pytest.mark.slow]
+
+STEPS = 6
+
+
+def read_rows(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def trainer_steps(role: Role) -> list[tuple[int, float, int]]:
+    """(step, mean loss, group size) from a trainer's per-step log lines."""
+    out = []
+    for line in role.text().splitlines():
+        if "] step " in line or "[INFO] step " in line:
+            parts = line.split("|")
+            step = int(parts[0].split("step")[-1])
+            loss = float(parts[1].split()[1])
+            group = int(parts[2].split("with")[1].split()[0])
+            out.append((step, loss, group))
+    return out
+
+
+@pytest.fixture(scope="module")
+def swarm(demo_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("swarm")
+    common = ["--preset", "albert-tiny", "--run-id", "swarm-test", "--host-maddrs", LOCALHOST, *FAST]
+    monitor = Role(
+        ["monitor", *common, "--output-dir", str(out / "monitor"), "--refresh-period", "0.5"],
+        out / "monitor.log",
+    )
+    roles = {"monitor": monitor}
+    try:
+        peers_file = out / "monitor" / "initial_peers.txt"
+        wait_until(peers_file.exists, 60, what="the monitor's address")
+        initial = peers_file.read_text().split()
+        check_announced(initial)
+        for i in range(2):
+            roles[f"trainer{i}"] = Role(
+                [
+                    "train",
+                    *common,
+                    "--initial-peers",
+                    *initial,
+                    "--dataset-path",
+                    str(demo_data),
+                    "--seed",
+                    str(i + 1),
+                    "--per-device-train-batch-size",
+                    "8",
+                    "--output-dir",
+                    str(out / f"t{i}"),
+                    "--statistics-expiration",
+                    "20",
+                ],
+                out / f"trainer{i}.log",
+            )
+        metrics = out / "monitor" / "metrics.jsonl"
+
+        def done():
+            rows = read_rows(metrics)
+            return (
+                rows
+                and max(r["step"] for r in rows) >= STEPS
+                and all(len(trainer_steps(roles[f"trainer{i}"])) >= 3 for i in range(2))
+            )
+
+        wait_until(done, 240, what=f"{STEPS} global steps")
+        yield {"out": out, "roles": roles, "metrics": metrics, "initial": initial}
+    finally:
+        for role in roles.values():
+            if role.proc.poll() is None:
+                role.kill_all()
+
+
+@pytest.mark.timeout(300)
+def test_trainers_reach_the_same_global_step(swarm):
+    t0, t1 = (trainer_steps(swarm["roles"][f"trainer{i}"]) for i in range(2))
+    common = {s for s, _, _ in t0} & {s for s, _, _ in t1}
+    assert len(common) >= 2, (t0, t1)
+
+
+def test_a_group_of_two_formed(swarm):
+    groups = [g for i in range(2) for _, _, g in trainer_steps(swarm["roles"][f"trainer{i}"])]
+    assert max(groups) == 2, groups
+    rows = read_rows(swarm["metrics"])
+    assert max(r["max_group_size"] for r in rows) == 2
+
+
+def test_monitor_logs_each_step_and_loss_falls(swarm):
+    rows = [r for r in read_rows(swarm["metrics"]) if r["loss"] is not None]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert max(r["alive_peers"] for r in rows) == 2
+    first = sum(r["loss"] for r in rows[:2]) / 2
+    last = sum(r["loss"] for r in rows[-2:]) / 2
+    assert last < first, rows
+    for key in ("samples", "samples_per_second", "alive_peers"):
+        assert all(r[key] > 0 for r in rows)
+
+
+def test_samples_per_step_match_the_target(swarm):
+    """Each global step consumes about target_batch_size samples across the swarm (1.0-1.3x)."""
+    rows = [r for r in read_rows(swarm["metrics"]) if r["alive_peers"] == 2]
+    pairs = [(a, b) for a, b in zip(rows, rows[1:], strict=False) if b["step"] == a["step"] + 1]
+    assert pairs, rows
+    per_step = [b["samples"] - a["samples"] for a, b in pairs]
+    assert all(0.9 * 64 <= s <= 1.3 * 64 for s in per_step), per_step
+
+
+def test_no_traceback_in_logs(swarm):
+    for name, role in swarm["roles"].items():
+        assert "Traceback" not in role.text(), name
+
+
+def _assert_gone(pids: list[int], within: float) -> None:
+    deadline = time.monotonic() + within
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not alive(pids), f"processes left: {alive(pids)}"
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_a_trainer_in_order(swarm):
+    role = swarm["roles"]["trainer0"]
+    pids = role.tree()
+    assert len(pids) >= 3, pids  # supervisor, worker, hivemind's processes
+    t = time.monotonic()
+    role.proc.send_signal(signal.SIGTERM)
+    role.proc.wait(timeout=15)
+    _assert_gone(pids, 15 - (time.monotonic() - t))
+    assert role.proc.returncode == 0
+    text = role.text()
+    assert "Stopping (SIGTERM)" in text and "Traceback" not in text
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_the_main_process_leaves_nothing(swarm):
+    role = swarm["roles"]["trainer1"]
+    pids = role.tree()
+    assert len(pids) >= 3, pids
+    role.proc.send_signal(signal.SIGKILL)
+    role.proc.wait(timeout=5)
+    _assert_gone(pids, 15)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_to_the_terminal_group_stops_the_monitor(swarm):
+    role = swarm["roles"]["monitor"]
+    pids = role.tree()
+    t = time.monotonic()
+    role.signal_group(signal.SIGINT)  # what a terminal does on Ctrl+C
+    role.proc.wait(timeout=15)
+    _assert_gone(pids, 15 - (time.monotonic() - t))
+    assert "Traceback" not in role.text()
