@@ -30,10 +30,17 @@ class ConfigError(UserError):
 
 
 def opt(
-    default: Any, doc: str, *, flags: tuple[str, ...] = (), roles: tuple[str, ...] = ROLES_ALL, **kw: Any
+    default: Any,
+    doc: str,
+    *,
+    flags: tuple[str, ...] = (),
+    roles: tuple[str, ...] = ROLES_ALL,
+    seed: str = "",
+    **kw: Any,
 ):
-    """A dataclass field carrying its doc line, extra CLI spellings and the roles that accept it."""
-    meta = {"doc": doc, "flags": flags, "roles": roles}
+    """A dataclass field carrying its doc line, extra CLI spellings, the roles that accept it and, when the
+    original recipe had it, the original flag's spelling (``seed``)."""
+    meta = {"doc": doc, "flags": flags, "roles": roles, "seed": seed}
     if isinstance(default, list | dict):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -47,6 +54,7 @@ class RunConfig:
         "cotrain",
         "Name of the training run; peers with the same run id train together (no dots).",
         flags=("--experiment-prefix",),
+        seed="--experiment_prefix",
     )
     preset: str = opt(
         "albert-large-v2",
@@ -63,27 +71,39 @@ class RunConfig:
         "Sequence length of the training examples (tokens).",
         flags=("--seq-length",),
         roles=ROLES_ALL + ("prepare",),
+        seed="--seq_length",
     )
     mlm_probability: float = opt(0.15, "Fraction of tokens masked for the masked-LM objective.")
     target_batch_size: int = opt(
-        4096, "Samples the whole swarm accumulates before each global optimizer step."
+        4096,
+        "Samples the whole swarm accumulates before each global optimizer step.",
+        seed="--target_batch_size",
     )
     optimizer: str = opt("lamb", "Optimizer: lamb (the seed recipe) or adamw.")
-    learning_rate: float = opt(0.00176, "Peak learning rate.")
-    adam_beta1: float = opt(0.9, "First-moment decay of LAMB/Adam.")
-    adam_beta2: float = opt(0.999, "Second-moment decay of LAMB/Adam.")
-    adam_epsilon: float = opt(1e-6, "Epsilon of LAMB/Adam.")
-    weight_decay: float = opt(0.01, "Weight decay (none on biases and LayerNorm weights).")
-    clamp_value: float = opt(10000.0, "LAMB's clamp on the weight norm.")
-    max_grad_norm: float = opt(1.0, "Clip each micro-batch's gradient norm to this value (0 disables).")
-    warmup_steps: int = opt(5000, "Global steps of linear learning-rate warmup.")
-    total_steps: int = opt(125000, "Global steps of the whole schedule (linear decay to zero).")
+    learning_rate: float = opt(0.00176, "Peak learning rate.", seed="--learning_rate")
+    adam_beta1: float = opt(0.9, "First-moment decay of LAMB/Adam.", seed="--adam_beta1")
+    adam_beta2: float = opt(0.999, "Second-moment decay of LAMB/Adam.", seed="--adam_beta2")
+    adam_epsilon: float = opt(1e-6, "Epsilon of LAMB/Adam.", seed="--adam_epsilon")
+    weight_decay: float = opt(
+        0.01, "Weight decay (none on biases and LayerNorm weights).", seed="--weight_decay"
+    )
+    clamp_value: float = opt(10000.0, "LAMB's clamp on the weight norm.", seed="--clamp_value")
+    max_grad_norm: float = opt(
+        1.0, "Clip each micro-batch's gradient norm to this value (0 disables).", seed="--max_grad_norm"
+    )
+    warmup_steps: int = opt(5000, "Global steps of linear learning-rate warmup.", seed="--warmup_steps")
+    total_steps: int = opt(
+        125000, "Global steps of the whole schedule (linear decay to zero).", seed="--total_steps"
+    )
     matchmaking_time: float = opt(
         5.0,
         "Seconds a peer waits for others to form an averaging group.",
         flags=("--averaging-expiration",),
+        seed="--averaging_expiration",
     )
-    averaging_timeout: float = opt(60.0, "Seconds before an averaging round is given up.")
+    averaging_timeout: float = opt(
+        60.0, "Seconds before an averaging round is given up.", seed="--averaging_timeout"
+    )
     grad_compression: str = opt("fp16", "Compression of gradients and parameters on the wire: fp16 or none.")
 
 
@@ -95,64 +115,94 @@ class PeerConfig:
         [],
         "Multiaddrs of peers already in the swarm (a monitor or any trainer); several for redundancy.",
         roles=("train", "monitor", "status", "eval"),
+        seed="--initial_peers",
     )
     host_maddrs: list = opt(
         ["/ip4/0.0.0.0/tcp/0"],
         "Multiaddrs to listen on (default: all interfaces, a free port).",
         roles=("train", "monitor", "eval"),
+        seed="--host_maddrs",
     )
     announce_maddrs: list = opt(
         [],
         "Multiaddrs other peers should use to reach this one (e.g. a public IP or /dns4/ name).",
         roles=("train", "monitor", "eval"),
+        seed="--announce_maddrs",
     )
     identity_path: str = opt(
         "",
         "File holding this peer's private key: the same file gives the same peer id across restarts.",
         roles=("train", "monitor", "eval"),
+        seed="--identity_path",
     )
     client_mode: bool = opt(
         False,
         "Do not accept incoming connections (behind NAT/firewall): train and average through other peers.",
         roles=("train", "eval"),
+        seed="--client_mode",
     )
-    use_ipfs: bool = opt(False, "Bootstrap through the public IPFS network.", roles=("train", "monitor"))
+    use_ipfs: bool = opt(
+        False, "Bootstrap through the public IPFS network.", roles=("train", "monitor"), seed="--use_ipfs"
+    )
     nat_port_map: bool = opt(
         False,
         "Ask the router for a port mapping (UPnP/NAT-PMP); off unless asked.",
         roles=("train", "monitor"),
     )
-    dataset_path: str = opt("", "Folder made by `cotrain prepare`.", roles=("train", "eval"))
-    output_dir: str = opt("outputs", "Folder for this peer's logs, metrics and checkpoints.")
+    dataset_path: str = opt(
+        "", "Folder made by `cotrain prepare`.", roles=("train", "eval"), seed="--dataset_path"
+    )
+    output_dir: str = opt(
+        "outputs", "Folder for this peer's logs, metrics and checkpoints.", seed="--output_dir"
+    )
     per_device_train_batch_size: int = opt(
-        4, "Samples per micro-batch on this peer.", roles=("train", "demo")
+        4,
+        "Samples per micro-batch on this peer.",
+        roles=("train", "demo"),
+        seed="--per_device_train_batch_size",
     )
     gradient_accumulation_steps: int = opt(
-        1, "Micro-batches accumulated per optimizer.step call.", roles=("train", "demo")
+        1,
+        "Micro-batches accumulated per optimizer.step call.",
+        roles=("train", "demo"),
+        seed="--gradient_accumulation_steps",
     )
-    max_steps: int = opt(0, "Stop after this many global steps of the swarm (0: never).", roles=("train",))
+    max_steps: int = opt(
+        0, "Stop after this many global steps of the swarm (0: never).", roles=("train",), seed="--max_steps"
+    )
     seed: int = opt(
         0,
         "Seed of this peer's data order and masking (each peer should use its own).",
         roles=ROLES_ALL + ("prepare",),
+        seed="--seed",
     )
     torch_threads: int = opt(0, "CPU threads for torch on this peer (0: torch's default).")
     batch_size_lead: int = opt(
-        0, "Start averaging this many samples before the target batch is reached.", roles=("train",)
+        0,
+        "Start averaging this many samples before the target batch is reached.",
+        roles=("train",),
+        seed="--batch_size_lead",
     )
     bandwidth: float = opt(
         0.0,
         "This peer's network bandwidth in Mbit/s, to balance all-reduce load (0: unknown).",
         roles=("train",),
+        seed="--bandwidth",
     )
     statistics_expiration: float = opt(
-        600.0, "Seconds a published metrics record stays valid in the DHT.", roles=("train", "eval")
+        600.0,
+        "Seconds a published metrics record stays valid in the DHT.",
+        roles=("train", "eval"),
+        seed="--statistics_expiration",
     )
     load_state_timeout: float = opt(
         60.0, "Seconds to wait for the current model state from other peers when joining.", roles=("train",)
     )
     refresh_period: float = opt(
-        30.0, "Seconds between the monitor's reads of the swarm's metrics.", roles=("monitor", "status")
+        30.0,
+        "Seconds between the monitor's reads of the swarm's metrics.",
+        roles=("monitor", "status"),
+        seed="--refresh_period",
     )
     startup_timeout: float = opt(
         20.0,
