@@ -38,7 +38,7 @@ def test_ctrl_c_stops_the_whole_demo_within_15_seconds(tmp_path):
     role = Role(
         ["demo", "--peers", "2", "--steps", "1000", "--output-dir", str(tmp_path)], tmp_path / "demo.log"
     )
-    wait_until(lambda: "global step 1:" in role.text(), 240, what="the demo's first global step")
+    wait_until(lambda: "[demo] global step " in role.text(), 240, what="the demo's first global step")
     pids = role.tree()
     assert len(pids) >= 9, pids  # demo, 3 supervisors, 3 workers, their DHT processes and daemons
     t = time.monotonic()

@@ -83,7 +83,14 @@ def swarm(demo_data, tmp_path_factory):
             )
 
         wait_until(done, 240, what=f"{STEPS} global steps")
-        yield {"out": out, "roles": roles, "metrics": metrics, "initial": initial}
+        yield {
+            "out": out,
+            "roles": roles,
+            "metrics": metrics,
+            "initial": initial,
+            "common": common,
+            "data": demo_data,
+        }
     finally:
         for role in roles.values():
             if role.proc.poll() is None:
@@ -117,12 +124,47 @@ def test_monitor_logs_each_step_and_loss_falls(swarm):
 
 
 def test_samples_per_step_match_the_target(swarm):
-    """Each global step consumes about target_batch_size samples across the swarm (1.0-1.3x)."""
+    """Each global step consumes about target_batch_size samples across the swarm: 1.0-1.3x on average
+    (one extra micro-batch of 8 per peer is 1.25x of 64; single steps are noisy because records are read
+    at slightly different times)."""
     rows = [r for r in read_rows(swarm["metrics"]) if r["alive_peers"] == 2]
-    pairs = [(a, b) for a, b in zip(rows, rows[1:], strict=False) if b["step"] == a["step"] + 1]
-    assert pairs, rows
-    per_step = [b["samples"] - a["samples"] for a, b in pairs]
-    assert all(0.9 * 64 <= s <= 1.3 * 64 for s in per_step), per_step
+    assert len(rows) >= 3, rows
+    first, last = rows[0], rows[-1]
+    per_step = (last["samples"] - first["samples"]) / (last["step"] - first["step"])
+    assert 1.0 * 64 <= per_step <= 1.3 * 64, rows
+
+
+@pytest.mark.timeout(120)
+def test_a_late_joiner_loads_the_swarms_state(swarm):
+    out = swarm["out"]
+    role = Role(
+        [
+            "train",
+            *swarm["common"],
+            "--initial-peers",
+            *swarm["initial"],
+            "--dataset-path",
+            str(swarm["data"]),
+            "--seed",
+            "3",
+            "--per-device-train-batch-size",
+            "8",
+            "--output-dir",
+            str(out / "t2"),
+        ],
+        out / "trainer2.log",
+    )
+    swarm["roles"]["trainer2"] = role
+    text = wait_until(
+        lambda: "Starting from global step" in role.text() and role.text(),
+        90,
+        what="the late joiner to load the swarm's state",
+    )
+    assert "loading its current state" in text
+    start = int(text.split("Starting from global step")[1].split()[0])
+    assert start >= STEPS - 1, text
+    steps = wait_until(lambda: trainer_steps(role), 60, what="the late joiner's first global step")
+    assert steps[0][0] > start
 
 
 def test_no_traceback_in_logs(swarm):

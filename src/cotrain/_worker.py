@@ -12,11 +12,11 @@ from cotrain.procs import StopSignals
 
 
 class OneLineErrors(logging.Filter):
-    """hivemind logs expected network failures (a peer left, no group found) with full tracebacks;
-    show them as one line unless --verbose."""
+    """hivemind logs expected network failures (a peer left, no group found) and some of its own races
+    (through asyncio's logger) with full tracebacks; show them as one line unless --verbose."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.name.startswith("hivemind"):
+        if record.exc_info and record.name.startswith(("hivemind", "asyncio")):
             exc = record.exc_info[1]
             record.msg = (
                 f"{record.getMessage()} ({type(exc).__name__}: {exc})" if exc else record.getMessage()

@@ -74,6 +74,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.pid = os.getpid()
         self._deadline_started = False
         supervisor = os.environ.get(SUPERVISOR_ENV)
         self.supervisor_pid = int(supervisor) if supervisor else None
@@ -96,6 +97,12 @@ class StopSignals:
             timer.start()
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self.pid:
+            # a process hivemind forked from the worker inherited this handler: behave as if it had none,
+            # so that hivemind's own terminate() works
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.request_stop(signal.Signals(signum).name)
 
     def _watch_supervisor(self) -> None:
