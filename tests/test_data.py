@@ -197,8 +197,8 @@ def test_load_prepared_reports_missing_parts(prepared: tuple[Path, dict], tmp_pa
         load_prepared(tmp_path / "no_manifest")
     broken = tmp_path / "broken"
     shutil.copytree(prepared[0], broken)
-    shutil.rmtree(broken / "examples")
-    with pytest.raises(DataError, match="examples"):
+    shutil.rmtree(broken / "validation")
+    with pytest.raises(DataError, match="lacks shard validation/00000.parquet"):
         load_prepared(broken)
 
 
@@ -316,10 +316,10 @@ def test_document_split_is_a_function_of_the_text() -> None:
 
 def test_prepare_writes_manifest_and_loads_back(prepared: tuple[Path, dict], wiki_docs: list[str]) -> None:
     out, manifest = prepared
-    assert sorted(p.name for p in out.iterdir()) == ["examples", "manifest.json", "tokenizer"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "tokenizer", "train", "validation"]
     assert [p.name for p in out.parent.iterdir()] == ["data"]  # no temp folders beside it
     assert json.loads((out / "manifest.json").read_text()) == manifest == read_manifest(out)
-    assert manifest["objective"] == "sop+mlm" and manifest["format_version"] == 1
+    assert manifest["objective"] == "sop+mlm" and manifest["format_version"] == 2
     assert (manifest["max_length"], manifest["seed"]) == (MAX_LENGTH, 3)
     assert manifest["num_examples"]["train"] > 100 and manifest["num_examples"]["validation"] > 5
     assert sum(manifest["num_documents"].values()) == 200

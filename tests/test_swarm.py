@@ -7,12 +7,15 @@ process, Ctrl+C to the whole terminal group, SIGKILL of the main process) and ch
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import time
+import urllib.request
 
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, alive, check_announced, wait_until
+from conftest import FAST, LOCALHOST, REPO, Role, alive, check_announced, wait_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -43,7 +46,16 @@ def swarm(demo_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("swarm")
     common = ["--preset", "albert-tiny", "--run-id", "swarm-test", "--host-maddrs", LOCALHOST, *FAST]
     monitor = Role(
-        ["monitor", *common, "--output-dir", str(out / "monitor"), "--refresh-period", "0.5"],
+        [
+            "monitor",
+            *common,
+            "--output-dir",
+            str(out / "monitor"),
+            "--refresh-period",
+            "0.5",
+            "--dashboard-port",
+            "0",
+        ],
         out / "monitor.log",
     )
     roles = {"monitor": monitor}
@@ -90,6 +102,7 @@ def swarm(demo_data, tmp_path_factory):
             "initial": initial,
             "common": common,
             "data": demo_data,
+            "dashboard": (out / "monitor" / "dashboard_url.txt").read_text().strip(),
         }
     finally:
         for role in roles.values():
@@ -132,6 +145,110 @@ def test_samples_per_step_match_the_target(swarm):
     first, last = rows[0], rows[-1]
     per_step = (last["samples"] - first["samples"]) / (last["step"] - first["step"])
     assert 1.0 * 64 <= per_step <= 1.3 * 64, rows
+
+
+def trainer_ids(swarm) -> set[str]:
+    ids = set()
+    for i in range(2):
+        text = swarm["roles"][f"trainer{i}"].text()
+        ids.add(text.split("Trainer ", 1)[1].split()[0])
+    return ids
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.mark.timeout(180)
+def test_the_dashboard_shows_the_swarm_in_chromium(swarm, tmp_path):
+    """Headless Chromium opens the monitor's dashboard: the loss chart fills, both trainers are listed."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium); .ci/run installs it")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (the dev extra)"
+    )
+    url = swarm["dashboard"]
+    assert url.startswith("http://127.0.0.1:"), url
+    ids = trainer_ids(swarm)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(url, timeout=30_000)
+            page.wait_for_function(
+                "Number(document.querySelector('#chart-loss-step').dataset.points || 0) >= 3",
+                timeout=60_000,
+            )
+            page.wait_for_function(
+                "document.querySelectorAll('#peers-table tbody tr').length >= 2", timeout=60_000
+            )
+            listed = set(
+                page.eval_on_selector_all("#peers-table tbody tr", "rows => rows.map(r => r.dataset.peerId)")
+            )
+            assert ids <= listed, (ids, listed)
+            assert page.locator("#chart-loss-step svg circle").count() >= 3
+            assert "cotrain train --run-id swarm-test" in page.inner_text("#join-command")
+            assert "of 64 samples" in page.inner_text("#progress-text")
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("COTRAIN_DOCS_SCREENSHOT"):  # refresh the picture in docs/dashboard.md
+        shutil.copy(shot, REPO / "docs" / "dashboard.png")
+
+
+def test_prometheus_endpoint_of_the_live_monitor_parses(swarm):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(swarm["dashboard"] + "metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["cotrain_global_step"] >= STEPS
+    assert values["cotrain_alive_peers"] == 2
+    assert values["cotrain_target_batch_size"] == 64
+    assert values["cotrain_loss"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_status_json_reports_both_trainers_and_the_step(swarm, tmp_path):
+    before = max(r["step"] for r in read_rows(swarm["metrics"]))
+    role = Role(
+        [
+            "status",
+            "--preset",
+            "albert-tiny",
+            "--run-id",
+            "swarm-test",
+            "--initial-peers",
+            *swarm["initial"],
+            "--host-maddrs",
+            LOCALHOST,
+            "--json",
+        ],
+        tmp_path / "status.log",
+    )
+    role.proc.wait(timeout=90)
+    pids = role.tree()
+    text = role.text()
+    assert role.proc.returncode == 0, text
+    state = json.loads(text.strip().splitlines()[-1])
+    after = max(r["step"] for r in read_rows(swarm["metrics"]))  # the swarm trains on meanwhile
+    assert state["run_id"] == "swarm-test"
+    assert state["num_peers"] == 2, state
+    assert {p["peer_id"] for p in state["peers"]} == trainer_ids(swarm)
+    assert before <= state["global_step"] <= after + 1, (before, after, state)
+    assert state["target_batch_size"] == 64 and state["samples_per_second"] > 0
+    assert not alive(pids), f"cotrain status left processes behind: {alive(pids)}"
 
 
 @pytest.mark.timeout(120)

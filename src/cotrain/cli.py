@@ -19,6 +19,7 @@ DESCRIPTIONS = {
     "monitor": "Start the swarm's first peer: welcome others, aggregate and log the swarm's metrics.",
     "demo": "Run a whole swarm on this machine (a monitor and N trainers on 127.0.0.1) and report.",
     "config": "Show the resolved configuration of a preset (and an optional TOML file).",
+    "status": "Show a running swarm's state (step, peers, progress, throughput, ETA) and exit.",
 }
 
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train language models collaboratively: volunteers' machines form a swarm with hivemind.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for role in ("prepare", "train", "monitor", "demo"):
+    for role in ("prepare", "train", "monitor", "demo", "status"):
         p = sub.add_parser(role, help=DESCRIPTIONS[role], description=DESCRIPTIONS[role])
         add_config_options(p, role)
     p = sub.add_parser("config", help=DESCRIPTIONS["config"], description=DESCRIPTIONS["config"])
@@ -101,20 +102,47 @@ def cmd_config(config: cfg.Config) -> int:
 def cmd_prepare(config: cfg.Config) -> int:
     import json
 
-    from cotrain.data import prepare_from_source
+    from cotrain.data import DataError, prepare_from_source
 
     p = config.prepare
+    if p.train_tokenizer and p.tokenizer:
+        raise DataError("give either --tokenizer or --train-tokenizer, not both")
     manifest = prepare_from_source(
         demo=p.demo_corpus,
         text_files=p.text_files or None,
+        dataset=p.dataset,
+        dataset_config=p.dataset_config,
+        dataset_split=p.dataset_split,
+        recipe_data=p.recipe_data,
         out_dir=p.output,
         max_length=config.run.max_seq_length,
         seed=config.peer.seed,
         tokenizer_path=p.tokenizer or None,
         vocab_size=p.vocab_size,
+        valid_fraction=p.valid_fraction,
+        objective=p.objective or config.run.objective,
+        tokenizer_type=p.tokenizer_type,
+        shard_size=p.shard_size,
+        num_proc=p.num_proc,
         progress=True,
     )
-    print(json.dumps({"event": "prepared", "path": p.output, **manifest}))
+    summary = {k: v for k, v in manifest.items() if k not in ("shards", "config", "tokenizer")}
+    summary["num_shards"] = {split: len(shards) for split, shards in manifest["shards"].items()}
+    print(json.dumps({"event": "prepared", "path": p.output, **summary}))
+    return 0
+
+
+def cmd_status(config: cfg.Config) -> int:
+    import json
+    import logging
+
+    from cotrain.status import describe, swarm_status
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("hivemind", "asyncio"):  # a short-lived client: its network chatter is not the answer
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    state = swarm_status(config)
+    print(json.dumps(state) if config.peer.json else describe(state), flush=True)
     return 0
 
 
@@ -127,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_config(config)
         if ns.command == "prepare":
             return cmd_prepare(config)
+        if ns.command == "status":
+            return cmd_status(config)
         if ns.command in ("train", "monitor"):
             from cotrain.procs import supervise
 

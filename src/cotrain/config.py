@@ -120,7 +120,7 @@ class PeerConfig:
     host_maddrs: list = opt(
         ["/ip4/0.0.0.0/tcp/0"],
         "Multiaddrs to listen on (default: all interfaces, a free port).",
-        roles=("train", "monitor", "eval"),
+        roles=("train", "monitor", "status", "eval"),
         seed="--host_maddrs",
     )
     announce_maddrs: list = opt(
@@ -151,6 +151,16 @@ class PeerConfig:
     )
     dataset_path: str = opt(
         "", "Folder made by `cotrain prepare`.", roles=("train", "eval"), seed="--dataset_path"
+    )
+    dataset_url: str = opt(
+        "",
+        "URL of a folder made by `cotrain prepare` on any HTTP(S) server; shards download as training goes.",
+        roles=("train", "eval"),
+    )
+    cache_dir: str = opt(
+        "",
+        "Where shards fetched from --dataset-url are cached (default: ~/.cache/cotrain/datasets).",
+        roles=("train", "eval"),
     )
     output_dir: str = opt(
         "outputs", "Folder for this peer's logs, metrics and checkpoints.", seed="--output_dir"
@@ -207,9 +217,29 @@ class PeerConfig:
     startup_timeout: float = opt(
         20.0,
         "Seconds to wait for the network layer to start and reach initial peers.",
-        roles=("train", "monitor"),
+        roles=("train", "monitor", "status"),
     )
     verbose: bool = opt(False, "Log hivemind's status lines at INFO instead of DEBUG.")
+    dashboard_port: int = opt(
+        8080,
+        "Port of the monitor's live web dashboard (0: any free port; -1: no dashboard).",
+        roles=("monitor", "demo"),
+    )
+    dashboard_host: str = opt(
+        "127.0.0.1",
+        "Address the dashboard listens on (0.0.0.0 exposes it to other machines).",
+        roles=("monitor", "demo"),
+    )
+    tensorboard_dir: str = opt(
+        "", "Also write the swarm's metrics as TensorBoard event files to this folder.", roles=("monitor",)
+    )
+    wandb_project: str = opt(
+        "",
+        "Also log the swarm's metrics to this Weights & Biases project (WANDB_MODE=offline works).",
+        roles=("monitor",),
+        seed="--wandb_project",
+    )
+    json: bool = opt(False, "Print the swarm's state as one JSON object.", roles=("status",))
 
 
 @dataclass
@@ -228,6 +258,32 @@ class PrepareConfig:
     )
     vocab_size: int = opt(8000, "Vocabulary size of a tokenizer trained here.", roles=("prepare", "demo"))
     valid_fraction: float = opt(0.02, "Fraction of documents held out for evaluation.", roles=("prepare",))
+    objective: str = opt(
+        "", "Examples to make: sop+mlm, mlm or clm (default: the preset's objective).", roles=("prepare",)
+    )
+    tokenizer_type: str = opt(
+        "",
+        "Tokenizer to train: unigram (ALBERT), wordpiece (BERT) or bpe (RoBERTa, GPT-2); "
+        "default: the objective's.",
+        roles=("prepare",),
+    )
+    train_tokenizer: bool = opt(
+        False, "Train a tokenizer on the corpus (the default without --tokenizer).", roles=("prepare",)
+    )
+    dataset: str = opt(
+        "",
+        "Hugging Face dataset name (needs a network) or a local folder of parquet/json/text files.",
+        roles=("prepare",),
+    )
+    dataset_config: str = opt("", "Configuration of --dataset (e.g. wikitext-103-v1).", roles=("prepare",))
+    dataset_split: str = opt("train", "Split of --dataset to read.", roles=("prepare",))
+    recipe_data: str = opt(
+        "",
+        "Data tokenized by the original recipe: a save_to_disk folder or .tar/.tar.gz, a path or a URL.",
+        roles=("prepare",),
+    )
+    shard_size: int = opt(10000, "Examples per shard of the prepared dataset.", roles=("prepare",))
+    num_proc: int = opt(1, "Worker processes that make examples.", roles=("prepare",))
 
 
 @dataclass
@@ -391,6 +447,8 @@ def validate(config: Config) -> list[str]:
         problems.append("valid_fraction must be in [0, 1) and vocab_size at least 100")
     if peer.refresh_period <= 0 or peer.statistics_expiration <= 0 or peer.load_state_timeout <= 0:
         problems.append("refresh_period, statistics_expiration and load_state_timeout must be positive")
+    if not -1 <= peer.dashboard_port <= 65535:
+        problems.append(f"dashboard_port must be -1 (off), 0 (a free port) or a port: {peer.dashboard_port}")
     return problems
 
 

@@ -95,12 +95,16 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _prepare_data(config: Config, data: Path) -> None:
-    from cotrain.data import prepare_from_source
+    from cotrain.data import DataError, prepare_from_source, read_manifest
 
-    manifest_path = data / "manifest.json"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("max_length") == config.run.max_seq_length and manifest.get("vocab_size"):
+    if (data / "manifest.json").exists():
+        try:
+            manifest = read_manifest(data)
+        except DataError:
+            manifest = {}  # another version's layout: prepare again
+        if manifest.get("max_length") == config.run.max_seq_length and manifest.get("vocab_size") == (
+            config.prepare.vocab_size
+        ):
             _say(f"using the demo dataset already prepared in {data}")
             return
     _say("preparing the built-in demo corpus (text that ships with Python) and training a tokenizer")
@@ -136,6 +140,18 @@ def summarize(rows: list[dict], peers: int, seconds: float) -> dict:
     }
 
 
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    try:
+        from cotrain.plots import plot_loss
+
+        if plot_loss(rows, path, title):
+            _say(f"loss curve: {path}")
+    except ImportError:
+        _say("no loss curve: matplotlib is not installed (pip install 'cotrain[plots]')")
+    except Exception as e:  # a picture never fails the demo
+        _say(f"no loss curve: {e!r}")
+
+
 def run_demo(config: Config) -> int:
     demo = config.demo
     root = Path(config.peer.output_dir) / "demo"
@@ -156,6 +172,10 @@ def run_demo(config: Config) -> int:
                 str(root / "monitor"),
                 "--refresh-period",
                 "1",
+                "--dashboard-port",
+                str(config.peer.dashboard_port),
+                "--dashboard-host",
+                config.peer.dashboard_host,
             ],
         )
         peers_file = root / "monitor" / "initial_peers.txt"
@@ -165,6 +185,9 @@ def run_demo(config: Config) -> int:
             time.sleep(0.2)
         initial = [a for a in peers_file.read_text().split() if "/127.0.0.1/" in a]
         _say(f"monitor is up at {initial[0]}; starting {demo.peers} trainers")
+        url_file = root / "monitor" / "dashboard_url.txt"
+        if url_file.exists():
+            _say(f"live dashboard: {url_file.read_text().strip()}")
         for i in range(demo.peers):
             swarm.start(
                 f"trainer{i}",
@@ -213,7 +236,9 @@ def run_demo(config: Config) -> int:
         if swarm.procs and any(p.poll() is None for p in swarm.procs.values()):
             _say("stopping the swarm")
             swarm.stop()
-    summary = summarize(_read_jsonl(metrics), demo.peers, time.monotonic() - t0)
+    rows = _read_jsonl(metrics)
+    summary = summarize(rows, demo.peers, time.monotonic() - t0)
+    _plot(rows, root / "loss.png", f"cotrain demo: {demo.peers} peers, {config.run.preset}")
     print(json.dumps(summary), flush=True)
     ok = (
         summary["max_group_size"] >= 2

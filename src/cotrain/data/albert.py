@@ -35,7 +35,7 @@ def document_rng(document: str, seed: int) -> random.Random:
     return random.Random(f"{seed}:{digest}")
 
 
-def _units(sentence_ids: list[list[int]], budget: int) -> list[list[int]]:
+def units(sentence_ids: list[list[int]], budget: int) -> list[list[int]]:
     """Sentences as token lists; a sentence longer than ``budget`` is cut into consecutive pieces
     of at most ``budget // 2`` tokens, so that its pieces can still form an ordered pair."""
     units: list[list[int]] = []
@@ -85,11 +85,24 @@ def document_examples(
     sentences = split_sentences(document)
     if len(sentences) < 2:
         return []
-    budget = max_length - 3
     sentence_ids = tokenizer(sentences, add_special_tokens=False)["input_ids"]
+    return examples_from_ids(document, sentence_ids, tokenizer, max_length, seed)
+
+
+def examples_from_ids(
+    document: str,
+    sentence_ids: list[list[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """The SOP examples of a document whose sentences are already tokenized (``sentence_ids``)."""
+    if len(sentence_ids) < 2:
+        return []
+    budget = max_length - 3
     rng = document_rng(document, seed)
     examples = []
-    for chunk in pack_chunks(_units(sentence_ids, budget), budget):
+    for chunk in pack_chunks(units(sentence_ids, budget), budget):
         if len(chunk) < 2:
             continue
         a_end = rng.randint(1, len(chunk) - 1)

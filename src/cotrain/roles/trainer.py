@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from cotrain.config import Config
 from cotrain.errors import UserError
 from cotrain.models import build_model, forward_loss, optimizer_factory, parameter_groups, scheduler_factory
+from cotrain.progressbar import StepProgress
 from cotrain.swarm.dht import create_dht
 from cotrain.swarm.optimizer import SwarmOptimizer, build_optimizer
 from cotrain.swarm.records import LocalMetrics, make_validators, publish_metrics
@@ -21,13 +22,18 @@ from cotrain.swarm.records import LocalMetrics, make_validators, publish_metrics
 logger = logging.getLogger(__name__)
 
 
-def batches(dataset, batch_size: int, collator, seed: int) -> Iterator[dict]:
-    """Endless micro-batches in a per-peer shuffled order, a new order each epoch."""
+def batches(examples, batch_size: int, collator, seed: int = 0) -> Iterator[dict]:
+    """Endless micro-batches. ``examples`` is an ExampleStream (endless, already in this peer's order) or
+    a map-style dataset, shuffled per peer with a new order each epoch."""
+    if not hasattr(examples, "__getitem__"):
+        stream = iter(examples)
+        while True:
+            yield collator([next(stream) for _ in range(batch_size)])
     epoch = 0
     while True:
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
         loader = DataLoader(
-            dataset, batch_size=batch_size, shuffle=True, collate_fn=collator, generator=generator
+            examples, batch_size=batch_size, shuffle=True, collate_fn=collator, generator=generator
         )
         yield from loader
         epoch += 1
@@ -47,19 +53,23 @@ class Trainer:
             torch.set_num_threads(peer.torch_threads)
         validators, public_key = make_validators(run.run_id)
         self.dht = create_dht(peer, validators)  # first: an unreachable swarm is the first thing to report
-        from cotrain.data import AlbertCollator, load_prepared
+        from cotrain.data import AlbertCollator, ExampleStream
 
-        if not peer.dataset_path:
-            raise UserError("--dataset-path is required: a folder made by `cotrain prepare`")
-        data = load_prepared(peer.dataset_path)
+        source = peer.dataset_url or peer.dataset_path
+        if not source or (peer.dataset_url and peer.dataset_path):
+            raise UserError(
+                "give one of --dataset-path (a folder made by `cotrain prepare`) or --dataset-url (the URL "
+                "of one on an HTTP server)"
+            )
+        data = ExampleStream(source, seed=peer.seed, cache_dir=peer.cache_dir or None)
         if data.manifest.get("objective") != run.objective:
             raise UserError(
-                f"dataset {peer.dataset_path} was prepared for {data.manifest.get('objective')!r}, "
+                f"dataset {source} was prepared for {data.manifest.get('objective')!r}, "
                 f"but preset {run.preset} trains {run.objective!r}"
             )
         if data.manifest.get("max_length", 0) > run.max_seq_length:
             raise UserError(
-                f"dataset {peer.dataset_path} has examples of up to {data.manifest['max_length']} tokens, "
+                f"dataset {source} has examples of up to {data.manifest['max_length']} tokens, "
                 f"longer than max_seq_length {run.max_seq_length}"
             )
         tokenizer = data.tokenizer
@@ -81,13 +91,14 @@ class Trainer:
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(
             f"Trainer {self.dht.peer_id} joined run {run.run_id!r}: {n_params / 1e6:.1f}M parameters, "
-            f"{len(data.train)} training examples, micro-batch {micro} x {peer.gradient_accumulation_steps}"
+            f"{data.num_examples} training examples, micro-batch {micro} x {peer.gradient_accumulation_steps}"
         )
         self._catch_up()
 
         collator = AlbertCollator(tokenizer, mlm_probability=run.mlm_probability, seed=peer.seed)
-        stream = batches(data.train, micro, collator, peer.seed)
+        stream = batches(data, micro, collator, peer.seed)
         last_epoch, loss_sum, mini_steps, contribution = opt.local_epoch, 0.0, 0, 0
+        bar = StepProgress(run.target_batch_size)
         while not self.stop.is_set():
             step_loss = 0.0
             for _ in range(peer.gradient_accumulation_steps):
@@ -114,12 +125,14 @@ class Trainer:
                     "Non-finite loss on this micro-batch: its gradients are dropped, not sent to the swarm"
                 )
             opt.zero_grad()
+            bar.update(opt)
             if opt.local_epoch != last_epoch:
                 self._report(public_key, loss_sum, mini_steps, contribution)
                 last_epoch, loss_sum, mini_steps = opt.local_epoch, 0.0, 0
                 if peer.max_steps and opt.local_epoch >= peer.max_steps:
                     logger.info(f"Reached --max-steps {peer.max_steps}; stopping")
                     break
+        bar.close()
         return 0
 
     def _cancel_rounds_on_stop(self) -> None:
@@ -166,6 +179,7 @@ class Trainer:
             group_size=int(opt.last_group_size),
             client_mode=bool(peer.client_mode),
             time=time.time(),
+            peer_id=str(self.dht.peer_id)[:128],
         )
         publish_metrics(self.dht, run.run_id, public_key, record, peer.statistics_expiration)
         mean = loss_sum / mini_steps if mini_steps else float("nan")

@@ -35,6 +35,14 @@ class SwarmOptimizer(hivemind.Optimizer):
                 self.rounds_failed += 1
         self.last_group_size = max(1, size)
 
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """Pre-schedule a gradient-averaging round only while the tracker sees other peers. Alone, hivemind
+        would still run matchmaking before every global step (its averager polling the DHT in a tight loop,
+        about 0.7 of a core with the DHT process) for a round it then cancels: there is nobody to average
+        with. With other peers this is hivemind's own method, unchanged."""
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_gradient_averaging()
+
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind retries forever when no peer can serve state; this gives up after load_state_timeout."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():

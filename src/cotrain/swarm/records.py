@@ -15,7 +15,7 @@ from typing import Any
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
-from pydantic.v1 import BaseModel, StrictBool, confloat, conint
+from pydantic.v1 import BaseModel, StrictBool, confloat, conint, constr
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class LocalMetrics(BaseModel):
     )  # peers in the last gradient-averaging group, self included
     client_mode: StrictBool = False
     time: confloat(ge=0.0, strict=True) = 0.0
+    peer_id: constr(max_length=128, strict=True) = ""  # the trainer's libp2p peer id (base58)
 
 
 class MetricsSchema(BaseModel):

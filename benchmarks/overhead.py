@@ -1,0 +1,407 @@
+"""Overhead of a lone cotrain peer: samples/s of `cotrain train` alone versus a plain PyTorch loop.
+
+Both arms train the same tiny ALBERT (``cotrain.models.build_model``) on the same prepared data in the same
+order (``cotrain.roles.trainer.batches`` over ``load_prepared`` + ``AlbertCollator``) with the same number of
+torch threads, and do the same work per sample: micro-batches of 8, forward, backward, ``loss.item()``,
+gradient clipping per micro-batch, gradients accumulated to the target batch (64 in albert-tiny), then one
+LAMB step (``cotrain.models.optimizer_factory``) and one LR-schedule step per target batch.
+
+- plain: a subprocess running that loop; the first ``--warmup-steps`` global steps are untimed.
+- cotrain: the real CLI, ``python -m cotrain train --preset albert-tiny --host-maddrs /ip4/127.0.0.1/tcp/0
+  ...`` with no initial peers: the same code path as in a swarm (hivemind.Optimizer, DHT, averagers).
+  Timed from the trainer's log line ``step W | ...`` (W = ``--warmup-steps``) to its last ``step N | ...``
+  line; the samples are the difference of the lines' ``contribution`` counts. Start-up is excluded.
+
+Arms alternate (plain, cotrain, plain, cotrain, ...). Each run also records, over its timed window, the CPU
+time of every process of the arm and of the whole machine: the difference is other load on the machine,
+which makes a run unfair (shown as "other load" in cores). The final loss of both arms should agree
+closely: they compute the same thing.
+
+    python benchmarks/overhead.py [--repeats 3] [--steps 10] [--threads 2] [-- EXTRA COTRAIN TRAIN FLAGS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+STEP_LINE = re.compile(
+    r"step (\d+) \| loss (\S+) \| averaged with (\d+) peers \| (\S+) samples/s \| contribution (\d+) samples"
+)
+TIMING_STARTS = "timing starts"
+GOAL = 0.95
+
+
+# --------------------------------------------------------------------------------------------- CPU accounting
+
+
+@dataclass
+class CpuSnapshot:
+    """CPU seconds used so far by the machine and by each process of one arm's process tree."""
+
+    wall: float
+    machine: float
+    procs: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid -> (label, cpu seconds)
+
+
+def busy_seconds() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def label_tree(root: psutil.Process) -> dict[int, str]:
+    """Name the processes of an arm: supervisor, trainer (the worker), DHT (p2pd's parent), averagers, ..."""
+    labels: dict[int, str] = {}
+    try:
+        tree = [root, *root.children(recursive=True)]
+        is_cli = "cotrain" in " ".join(root.cmdline()[1:3])
+        for proc in tree:
+            labels[proc.pid] = proc.name()
+        if not is_cli:
+            labels[root.pid] = "plain loop"
+            return labels
+        labels[root.pid] = "supervisor"
+        workers = root.children()
+        if not workers:
+            return labels
+        worker = workers[0]
+        labels[worker.pid] = "trainer (main process)"
+        forked = sorted(
+            (p for p in worker.children() if p.name().startswith("python")), key=lambda p: p.create_time()
+        )
+        averagers = []
+        for proc in forked:
+            if any(c.name() == "p2pd" for c in proc.children()):
+                labels[proc.pid] = "DHT process"
+            else:
+                averagers.append(proc)
+        names = ["state averager", "gradient averager"]
+        if len(averagers) != len(names):
+            names = [f"forked child {i}" for i in range(len(averagers))]
+        for proc, name in zip(averagers, names, strict=True):
+            labels[proc.pid] = name
+    except psutil.Error:
+        pass
+    return labels
+
+
+def snapshot(root_pid: int) -> CpuSnapshot:
+    snap = CpuSnapshot(wall=time.perf_counter(), machine=busy_seconds())
+    try:
+        root = psutil.Process(root_pid)
+    except psutil.Error:
+        return snap
+    for pid, label in label_tree(root).items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            snap.procs[pid] = (label, t.user + t.system)
+        except psutil.Error:
+            pass
+    return snap
+
+
+@dataclass
+class Window:
+    seconds: float
+    samples: int
+    loss: float
+    cores: dict[str, float]  # label -> cores used during the window (CPU seconds / wall seconds)
+    other: float  # cores used by processes outside this arm
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.25) -> float:
+    """Wait (up to max_wait seconds) until the machine is idle: other work on a 2-core machine would decide
+    the result. Returns the load (busy cores) last seen."""
+    deadline = time.monotonic() + max_wait
+    quiet_for = 0
+    while True:
+        before, t0 = busy_seconds(), time.perf_counter()
+        time.sleep(1.0)
+        load = (busy_seconds() - before) / (time.perf_counter() - t0)
+        quiet_for = quiet_for + 1 if load < threshold else 0
+        if quiet_for >= 2 or time.monotonic() > deadline:
+            return load
+
+
+def window(start: CpuSnapshot, end: CpuSnapshot, samples: int, loss: float) -> Window:
+    seconds = end.wall - start.wall
+    cores: dict[str, float] = {}
+    for pid, (label, cpu) in end.procs.items():
+        if pid in start.procs:
+            cores[label] = cores.get(label, 0.0) + (cpu - start.procs[pid][1]) / seconds
+    other = (end.machine - start.machine) / seconds - sum(cores.values())
+    return Window(seconds, samples, loss, cores, max(0.0, other))
+
+
+# --------------------------------------------------------------------------------------------------- the arms
+
+
+def prepare(out_dir: Path, text_file: str | None) -> None:
+    from cotrain.data import prepare_from_source
+
+    prepare_from_source(
+        demo=text_file is None,
+        text_files=[text_file] if text_file else None,
+        out_dir=str(out_dir),
+        max_length=128,
+        seed=0,
+        tokenizer_path=None,
+        vocab_size=8000,
+        progress=False,
+    )
+
+
+def plain_worker(args: argparse.Namespace) -> None:
+    """The baseline loop (runs in a subprocess); prints TIMING_STARTS after warm-up, then one JSON line."""
+    import torch
+    from hivemind.optim.state_averager import initialize_optimizer_state_
+
+    from cotrain.config import resolve
+    from cotrain.data import AlbertCollator, load_prepared
+    from cotrain.models import (
+        build_model,
+        forward_loss,
+        optimizer_factory,
+        parameter_groups,
+        scheduler_factory,
+    )
+    from cotrain.roles.trainer import batches
+
+    torch.set_num_threads(args.threads)
+    run = resolve(preset="albert-tiny").run
+    micro = args.micro_batch
+    per_update = run.target_batch_size // micro
+    assert per_update * micro == run.target_batch_size, "target batch size must be a multiple of micro-batch"
+    data = load_prepared(args.dataset_path)
+    model = build_model(run, vocab_size=len(data.tokenizer), pad_token_id=data.tokenizer.pad_token_id)
+    model.train()
+    opt = optimizer_factory(run)(parameter_groups(model, run.weight_decay))
+    # hivemind.Optimizer starts its optimizer's statistics with one zero-gradient step (LAMB's step count then
+    # starts at 1, which changes its bias correction): do the same, so that both arms compute the same thing
+    initialize_optimizer_state_(opt)
+    scheduler = scheduler_factory(run)(opt)
+    params = list(model.parameters())
+    accumulators = [torch.zeros_like(p) for p in params]
+    collator = AlbertCollator(data.tokenizer, mlm_probability=run.mlm_probability, seed=args.seed)
+    stream = batches(data.train, micro, collator, args.seed)
+
+    def global_step() -> float:
+        loss_sum = 0.0
+        for _ in range(per_update):
+            loss = forward_loss(model, next(stream))
+            loss.backward()
+            loss_sum += loss.item()
+            torch.nn.utils.clip_grad_norm_(params, run.max_grad_norm)
+            with torch.no_grad():
+                for acc, p in zip(accumulators, params, strict=True):
+                    acc.add_(p.grad)
+            opt.zero_grad()
+        with torch.no_grad():
+            for acc, p in zip(accumulators, params, strict=True):
+                p.grad = acc.div_(per_update)
+        opt.step()
+        scheduler.step()
+        for acc, p in zip(accumulators, params, strict=True):
+            p.grad = None
+            acc.zero_()
+        return loss_sum / per_update
+
+    for _ in range(args.warmup_steps):
+        global_step()
+    print(TIMING_STARTS, flush=True)
+    for _ in range(args.steps - args.warmup_steps):
+        loss = global_step()
+    samples = (args.steps - args.warmup_steps) * run.target_batch_size
+    print(json.dumps({"samples": samples, "loss": loss}), flush=True)
+
+
+def run_plain(args: argparse.Namespace, dataset: Path) -> Window:
+    cmd = [sys.executable, __file__, "--plain-worker", "--dataset-path", str(dataset)]
+    cmd += ["--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps)]
+    cmd += ["--threads", str(args.threads), "--micro-batch", str(args.micro_batch)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    start = result = None
+    for line in proc.stdout:
+        if line.startswith(TIMING_STARTS):
+            start = snapshot(proc.pid)
+        elif line.startswith("{"):
+            end = snapshot(proc.pid)
+            result = json.loads(line)
+    if proc.wait() != 0 or start is None or result is None:
+        raise RuntimeError(f"the plain loop failed (exit code {proc.returncode}): {' '.join(cmd)}")
+    return window(start, end, result["samples"], result["loss"])
+
+
+def cotrain_command(args: argparse.Namespace, dataset: Path, output_dir: Path, run_id: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "cotrain",
+        "train",
+        "--preset",
+        "albert-tiny",
+        "--run-id",
+        run_id,
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--dataset-path",
+        str(dataset),
+        "--output-dir",
+        str(output_dir),
+        "--torch-threads",
+        str(args.threads),
+        "--per-device-train-batch-size",
+        str(args.micro_batch),
+        "--max-steps",
+        str(args.steps),
+        *args.cotrain_args,
+    ]
+
+
+def run_cotrain(args: argparse.Namespace, dataset: Path, output_dir: Path, run_id: str) -> Window:
+    """Run a lone `cotrain train` peer; time its per-global-step log lines as they arrive."""
+    cmd = cotrain_command(args, dataset, output_dir, run_id)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    start = end = None
+    first_contribution = last_contribution = 0
+    loss, steps, log = float("nan"), [], []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            m = STEP_LINE.search(line)
+            if not m:
+                continue
+            step = int(m.group(1))
+            steps.append(step)
+            if step == args.warmup_steps:
+                start, first_contribution = snapshot(proc.pid), int(m.group(5))
+            elif step > args.warmup_steps and start is not None:
+                end, last_contribution, loss = snapshot(proc.pid), int(m.group(5)), float(m.group(2))
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    if rc != 0 or start is None or end is None:
+        sys.stderr.write("".join(log[-30:]))
+        raise RuntimeError(f"cotrain train exited with {rc} after logging steps {steps}: {' '.join(cmd)}")
+    return window(start, end, last_contribution - first_contribution, loss)
+
+
+# ----------------------------------------------------------------------------------------------------- report
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = psutil.virtual_memory().total / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB, {platform.platform()}"
+
+
+def print_report(args: argparse.Namespace, rows: list[tuple[Window, Window]], seconds: float) -> float:
+    now = datetime.datetime.now().astimezone()
+    print()
+    print(f"machine: {machine()}")
+    print(f"date: {now:%Y-%m-%d %H:%M %Z}; python {platform.python_version()}")
+    print(
+        f"tiny ALBERT, micro-batch {args.micro_batch}, {args.threads} torch threads, "
+        f"global steps {args.warmup_steps + 1}..{args.steps} timed in each run"
+    )
+    print()
+    print("| run | plain samples/s | cotrain samples/s | ratio | other load (cores) | final loss |")
+    print("|---|---|---|---|---|---|")
+    ratios = []
+    for i, (plain, lone) in enumerate(rows, 1):
+        ratio = lone.samples_per_s / plain.samples_per_s
+        ratios.append(ratio)
+        print(
+            f"| {i} | {plain.samples_per_s:.1f} | {lone.samples_per_s:.1f} | {ratio:.3f} "
+            f"| {plain.other:.2f} / {lone.other:.2f} | {plain.loss:.3f} / {lone.loss:.3f} |"
+        )
+    median = statistics.median(ratios)
+    plain_median = statistics.median(p.samples_per_s for p, _ in rows)
+    lone_median = statistics.median(c.samples_per_s for _, c in rows)
+    print(f"| median | {plain_median:.1f} | {lone_median:.1f} | **{median:.3f}** | | |")
+    print()
+    labels = sorted({k for _, lone in rows for k in lone.cores}, key=lambda k: -rows[0][1].cores.get(k, 0.0))
+    print("CPU of the lone peer's processes during the timed window (cores, median over runs):")
+    print(f"  plain loop: {statistics.median(p.cores.get('plain loop', 0.0) for p, _ in rows):.2f}")
+    for label in labels:
+        print(f"  {label}: {statistics.median(lone.cores.get(label, 0.0) for _, lone in rows):.2f}")
+    noisy = [i for i, (p, c) in enumerate(rows, 1) if max(p.other, c.other) > 0.15]
+    if noisy:
+        print(f"warning: other processes used CPU during run(s) {noisy}; those ratios are unreliable")
+    print()
+    verdict = "met" if median >= GOAL else "NOT met"
+    print(f"goal: median ratio >= {GOAL}: {verdict} (median {median:.3f}; benchmark took {seconds:.0f} s)")
+    return median
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of runs (plain, cotrain), alternating")
+    parser.add_argument("--steps", type=int, default=10, help="global steps per run (the peer's --max-steps)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="global steps excluded from the timing")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in both arms")
+    parser.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch in both arms")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=20.0, help="seconds to wait for an idle machine before each run"
+    )
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--dataset-path", help="a prepared dataset (default: the demo corpus, prepared here)")
+    parser.add_argument("--text-file", help="prepare this text file (e.g. WikiText-2), not the demo corpus")
+    parser.add_argument("--plain-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("cotrain_args", nargs="*", help="extra flags for `cotrain train` (after --)")
+    args = parser.parse_args(argv)
+    if args.plain_worker:
+        plain_worker(args)
+        return 0
+    if args.steps <= args.warmup_steps:
+        parser.error("--steps must exceed --warmup-steps")
+
+    started = time.monotonic()
+    rows: list[tuple[Window, Window]] = []
+    with tempfile.TemporaryDirectory(prefix="cotrain-overhead-") as tmp:
+        dataset = Path(args.dataset_path) if args.dataset_path else Path(tmp) / "data"
+        if not args.dataset_path:
+            print(f"preparing {args.text_file or 'the demo corpus'} ...", flush=True)
+            prepare(dataset, args.text_file)
+        for r in range(args.repeats):
+            wait_for_quiet(args.quiet_wait)
+            plain = run_plain(args, dataset)
+            print(f"run {r + 1} plain:   {plain.samples_per_s:6.1f} samples/s", flush=True)
+            wait_for_quiet(args.quiet_wait)
+            lone = run_cotrain(args, dataset, Path(tmp) / f"out{r}", run_id=f"overhead{os.getpid()}r{r}")
+            print(f"run {r + 1} cotrain: {lone.samples_per_s:6.1f} samples/s", flush=True)
+            rows.append((plain, lone))
+    print_report(args, rows, time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The monitor's live web dashboard: a page (its JS and CSS ship in ``static/``) polling ``/api/state``."""

@@ -1,0 +1,54 @@
+"""What the dashboard shows, kept by the monitor between refreshes (thread-safe; no web dependencies)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+HISTORY = 20_000  # global steps kept for the charts
+PEER_HISTORY = 5_000  # alive-peer samples kept
+ALIVE_RESOLUTION = 30.0  # seconds: an unchanged peer count adds a point at most this often
+
+
+class SwarmView:
+    def __init__(self, run_id: str, join_command: str, target_batch_size: int):
+        self._lock = threading.Lock()
+        self.run_id = run_id
+        self.join_command = join_command
+        self.target_batch_size = target_batch_size
+        self.steps: deque[dict] = deque(maxlen=HISTORY)
+        self.alive: deque[tuple[float, int]] = deque(maxlen=PEER_HISTORY)
+        self.state: dict = {}
+        self.checkpoint: dict | None = None  # filled in once the monitor keeps checkpoints
+        self.evaluation: dict | None = None  # filled in once an evaluation peer reports
+        self.started = time.time()
+
+    def add_step(self, row: dict) -> None:
+        with self._lock:
+            self.steps.append(dict(row))
+
+    def update(self, state: dict) -> None:
+        with self._lock:
+            self.state = dict(state)
+            point = (round(state.get("time", time.time()), 2), int(state.get("num_peers", 0)))
+            a = self.alive
+            if len(a) >= 2 and a[-1][1] == a[-2][1] == point[1] and a[-1][0] - a[-2][0] < ALIVE_RESOLUTION:
+                a[-1] = point  # extend a flat stretch instead of adding a point: hours fit in the history
+            else:
+                a.append(point)
+
+    def to_json(self) -> dict:
+        with self._lock:
+            return {
+                "run_id": self.run_id,
+                "join_command": self.join_command,
+                "target_batch_size": self.target_batch_size,
+                "started": self.started,
+                "steps": list(self.steps),
+                "alive": [list(a) for a in self.alive],
+                "state": self.state,
+                "checkpoint": self.checkpoint,
+                "evaluation": self.evaluation,
+                "now": time.time(),
+            }

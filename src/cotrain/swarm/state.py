@@ -1,0 +1,115 @@
+"""The swarm's state as the DHT holds it: cotrain's metrics records plus hivemind's progress records.
+
+hivemind's ``ProgressTracker`` keeps one ``LocalTrainingProgress`` per peer under ``{run_id}_progress``
+(epoch, samples accumulated in it, samples/s, time, client mode); cotrain's trainers add a metrics record per
+global step under ``{run_id}_metrics``. Both are keyed by the peer's public key, so they join on it. The
+monitor's dashboard and ``cotrain status`` show the same snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from cotrain.swarm.records import LocalMetrics, read_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_progress"
+
+
+def read_progress(dht: Any, run_id: str) -> dict[bytes, Any]:
+    """Every peer's latest hivemind ``LocalTrainingProgress`` (malformed entries dropped)."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+
+    found = dht.get(progress_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out = {}
+    for subkey, entry in found.value.items():
+        if entry is None or entry.value is None:
+            continue
+        try:
+            out[subkey] = LocalTrainingProgress.parse_obj(entry.value)
+        except Exception as e:
+            logger.debug(f"ignoring malformed progress record: {e}")
+    return out
+
+
+def _peer_name(raw: bytes) -> str:
+    from hivemind.p2p import PeerID
+
+    try:
+        return PeerID(raw).to_base58()
+    except Exception:
+        return raw.hex()
+
+
+def short_id(peer_id: str) -> str:
+    """The tail of a peer id: libp2p ids share their prefix (``12D3KooW...``)."""
+    return f"...{peer_id[-8:]}" if len(peer_id) > 12 else peer_id
+
+
+def snapshot(
+    run_id: str,
+    target_batch_size: int,
+    metrics: dict[bytes, LocalMetrics],
+    progress: dict[bytes, Any],
+    now: float | None = None,
+) -> dict:
+    """A JSON-ready view: the global step, every peer, the samples accumulated toward the next step and
+    its ETA (estimated as hivemind's tracker does: accumulated + elapsed x rate, over the swarm's rate)."""
+    now = time.time() if now is None else now
+    peers: dict[bytes, dict] = {}
+    for key, m in metrics.items():
+        peers[key] = {
+            "peer_id": m.peer_id,
+            "client_mode": m.client_mode,
+            "samples_per_second": m.samples_per_second,
+            "contribution": m.samples_accumulated,
+            "step": m.step,
+            "last_seen": m.time,
+        }
+    for key, p in progress.items():
+        row = peers.setdefault(key, {"contribution": 0, "step": p.epoch, "last_seen": 0.0})
+        row["peer_id"] = row.get("peer_id") or _peer_name(p.peer_id)
+        row["client_mode"] = p.client_mode
+        row["samples_per_second"] = p.samples_per_second
+        row["step"] = max(row["step"], p.epoch)
+        row["last_seen"] = max(row["last_seen"], p.time)
+    servers = [p.epoch for p in progress.values() if not p.client_mode]
+    step = max(servers or [p.epoch for p in progress.values()] or [m.step for m in metrics.values()] or [0])
+    current = [p for p in progress.values() if p.epoch == step]
+    accumulated = sum(p.samples_accumulated for p in current)
+    estimated = sum(p.samples_accumulated + max(0.0, now - p.time) * p.samples_per_second for p in current)
+    throughput = sum(row.get("samples_per_second", 0.0) for row in peers.values())
+    eta = max(0.0, target_batch_size - estimated) / throughput if throughput > 0 else None
+    rows = []
+    for row in peers.values():
+        rows.append(
+            {
+                **row,
+                "short_id": short_id(row.get("peer_id", "")),
+                "seconds_ago": round(max(0.0, now - row["last_seen"]), 1),
+            }
+        )
+    rows.sort(key=lambda r: r.get("peer_id", ""))
+    return {
+        "run_id": run_id,
+        "global_step": step,
+        "peers": rows,
+        "num_peers": len(rows),
+        "num_clients": sum(bool(r.get("client_mode")) for r in rows),
+        "samples_accumulated": accumulated,
+        "target_batch_size": target_batch_size,
+        "samples_per_second": throughput,
+        "eta_seconds": None if eta is None else round(eta, 1),
+        "time": now,
+    }
+
+
+def read_snapshot(dht: Any, run_id: str, target_batch_size: int) -> dict:
+    return snapshot(run_id, target_batch_size, read_metrics(dht, run_id), read_progress(dht, run_id))

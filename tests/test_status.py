@@ -1,0 +1,58 @@
+"""`cotrain status` without a swarm: an unreachable peer is one line, exit status 2, nothing left."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import LOCALHOST, Role, alive
+from cotrain.status import describe
+
+NOBODY = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLtHHSrzMTcRbxEGb9yJoRn1SZoxdpCGQoCSqovNfATSa"
+
+
+@pytest.mark.timeout(120)
+def test_status_of_an_unreachable_swarm_is_one_line(tmp_path):
+    role = Role(
+        ["status", "--initial-peers", NOBODY, "--host-maddrs", LOCALHOST, "--startup-timeout", "10"],
+        tmp_path / "status.log",
+    )
+    role.proc.wait(timeout=100)
+    pids = role.tree()
+    lines = role.text().strip().splitlines()
+    assert role.proc.returncode == 2, lines
+    assert lines[-1].startswith("cotrain status: error: no initial peer could be reached"), lines
+    assert "Traceback" not in role.text()
+    assert not alive(pids), alive(pids)
+
+
+def test_status_needs_initial_peers(capsys):
+    from cotrain.cli import main
+
+    assert main(["status"]) == 2
+    assert "--initial-peers is required" in capsys.readouterr().err
+
+
+def test_describe_prints_the_step_progress_and_peers():
+    state = {
+        "run_id": "r",
+        "global_step": 7,
+        "num_peers": 1,
+        "num_clients": 0,
+        "samples_accumulated": 16,
+        "target_batch_size": 64,
+        "samples_per_second": 8.0,
+        "eta_seconds": 6.0,
+        "peers": [
+            {
+                "short_id": "...abcdefgh",
+                "client_mode": False,
+                "step": 7,
+                "samples_per_second": 8.0,
+                "contribution": 320,
+                "seconds_ago": 1.0,
+            }
+        ],
+    }
+    text = describe(state)
+    assert "run r: global step 7" in text and "16 of 64 samples (25%)" in text and "ETA 6 s" in text
+    assert "...abcdefgh" in text and "320" in text
