@@ -84,7 +84,7 @@ def cotrain_env() -> dict:
 class Role:
     """A `cotrain` role started as a user would start it: in its own process group, like a terminal job."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
         if args[0] in ("train", "monitor"):
             assert "--host-maddrs" in args and LOCALHOST in args, "test peers must listen on 127.0.0.1 only"
         self.args = args
@@ -94,7 +94,7 @@ class Role:
             [sys.executable, "-m", "cotrain", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=cotrain_env(),
+            env={**cotrain_env(), **(env or {})},
             start_new_session=True,
         )
         self.pid = self.proc.pid

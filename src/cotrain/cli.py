@@ -20,6 +20,7 @@ DESCRIPTIONS = {
     "demo": "Run a whole swarm on this machine (a monitor and N trainers on 127.0.0.1) and report.",
     "config": "Show the resolved configuration of a preset (and an optional TOML file).",
     "status": "Show a running swarm's state (step, peers, progress, throughput, ETA) and exit.",
+    "export": "Turn a checkpoint into a Hugging Face model folder (config, safetensors weights, tokenizer).",
 }
 
 
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["show"], help="show: print the resolved config as TOML")
     p.add_argument("preset", help=f"preset name ({', '.join(cfg.preset_names())})")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file applied on top of the preset.")
+    p = sub.add_parser("export", help=DESCRIPTIONS["export"], description=DESCRIPTIONS["export"])
+    p.add_argument(
+        "checkpoint",
+        help="a checkpoint folder (step-NNNNNN) or a checkpoints folder (its newest good checkpoint)",
+    )
+    p.add_argument("out_dir", help="folder to write (AutoModelForPreTraining.from_pretrained loads it)")
     return parser
 
 
@@ -80,6 +87,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, cfg.Config | None]:
     ns = build_parser().parse_args(argv)
     if ns.command == "config":
         return ns, cfg.resolve(ns.preset, ns.config)
+    if ns.command == "export":
+        return ns, None
     overrides = overrides_from(ns)
     if ns.command == "demo":  # the demo trains the CPU-sized model unless told otherwise
         overrides.setdefault("run", {}).setdefault("preset", "albert-tiny")
@@ -146,6 +155,18 @@ def cmd_status(config: cfg.Config) -> int:
     return 0
 
 
+def cmd_export(checkpoint: str, out_dir: str) -> int:
+    import json
+    import logging
+
+    from cotrain.checkpoints import export
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = export(checkpoint, out_dir)
+    print(json.dumps({"event": "exported", "checkpoint": checkpoint, "path": str(out)}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
@@ -155,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_config(config)
         if ns.command == "prepare":
             return cmd_prepare(config)
+        if ns.command == "export":
+            return cmd_export(ns.checkpoint, ns.out_dir)
         if ns.command == "status":
             return cmd_status(config)
         if ns.command in ("train", "monitor"):

@@ -150,17 +150,25 @@ class PeerConfig:
         roles=("train", "monitor"),
     )
     dataset_path: str = opt(
-        "", "Folder made by `cotrain prepare`.", roles=("train", "eval"), seed="--dataset_path"
+        "",
+        "Folder made by `cotrain prepare` (the monitor reads only its manifest and tokenizer).",
+        roles=("train", "eval", "monitor"),
+        seed="--dataset_path",
     )
     dataset_url: str = opt(
         "",
         "URL of a folder made by `cotrain prepare` on any HTTP(S) server; shards download as training goes.",
-        roles=("train", "eval"),
+        roles=("train", "eval", "monitor"),
     )
     cache_dir: str = opt(
         "",
         "Where shards fetched from --dataset-url are cached (default: ~/.cache/cotrain/datasets).",
-        roles=("train", "eval"),
+        roles=("train", "eval", "monitor"),
+    )
+    tokenizer_path: str = opt(
+        "",
+        "Tokenizer folder (save_pretrained) for the model's shapes, instead of --dataset-path/--dataset-url.",
+        roles=("monitor",),
     )
     output_dir: str = opt(
         "outputs", "Folder for this peer's logs, metrics and checkpoints.", seed="--output_dir"
@@ -206,7 +214,54 @@ class PeerConfig:
         seed="--statistics_expiration",
     )
     load_state_timeout: float = opt(
-        60.0, "Seconds to wait for the current model state from other peers when joining.", roles=("train",)
+        60.0,
+        "Seconds to wait for the current model state from other peers (joining; a monitor's checkpoint).",
+        roles=("train", "monitor"),
+    )
+    save_every: int = opt(
+        500,
+        "Global steps between the monitor's checkpoints of the swarm's state (0: none).",
+        flags=("--save-checkpoint-step-interval",),
+        roles=("monitor",),
+        seed="--save_checkpoint_step_interval",
+    )
+    keep_checkpoints: int = opt(3, "Checkpoints the monitor keeps (the newest ones).", roles=("monitor",))
+    resume: bool = opt(
+        False,
+        "Start from the newest good checkpoint in OUTPUT_DIR/checkpoints and serve it to peers.",
+        roles=("monitor",),
+    )
+    push_to_hub: str = opt(
+        "",
+        "Hugging Face Hub repository (user/name) to upload the newest checkpoint to, as a model folder.",
+        flags=("--repo-url", "--repo-path"),
+        roles=("monitor",),
+        seed="--repo_url",
+    )
+    upload_every: float = opt(
+        3600.0,
+        "Seconds between uploads to --push-to-hub.",
+        flags=("--upload-interval",),
+        roles=("monitor",),
+        seed="--upload_interval",
+    )
+    save_steps: int = opt(
+        500,
+        "Global steps between this trainer's local checkpoints in OUTPUT_DIR/checkpoints (0: none).",
+        roles=("train",),
+        seed="--save_steps",
+    )
+    save_total_limit: int = opt(
+        2, "Local checkpoints a trainer keeps (the newest ones).", roles=("train",), seed="--save_total_limit"
+    )
+    overwrite_output_dir: bool = opt(
+        False,
+        "Do not resume from the checkpoints in OUTPUT_DIR/checkpoints (start from the swarm or afresh).",
+        roles=("train",),
+        seed="--overwrite_output_dir",
+    )
+    resume_from: str = opt(
+        "", "Resume this trainer from this checkpoint folder, then catch up with the swarm.", roles=("train",)
     )
     refresh_period: float = opt(
         30.0,
@@ -447,6 +502,10 @@ def validate(config: Config) -> list[str]:
         problems.append("valid_fraction must be in [0, 1) and vocab_size at least 100")
     if peer.refresh_period <= 0 or peer.statistics_expiration <= 0 or peer.load_state_timeout <= 0:
         problems.append("refresh_period, statistics_expiration and load_state_timeout must be positive")
+    if peer.save_every < 0 or peer.save_steps < 0 or peer.upload_every <= 0:
+        problems.append("save_every and save_steps must not be negative, upload_every must be positive")
+    if peer.keep_checkpoints < 1 or peer.save_total_limit < 1:
+        problems.append("keep_checkpoints and save_total_limit must be at least 1")
     if not -1 <= peer.dashboard_port <= 65535:
         problems.append(f"dashboard_port must be -1 (off), 0 (a free port) or a port: {peer.dashboard_port}")
     return problems

@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
+from cotrain import checkpoints as ck
 from cotrain.config import Config
 from cotrain.errors import UserError
 from cotrain.models import build_model, forward_loss, optimizer_factory, parameter_groups, scheduler_factory
 from cotrain.progressbar import StepProgress
 from cotrain.swarm.dht import create_dht
+from cotrain.swarm.keeper import served_epochs
 from cotrain.swarm.optimizer import SwarmOptimizer, build_optimizer
 from cotrain.swarm.records import LocalMetrics, make_validators, publish_metrics
 
 logger = logging.getLogger(__name__)
+
+SAVE_ON_START_ENV = "COTRAIN_DEBUG_SAVE_ON_START"  # set: save a local checkpoint right after catching up
 
 
 def batches(examples, batch_size: int, collator, seed: int = 0) -> Iterator[dict]:
@@ -93,7 +99,11 @@ class Trainer:
             f"Trainer {self.dht.peer_id} joined run {run.run_id!r}: {n_params / 1e6:.1f}M parameters, "
             f"{data.num_examples} training examples, micro-batch {micro} x {peer.gradient_accumulation_steps}"
         )
+        self._resume_local(model, tokenizer)
         self._catch_up()
+        saved_step = opt.local_epoch
+        if os.environ.get(SAVE_ON_START_ENV):  # tests compare this with the state the swarm served
+            self._save_local(model, tokenizer)
 
         collator = AlbertCollator(tokenizer, mlm_probability=run.mlm_probability, seed=peer.seed)
         stream = batches(data, micro, collator, peer.seed)
@@ -108,13 +118,7 @@ class Trainer:
             if run.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
             if math.isfinite(step_loss):
-                self.in_step = True
-                try:
-                    opt.step(batch_size=step_samples)
-                finally:
-                    threading.Thread(
-                        target=self._cancel_rounds_on_stop, daemon=True, name="stop-rounds"
-                    ).start()
+                opt.step(batch_size=step_samples)
                 loss_sum, mini_steps, contribution = (
                     loss_sum + step_loss,
                     mini_steps + 1,
@@ -128,6 +132,9 @@ class Trainer:
             bar.update(opt)
             if opt.local_epoch != last_epoch:
                 self._report(public_key, loss_sum, mini_steps, contribution)
+                if peer.save_steps and opt.local_epoch >= saved_step + peer.save_steps:
+                    self._save_local(model, tokenizer)
+                    saved_step = opt.local_epoch
                 last_epoch, loss_sum, mini_steps = opt.local_epoch, 0.0, 0
                 if peer.max_steps and opt.local_epoch >= peer.max_steps:
                     logger.info(f"Reached --max-steps {peer.max_steps}; stopping")
@@ -159,13 +166,66 @@ class Trainer:
             tracker.global_progress.num_peers <= 1 and time.monotonic() < deadline and not self.stop.is_set()
         ):
             time.sleep(0.2)
-        if tracker.global_epoch > opt.local_epoch:
+        me = self.dht.peer_id.to_bytes()
+        offers = served_epochs(self.dht, self.config.run.run_id)
+        served = max((e for p, e in offers.items() if p != me), default=0)
+        swarm_step = max(tracker.global_epoch, int(served))  # with no trainer left, a monitor may still serve
+        if swarm_step > opt.local_epoch:
             logger.info(
-                f"The swarm is at step {tracker.global_epoch} ({tracker.global_progress.num_peers} peers): "
+                f"The swarm is at step {swarm_step} ({tracker.global_progress.num_peers} peers): "
                 f"loading its current state (waiting up to {peer.load_state_timeout:.0f} s)"
             )
             opt.load_state_from_peers()
             logger.info(f"Starting from global step {opt.local_epoch}")
+
+    def _resume_local(self, model: torch.nn.Module, tokenizer) -> None:
+        """Resume from --resume-from, or from the newest good checkpoint in OUTPUT_DIR/checkpoints unless
+        --overwrite-output-dir. The swarm's state still wins when it is newer (see _catch_up)."""
+        peer, opt = self.config.peer, self.opt
+        if peer.resume_from:
+            path, meta = Path(peer.resume_from), ck.verify(peer.resume_from)
+        elif peer.overwrite_output_dir:
+            return
+        else:
+            found = ck.latest_good(Path(peer.output_dir) / "checkpoints")
+            if found is None:
+                return
+            path, meta = found
+        from cotrain.data import tokenizer_hash
+
+        if meta.get("tokenizer_hash") != tokenizer_hash(tokenizer):
+            raise UserError(f"checkpoint {path} was made with another tokenizer than this dataset's")
+        averager = opt.state_averager
+        with averager.lock_averaged_tensors:
+            main = averager.main_parameters
+            ck.load_into(path, model, averager.optimizer, averager.scheduler, meta=meta, params=main)
+            averager.local_epoch = int(meta["step"])
+        if not averager.reuse_tensors:
+            averager._load_local_tensors_into_averager_()
+        opt.tracker.report_local_progress(local_epoch=opt.local_epoch, samples_accumulated=0)
+        if not opt.client_mode:
+            averager.state_sharing_priority = opt.local_epoch
+        logger.info(f"Resumed from local checkpoint {path} (global step {opt.local_epoch})")
+
+    def _save_local(self, model: torch.nn.Module, tokenizer) -> None:
+        peer, averager = self.config.peer, self.opt.state_averager
+        try:
+            with averager.lock_averaged_tensors:
+                path = ck.save_checkpoint(
+                    Path(peer.output_dir) / "checkpoints",
+                    self.opt.local_epoch,
+                    model,
+                    averager.optimizer,
+                    averager.scheduler,
+                    self.config.to_dict(),
+                    tokenizer,
+                    keep=peer.save_total_limit,
+                    source="trainer",
+                    params=averager.main_parameters,
+                )
+            logger.info(f"Saved local checkpoint {path}")
+        except OSError as e:  # a full disk must not stop training
+            logger.warning(f"Saving a local checkpoint failed: {e}")
 
     def _report(self, public_key: bytes, loss_sum: float, mini_steps: int, contribution: int) -> None:
         opt, run, peer = self.opt, self.config.run, self.config.peer

@@ -21,6 +21,17 @@ class SwarmOptimizer(hivemind.Optimizer):
     rounds_averaged: int = 0
     rounds_failed: int = 0
 
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        # hivemind runs the optimizer step in a helper thread, where torch would start a second OpenMP team.
+        # With more OpenMP threads than cores, libgomp stops spin-waiting in every team, so each barrier of
+        # the training thread's forward/backward becomes a sleep and a wake-up (~1,500/s, 0.8x the samples/s
+        # on 2 cores). So torch ops run single-threaded in that thread (the optimizer step is ~1% of the
+        # time), and in any other helper thread that starts using torch later (set_num_threads also changes
+        # torch's default); the training thread, which builds this optimizer, keeps its count: read it first.
+        torch.get_num_threads()
+        self.state_averager.step_executor.submit(torch.set_num_threads, 1).result()
+
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         size = 1

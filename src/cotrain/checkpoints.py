@@ -1,0 +1,328 @@
+"""Checkpoints on disk: save, verify, find the newest good one, load, keep the last K, export.
+
+A checkpoint is a folder ``step-000123/`` holding
+
+- ``model.safetensors``: the model's weights (full precision),
+- ``optimizer.safetensors``: the optimizer's tensors (LAMB/Adam moments), named ``KEY/PARAMETER``,
+- ``tokenizer/``: the tokenizer's files (``save_pretrained``), so a checkpoint is self-contained,
+- ``checkpoint.json``: the global step, the resolved config, the tokenizer hash, the optimizer's scalars and
+  parameter groups, the scheduler's state, and the sha256 of every other file (checked on load).
+
+It is written into a temporary folder beside its final place, every file fsynced, then renamed: a crash
+leaves either a complete checkpoint or a ``.step-000123.tmp-*`` folder that is never read (and is removed the
+next time a checkpoint is saved there).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from cotrain.data.shards import sha256_file
+from cotrain.data.tokenizer import load_tokenizer, tokenizer_hash
+from cotrain.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "cotrain-checkpoint/1"
+META = "checkpoint.json"
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+TOKENIZER = "tokenizer"
+NAME = re.compile(r"^step-(\d+)$")
+FAULT_ENV = "COTRAIN_FAULT"  # "checkpoint-before-rename[:N]": exit after writing the temp folder (tests)
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: missing, truncated, corrupted or made for another model."""
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete-looking checkpoint folders under ``root``, oldest first (temporary folders excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def parameter_names(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None
+) -> list[str]:
+    """The model's name of each parameter the optimizer holds, in the optimizer's (state_dict index) order.
+
+    ``params``: the model's parameters in that order, when the optimizer holds copies of them (hivemind's
+    offloaded optimizer: ``state_averager.main_parameters``)."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    order = params if params is not None else [p for group in optimizer.param_groups for p in group["params"]]
+    names = [by_id.get(id(p)) for p in order]
+    assert None not in names, "the optimizer holds a parameter that is not the model's; pass params="
+    assert len(names) == sum(len(g["params"]) for g in optimizer.param_groups), "params do not match"
+    return names  # type: ignore[return-value]
+
+
+def _optimizer_parts(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    names = parameter_names(model, optimizer, params)
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entry in state["state"].items():
+        name = names[index]
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{key}/{name}"] = value.detach().cpu().contiguous().clone()
+            else:
+                scalars.setdefault(name, {})[key] = value
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in state["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*"), reverse=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fault(point: str, root: Path, tmp: Path) -> None:
+    """Deterministic crash points for the fault tests: ``COTRAIN_FAULT=checkpoint-before-rename:1`` exits
+    the process at the first save into a folder that already holds 1 checkpoint, once the temporary folder
+    is complete and before it is renamed (no count: the first save)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    name, _, count = spec.partition(":")
+    if name == point and len(list_checkpoints(root)) >= int(count or 0):
+        logger.error(f"Fault injection {spec!r}: exiting before renaming {tmp}")
+        logging.shutdown()
+        os._exit(17)
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    config: dict,
+    tokenizer: Any,
+    keep: int = 3,
+    source: str = "",
+    params: Sequence[torch.Tensor] | None = None,
+) -> Path:
+    """Write a checkpoint of ``step`` atomically under ``root``; keep the newest ``keep``. Returns its folder.
+
+    The caller holds whatever lock keeps the model and the optimizer still while this copies them."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".step-*.tmp-*"):  # left by a crash mid-write
+        logger.info(f"Removing the incomplete checkpoint {stale.name} (a save was interrupted)")
+        shutil.rmtree(stale, ignore_errors=True)
+    final = step_dir(root, step)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / MODEL))
+        opt_tensors, opt_meta = _optimizer_parts(model, optimizer, params)
+        save_file(opt_tensors, str(tmp / OPTIMIZER))
+        tokenizer.save_pretrained(str(tmp / TOKENIZER))
+        files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = {
+            "format": FORMAT,
+            "step": int(step),
+            "source": source,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "run_id": config.get("run", {}).get("run_id", ""),
+            "config": config,
+            "tokenizer_hash": tokenizer_hash(tokenizer),
+            "optimizer": opt_meta,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "files": files,
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=1, default=_json_default))
+        _fsync_tree(tmp)
+        _fault("checkpoint-before-rename", root, tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_tree(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(root, keep)
+    return final
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, tuple | set):
+        return list(value)
+    raise TypeError(f"cannot store {type(value).__name__} in checkpoint.json")
+
+
+def prune(root: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints under ``root``."""
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+        logger.debug(f"Removed old checkpoint {old}")
+
+
+def verify(path: str | Path) -> dict:
+    """Read a checkpoint's metadata and check every file against its recorded sha256.
+
+    Raises CheckpointError saying what is wrong (missing, truncated or corrupted file)."""
+    path = Path(path)
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {META} (an incomplete or foreign folder)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {META} is corrupted ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: {META} is not a {FORMAT} file")
+    for name, digest in meta.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} lacks {name}")
+        if sha256_file(file) != digest:
+            raise CheckpointError(f"checkpoint {path}: {name} is truncated or corrupted (sha256 mismatch)")
+    for needed in (MODEL, OPTIMIZER):
+        if needed not in meta.get("files", {}):
+            raise CheckpointError(f"checkpoint {path} does not record {needed}")
+    return meta
+
+
+def latest_good(root: str | Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint under ``root`` that verifies, skipping bad ones with one log line each."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            return path, verify(path)
+        except CheckpointError as e:
+            logger.warning(f"Skipping a bad checkpoint: {e}; trying the previous one")
+    return None
+
+
+def checkpoint_tokenizer(path: str | Path, meta: dict) -> Any:
+    objective = meta.get("config", {}).get("run", {}).get("objective", "sop+mlm")
+    return load_tokenizer(Path(path) / TOKENIZER, objective)
+
+
+def load_into(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    meta: dict | None = None,
+    params: Sequence[torch.Tensor] | None = None,
+) -> dict:
+    """Load a checkpoint (verified unless ``meta`` is given) into a model built with the same shapes, and
+    its optimizer and scheduler. Returns the checkpoint's metadata. With ``params`` (the model's parameters
+    in the optimizer's order, for an optimizer holding copies of them), the copies get the loaded weights."""
+    path = Path(path)
+    meta = meta if meta is not None else verify(path)
+    try:
+        with torch.no_grad():
+            load_model(model, str(path / MODEL), strict=True)
+    except (RuntimeError, SafetensorError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model ({str(e).splitlines()[0]}); "
+            "was it made with another preset or tokenizer?"
+        ) from None
+    if optimizer is not None:
+        names = parameter_names(model, optimizer, params)
+        index = {name: i for i, name in enumerate(names)}
+        tensors = load_file(str(path / OPTIMIZER))
+        opt_meta = meta["optimizer"]
+        state: dict[int, dict[str, Any]] = {}
+        for key, tensor in tensors.items():
+            kind, _, name = key.partition("/")
+            state.setdefault(index[name], {})[kind] = tensor
+        for name, scalars in opt_meta["scalars"].items():
+            state.setdefault(index[name], {}).update(scalars)
+        groups = [dict(g, params=[index[n] for n in g["params"]]) for g in opt_meta["param_groups"]]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+            raise CheckpointError(f"checkpoint {path} has other optimizer parameter groups than this model")
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if params is not None:
+            copies = [p for group in optimizer.param_groups for p in group["params"]]
+            with torch.no_grad():
+                for copy, param in zip(copies, params, strict=True):
+                    if copy is not param:
+                        copy.copy_(param)
+    if scheduler is not None and meta.get("scheduler"):
+        scheduler.load_state_dict(meta["scheduler"])
+    return meta
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(model weights, optimizer tensors) of a checkpoint, by name, without building a model."""
+    path = Path(path)
+    return load_file(str(path / MODEL)), load_file(str(path / OPTIMIZER))
+
+
+def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module, Any]:
+    """The checkpoint's model (weights loaded) and its tokenizer."""
+    from cotrain.config import RunConfig
+    from cotrain.models import build_model
+
+    tokenizer = checkpoint_tokenizer(path, meta)
+    if tokenizer_hash(tokenizer) != meta.get("tokenizer_hash"):
+        raise CheckpointError(f"checkpoint {path}: its tokenizer does not match the recorded hash")
+    run = RunConfig(**meta["config"]["run"])
+    model = build_model(run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    load_into(path, model, meta=meta)
+    model.eval()
+    return model, tokenizer
+
+
+def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write a Hugging Face model folder (config.json, model.safetensors, tokenizer files) that
+    ``AutoModelForPreTraining.from_pretrained(out_dir)`` loads. Written beside ``out_dir``, then renamed."""
+    from cotrain.data.fsutil import replace_dir, temp_dir_beside
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if checkpoint.is_dir() and not (checkpoint / META).exists():  # a checkpoints folder: its newest good one
+        found = latest_good(checkpoint)
+        if found is None:
+            raise CheckpointError(f"no good checkpoint in {checkpoint}")
+        checkpoint = found[0]
+    meta = verify(checkpoint)
+    model, tokenizer = build_from_checkpoint(checkpoint, meta)
+    tmp = temp_dir_beside(out_dir)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "cotrain.json").write_text(
+            json.dumps({"step": meta["step"], "run_id": meta.get("run_id"), "checkpoint": str(checkpoint)})
+        )
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info(f"Exported {checkpoint} (global step {meta['step']}) to {out_dir}")
+    return out_dir

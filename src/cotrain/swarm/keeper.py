@@ -1,0 +1,176 @@
+"""The monitor's copy of the swarm's training state: loaded from peers every N global steps, saved to disk as
+a checkpoint, and served to newcomers, so a swarm whose trainers all left resumes from it.
+
+The state lives in a hivemind ``TrainingStateAverager`` with the same prefix, parameters, optimizer and
+schedule as the trainers' ``hivemind.Optimizer`` uses (``{run_id}_state_averager``): hivemind's own
+``load_state_from_peers`` fills it, and hivemind's own state sharing serves it, with priority = the saved
+global step (trainers that are further along are asked first). The averager is created in the main thread
+(hivemind requires it); downloads and saves run in a worker thread of their own, so a slow download never
+stalls the monitor's metrics loop or its dashboard. A failed download is logged and retried later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.compression import NoCompression
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from cotrain import checkpoints as ck
+from cotrain.config import Config
+from cotrain.data.tokenizer import tokenizer_hash
+from cotrain.errors import UserError
+from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
+
+logger = logging.getLogger(__name__)
+
+RETRY_SECONDS = 10.0  # after a failed download, wait at least this long (or for a newer step) before the next
+
+
+def state_prefix(run_id: str) -> str:
+    """The DHT prefix of hivemind.Optimizer's state averager (see hivemind/optim/optimizer.py)."""
+    return f"{run_id}_state_averager"
+
+
+def served_epochs(dht: hivemind.DHT, run_id: str) -> dict[bytes, float]:
+    """Peers that declare they serve the run's state, with their priority (their global step)."""
+    found = dht.get(f"{state_prefix(run_id)}.all_averagers", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out = {}
+    for peer, item in found.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[peer] = float(value)
+    return out
+
+
+class StateKeeper:
+    """Holds, checkpoints and serves the swarm's state for the monitor."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        config: Config,
+        tokenizer: Any,
+        root: str | Path,
+        stop: threading.Event,
+    ) -> None:
+        run, peer = config.run, config.peer
+        self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
+        self.model = build_model(run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        self.averager = TrainingStateAverager(
+            dht=dht,
+            prefix=state_prefix(run.run_id),
+            optimizer=optimizer_factory(run),
+            params=parameter_groups(self.model, run.weight_decay),
+            scheduler=scheduler_factory(run),
+            state_compression=NoCompression(),  # full precision: optimizer moments must not be flushed
+            min_matchmaking_time=run.matchmaking_time,
+            allow_state_sharing=False,  # until there is a state worth serving
+            status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
+            start=True,
+        )
+        self.saved_step = -1
+        self.global_step = -1
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- resume ---------------------------------------------------------------------------------
+
+    def resume(self) -> int | None:
+        """Load the newest good checkpoint under root (bad ones are skipped with a log line) and serve it."""
+        found = ck.latest_good(self.root)
+        if found is None:
+            logger.info(f"No good checkpoint in {self.root}: waiting for the trainers' state instead")
+            return None
+        path, meta = found
+        if meta.get("tokenizer_hash") != tokenizer_hash(self.tokenizer):
+            raise UserError(f"checkpoint {path} was made with another tokenizer than this run's")
+        with self.averager.lock_averaged_tensors:
+            ck.load_into(path, self.model, self.averager.optimizer, self.averager.scheduler, meta=meta)
+            self.averager.local_epoch = int(meta["step"])
+        self.averager._load_local_tensors_into_averager_()
+        self.saved_step = int(meta["step"])
+        self._serve()
+        logger.info(f"Resumed from checkpoint {path} (global step {self.saved_step}); serving it to peers")
+        return self.saved_step
+
+    # --- the worker -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="state-keeper")
+        self._thread.start()
+
+    def notice_step(self, step: int) -> None:
+        """Called by the metrics loop with the swarm's global step; never blocks."""
+        if step > self.global_step:
+            self.global_step = step
+            self._wake.set()
+
+    def _due(self) -> bool:
+        every = self.config.peer.save_every
+        return self.global_step > 0 and self.global_step >= max(self.saved_step, 0) + every
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self.stop.is_set() or not self._due():
+                continue
+            try:
+                loaded = self.fetch_and_save()
+            except Exception as e:  # never kills the monitor
+                logger.warning(f"Checkpoint failed ({type(e).__name__}: {e}); retrying later")
+                loaded = False
+            if not loaded:
+                self.stop.wait(RETRY_SECONDS)
+
+    def fetch_and_save(self) -> bool:
+        """Download the swarm's state and save it. Returns whether a newer state was saved."""
+        timeout = self.config.peer.load_state_timeout
+        logger.info(f"Loading the swarm's state at global step ~{self.global_step} for a checkpoint")
+        started = time.monotonic()
+        try:
+            self.averager.load_state_from_peers(timeout=timeout)
+        except TimeoutError:
+            logger.warning(f"Loading the swarm's state took over {timeout:.0f} s; retrying later")
+            return False
+        step = self.averager.local_epoch
+        if step <= self.saved_step:
+            logger.info(f"No peer served a state newer than step {self.saved_step}; retrying later")
+            return False
+        with self.averager.lock_averaged_tensors:
+            path = ck.save_checkpoint(
+                self.root,
+                step,
+                self.model,
+                self.averager.optimizer,
+                self.averager.scheduler,
+                self.config.to_dict(),
+                self.tokenizer,
+                keep=self.config.peer.keep_checkpoints,
+                source="monitor",
+            )
+        self.saved_step = step
+        self._serve()
+        logger.info(f"Saved checkpoint {path} (global step {step}) in {time.monotonic() - started:.1f} s")
+        return True
+
+    def _serve(self) -> None:
+        self.averager.state_sharing_priority = self.saved_step
+        self.averager.allow_state_sharing = True
+
+    def shutdown(self) -> None:
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.averager.shutdown()
+        except Exception as e:
+            logger.debug(f"state averager shutdown: {e!r}")
