@@ -137,14 +137,15 @@ def test_monitor_logs_each_step_and_loss_falls(swarm):
 
 
 def test_samples_per_step_match_the_target(swarm):
-    """Each global step consumes about target_batch_size samples across the swarm: 1.0-1.3x on average
-    (one extra micro-batch of 8 per peer is 1.25x of 64; single steps are noisy because records are read
+    """Each global step consumes about target_batch_size samples across the swarm: 1.0-1.5x on average
+    (peers finish the micro-batch in flight, and on a loaded machine notice the step a micro-batch late:
+    each extra micro-batch of 8 per peer is +25% of 64; single steps are noisy because records are read
     at slightly different times)."""
     rows = [r for r in read_rows(swarm["metrics"]) if r["alive_peers"] == 2]
     assert len(rows) >= 3, rows
     first, last = rows[0], rows[-1]
     per_step = (last["samples"] - first["samples"]) / (last["step"] - first["step"])
-    assert 1.0 * 64 <= per_step <= 1.3 * 64, rows
+    assert 1.0 * 64 <= per_step <= 1.5 * 64, rows
 
 
 def trainer_ids(swarm) -> set[str]:
