@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+from multiprocessing.reduction import ForkingPickler
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
@@ -46,6 +47,51 @@ def parse_maddrs(values: list[str], what: str) -> list[str]:
     return out
 
 
+class _TolerantRequests:
+    """The DHT process's end of its request pipe, dropping requests whose sender has exited.
+
+    Each request carries a reply pipe that the receiving process fetches from the sender. When the
+    sender (a trainer shutting down, an averager process ending) is gone before that happens, the
+    plain pipe raises EOFError, which kills hivemind's DHT loop with a traceback. Nobody waits for
+    such a request, so it is dropped instead."""
+
+    def __init__(self, conn):
+        self._conn, self._pending = conn, None
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        if self._pending is not None:
+            return True
+        while self._conn.poll(timeout):
+            data = self._conn.recv_bytes()  # EOFError here means the pipe itself is closed: let it rise
+            try:
+                self._pending = ForkingPickler.loads(data)
+                return True
+            except (EOFError, OSError):  # its reply pipe could not be fetched from its sender
+                logger.debug("Dropped a DHT request from a process that has exited")
+                timeout = 0.0
+        return False
+
+    def recv(self):
+        if self._pending is None and not self.poll(None):
+            raise EOFError
+        request, self._pending = self._pending, None
+        return request
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+class SwarmDHT(hivemind.DHT):
+    """hivemind's DHT whose serving process survives requests from peers' processes that have exited."""
+
+    def run(self) -> None:
+        self._inner_pipe = _TolerantRequests(self._inner_pipe)
+        super().run()
+
+
 def create_dht(
     peer: PeerConfig, record_validators: list, *, client_mode: bool | None = None, wait_timeout: float = 10.0
 ) -> hivemind.DHT:
@@ -55,7 +101,7 @@ def create_dht(
     announce_maddrs = parse_maddrs(peer.announce_maddrs, "announce")
     client = peer.client_mode if client_mode is None else client_mode
     try:
-        return hivemind.DHT(
+        return SwarmDHT(
             initial_peers=initial_peers,
             client_mode=client,
             record_validators=record_validators,
