@@ -1,52 +1,52 @@
 """The data layer: corpora, tokenizers, examples per objective, sharded prepared datasets, streaming
-them to trainers, and batching."""
+them to trainers, and batching.
 
-from cotrain.data.albert import EXAMPLE_COLUMNS, build_sop_examples
-from cotrain.data.collator import AlbertCollator, ClmCollator, MlmCollator, collator_for
-from cotrain.data.corpus import demo_corpus, read_text_files, read_wikitext, split_sentences
-from cotrain.data.dataset import (
-    PreparedData,
-    document_split,
-    load_prepared,
-    prepare_dataset,
-    read_manifest,
-)
-from cotrain.data.errors import DataError
-from cotrain.data.objectives import OBJECTIVES
-from cotrain.data.sources import import_recipe, prepare_from_source
-from cotrain.data.stream import ExampleStream
-from cotrain.data.tokenizer import (
-    TOKENIZER_TYPES,
-    load_tokenizer,
-    tokenizer_hash,
-    train_albert_tokenizer,
-    train_tokenizer,
-)
+Names are imported on first use, so that ``cotrain prepare`` does not pay for torch (the collators)
+or ``datasets`` (recipe data) when it does not need them."""
 
-__all__ = [
-    "EXAMPLE_COLUMNS",
-    "OBJECTIVES",
-    "TOKENIZER_TYPES",
-    "AlbertCollator",
-    "ClmCollator",
-    "DataError",
-    "ExampleStream",
-    "MlmCollator",
-    "PreparedData",
-    "build_sop_examples",
-    "collator_for",
-    "demo_corpus",
-    "document_split",
-    "import_recipe",
-    "load_prepared",
-    "load_tokenizer",
-    "prepare_dataset",
-    "prepare_from_source",
-    "read_manifest",
-    "read_text_files",
-    "read_wikitext",
-    "split_sentences",
-    "tokenizer_hash",
-    "train_albert_tokenizer",
-    "train_tokenizer",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "EXAMPLE_COLUMNS": "albert",
+    "build_sop_examples": "albert",
+    "AlbertCollator": "collator",
+    "ClmCollator": "collator",
+    "MlmCollator": "collator",
+    "collator_for": "collator",
+    "demo_corpus": "corpus",
+    "read_text_files": "corpus",
+    "read_wikitext": "corpus",
+    "split_sentences": "corpus",
+    "PreparedData": "dataset",
+    "document_split": "dataset",
+    "load_prepared": "dataset",
+    "prepare_dataset": "dataset",
+    "read_manifest": "dataset",
+    "DataError": "errors",
+    "OBJECTIVES": "objectives",
+    "import_recipe": "sources",
+    "prepare_from_source": "sources",
+    "ExampleStream": "stream",
+    "TOKENIZER_TYPES": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "tokenizer_hash": "tokenizer",
+    "train_albert_tokenizer": "tokenizer",
+    "train_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -21,9 +21,8 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import pyarrow as pa
 from transformers import PreTrainedTokenizerFast
 
@@ -42,6 +41,9 @@ from cotrain.data.tokenizer import (
     tokenizer_hash,
     train_tokenizer,
 )
+
+if TYPE_CHECKING:
+    import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +259,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def _load_split(path: Path, split: str, manifest: dict[str, Any]) -> datasets.Dataset:
+    import datasets
+
     entries = manifest.get("shards", {}).get(split)
     if entries is None:
         raise DataError(f"{path}/{MANIFEST} lists no {split} shards; run `cotrain prepare` again")

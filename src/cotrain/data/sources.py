@@ -10,9 +10,8 @@ import tarfile
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import pyarrow as pa
 
 from cotrain.data.albert import EXAMPLE_COLUMNS
@@ -31,6 +30,9 @@ from cotrain.data.objectives import SPLITS, schema
 from cotrain.data.shards import ShardWriter
 from cotrain.data.tokenizer import load_tokenizer, save_tokenizer
 
+if TYPE_CHECKING:
+    import datasets
+
 logger = logging.getLogger(__name__)
 
 WIKITEXT_HEADING_CHARS = "= "
@@ -42,6 +44,8 @@ def hf_documents(
     """Documents of a Hugging Face dataset, streamed (``datasets.load_dataset(name, config,
     streaming=True)``): each non-empty row of ``text_column``; WikiText's ``= heading =`` rows are
     skipped. ``name`` may also be a local folder of parquet/json/csv/text files."""
+    import datasets
+
     from cotrain.data.corpus import _is_wikitext_heading
 
     try:
@@ -124,6 +128,8 @@ def import_recipe(
             "data from the original recipe holds token ids only: give the tokenizer it was made with, "
             "e.g. --tokenizer albert-large-v2 (or a folder written by save_pretrained)"
         )
+    import datasets
+
     tokenizer = load_tokenizer(tokenizer_path, "sop+mlm")
     with tempfile.TemporaryDirectory(prefix="cotrain-recipe-") as work:
         folder = _local_recipe_folder(source, Path(work), progress)

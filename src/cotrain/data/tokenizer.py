@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from cotrain.data.errors import DataError
 from cotrain.data.fsutil import replace_dir, temp_dir_beside
@@ -231,7 +231,13 @@ def load_tokenizer(path: str | Path, objective: str = "sop+mlm") -> PreTrainedTo
         raise DataError(f"no tokenizer at {path}: give a folder written by save_pretrained")
     path = Path(path) if local else path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=local)
+        if local and (path / "tokenizer.json").is_file():
+            # a fast tokenizer's own file: no need for AutoTokenizer, whose import pulls in torch
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=local)
     except Exception as e:  # tokenizers raises bare Exceptions for corrupt files
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(
