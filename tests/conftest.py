@@ -37,18 +37,41 @@ def _is_loopback(ip: str) -> bool:
         return False
 
 
+def _netns(pid: int | str) -> int | None:
+    """Inode of the network namespace of a process (``"self"``: this one)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
 class NetworkGuard(threading.Thread):
-    """Watches every process this test session started and records any socket listening off loopback."""
+    """Watches every process this test session started and records any socket listening off loopback.
+
+    Processes inside a network namespace that the test created itself (``allow_namespace``) are exempt:
+    there, addresses exist only inside the test's own namespaces."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.violations: list[str] = []
         self.stop = threading.Event()
+        self.own_netns = _netns("self")
+        self.allowed_netns: set[int] = set()
+
+    def allow_namespace(self, name: str) -> None:
+        """Exempt processes in network namespace ``name``, which the test created (``ip netns add NAME``)."""
+        ino = os.stat(f"/run/netns/{name}").st_ino
+        assert ino != self.own_netns, f"{name} is the test runner's own network namespace"
+        self.allowed_netns.add(ino)
 
     def run(self) -> None:
         me = psutil.Process()
         while not self.stop.wait(0.5):
             for proc in me.children(recursive=True):
+                if self.allowed_netns:
+                    ns = _netns(proc.pid)
+                    if ns is not None and ns != self.own_netns and ns in self.allowed_netns:
+                        continue
                 try:
                     conns = proc.net_connections(kind="inet")
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

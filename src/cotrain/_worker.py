@@ -50,6 +50,8 @@ def run_role(argv: list[str]) -> int:
             from cotrain.roles.trainer import Trainer as role_class
         elif ns.command == "monitor":
             from cotrain.roles.monitor import Monitor as role_class
+        elif ns.command == "eval":
+            from cotrain.roles.evaluator import Evaluator as role_class
         else:
             return fail(command, f"{command!r} is not a supervised role")
         signals = StopSignals().install()

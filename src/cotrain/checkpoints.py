@@ -294,16 +294,24 @@ def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module
     if tokenizer_hash(tokenizer) != meta.get("tokenizer_hash"):
         raise CheckpointError(f"checkpoint {path}: its tokenizer does not match the recorded hash")
     run = RunConfig(**meta["config"]["run"])
-    model = build_model(run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model = build_model(
+        run,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     load_into(path, model, meta=meta)
     model.eval()
     return model, tokenizer
 
 
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write a Hugging Face model folder (config.json, model.safetensors, tokenizer files) that
-    ``AutoModelForPreTraining.from_pretrained(out_dir)`` loads. Written beside ``out_dir``, then renamed."""
+    """Write a Hugging Face model folder (config.json, model.safetensors, tokenizer files) that the
+    family's Auto class loads (``AutoModelForPreTraining`` for ALBERT, ``AutoModelForMaskedLM`` for BERT,
+    DistilBERT and RoBERTa, ``AutoModelForCausalLM`` for GPT-2). Written beside ``out_dir``, then renamed."""
     from cotrain.data.fsutil import replace_dir, temp_dir_beside
+    from cotrain.families import FAMILIES
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if checkpoint.is_dir() and not (checkpoint / META).exists():  # a checkpoints folder: its newest good one
@@ -313,16 +321,30 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
         checkpoint = found[0]
     meta = verify(checkpoint)
     model, tokenizer = build_from_checkpoint(checkpoint, meta)
+    family = FAMILIES[model.config.model_type]
+    auto_class = family.auto_class
+    # the exported tokenizer makes only the inputs the model takes (DistilBERT has no token types)
+    tokenizer.model_input_names = [n for n in tokenizer.model_input_names if n in family.inputs]
     tmp = temp_dir_beside(out_dir)
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         (tmp / "cotrain.json").write_text(
-            json.dumps({"step": meta["step"], "run_id": meta.get("run_id"), "checkpoint": str(checkpoint)})
+            json.dumps(
+                {
+                    "step": meta["step"],
+                    "run_id": meta.get("run_id"),
+                    "checkpoint": str(checkpoint),
+                    "auto_class": auto_class,
+                }
+            )
         )
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info(f"Exported {checkpoint} (global step {meta['step']}) to {out_dir}")
+    logger.info(
+        f"Exported {checkpoint} (global step {meta['step']}) to {out_dir}: "
+        f"transformers.{auto_class}.from_pretrained({str(out_dir)!r}) loads it"
+    )
     return out_dir

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from cotrain import config as cfg
 from cotrain.errors import UserError
@@ -19,13 +20,29 @@ DESCRIPTIONS = {
     "monitor": "Start the swarm's first peer: welcome others, aggregate and log the swarm's metrics.",
     "demo": "Run a whole swarm on this machine (a monitor and N trainers on 127.0.0.1) and report.",
     "config": "Show the resolved configuration of a preset (and an optional TOML file).",
+    "eval": "Join a swarm as an evaluation peer: load its latest state every --eval-every seconds, publish "
+    "held-out loss, perplexity and accuracy.",
     "status": "Show a running swarm's state (step, peers, progress, throughput, ETA) and exit.",
     "export": "Turn a checkpoint into a Hugging Face model folder (config, safetensors weights, tokenizer).",
+    "token": "Private swarms: issue, revoke and list the access tokens that let participants join.",
 }
 
 
 def _metavar(f: dataclasses.Field) -> str:
     return f.name.upper().split("_")[-1]
+
+
+def int_or_auto(text: str) -> int:
+    """A command-line integer that may also be the word ``auto`` (stored as cotrain.config.AUTO)."""
+    if text.strip().lower() == "auto":
+        return cfg.AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number or auto, got {value}")
+    return value
 
 
 def add_config_options(parser: argparse.ArgumentParser, role: str) -> None:
@@ -41,8 +58,12 @@ def add_config_options(parser: argparse.ArgumentParser, role: str) -> None:
         t = cfg.field_type(f)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kwargs: dict = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
-        if t is bool:
-            kwargs.update(action="store_true", help=f.metadata["doc"])
+        if t is bool:  # on by default: --no-NAME turns it off
+            action = argparse.BooleanOptionalAction if default is True else "store_true"
+            kwargs.update(action=action, help=f.metadata["doc"])
+        elif f.metadata.get("auto"):
+            help_text = f"{f.metadata['doc']} (default: {default})"
+            kwargs.update(type=int_or_auto, metavar="N|auto", help=help_text)
         elif t is list:
             kwargs.update(nargs="+", action="extend", metavar=_metavar(f), help=f"{f.metadata['doc']}")
         else:
@@ -51,13 +72,20 @@ def add_config_options(parser: argparse.ArgumentParser, role: str) -> None:
         group.add_argument(*cfg.cli_flags(f), **kwargs)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (a UserError pointing to --help), not the usage text and an exit."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="cotrain",
         description="Train language models collaboratively: volunteers' machines form a swarm with hivemind.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for role in ("prepare", "train", "monitor", "demo", "status"):
+    for role in ("prepare", "train", "monitor", "eval", "demo", "status"):
         p = sub.add_parser(role, help=DESCRIPTIONS[role], description=DESCRIPTIONS[role])
         add_config_options(p, role)
     p = sub.add_parser("config", help=DESCRIPTIONS["config"], description=DESCRIPTIONS["config"])
@@ -69,7 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint",
         help="a checkpoint folder (step-NNNNNN) or a checkpoints folder (its newest good checkpoint)",
     )
-    p.add_argument("out_dir", help="folder to write (AutoModelForPreTraining.from_pretrained loads it)")
+    p.add_argument(
+        "out_dir",
+        help="folder to write: the family's Auto class loads it (AutoModelForPreTraining for ALBERT, "
+        "AutoModelForMaskedLM for BERT/DistilBERT/RoBERTa, AutoModelForCausalLM for GPT-2)",
+    )
+    from cotrain import tokens
+
+    tokens.add_parser(sub)
     return parser
 
 
@@ -87,7 +122,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, cfg.Config | None]:
     ns = build_parser().parse_args(argv)
     if ns.command == "config":
         return ns, cfg.resolve(ns.preset, ns.config)
-    if ns.command == "export":
+    if ns.command in ("export", "token"):
         return ns, None
     overrides = overrides_from(ns)
     if ns.command == "demo":  # the demo trains the CPU-sized model unless told otherwise
@@ -95,8 +130,47 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, cfg.Config | None]:
     return ns, cfg.resolve(config_file=ns.config, overrides=overrides)
 
 
+def check_local_paths(command: str, config: cfg.Config) -> None:
+    """What a role needs on this machine, checked before any process or network starts: well-formed
+    addresses, its dataset, the checkpoint to resume from and a writable output folder."""
+
+    from cotrain.swarm.dht import parse_maddrs
+
+    peer = config.peer
+    parse_maddrs(peer.initial_peers, "initial peer")
+    parse_maddrs(peer.host_maddrs, "listen")
+    parse_maddrs(peer.announce_maddrs, "announce")
+    if command == "train":  # (no dataset at all is the trainer's to report, after an unreachable swarm)
+        if peer.resume_from:
+            from cotrain.checkpoints import verify
+
+            verify(peer.resume_from)
+        if peer.dataset_path and not peer.dataset_url:
+            from cotrain.data import read_manifest
+
+            read_manifest(peer.dataset_path)
+    check_writable(Path(peer.output_dir))
+
+
+def check_writable(folder: Path, what: str = "the output folder") -> None:
+    """Create ``folder`` if needed and write (then remove) a temporary file in it, or raise UserError."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write to {what} {folder}: {e.strerror or e}") from None
+
+
+def describe_os_error(e: OSError) -> str:
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e}"
+
+
 def fail(command: str, message: str) -> int:
-    print(f"cotrain {command}: error: {message}", file=sys.stderr)
+    print(f"cotrain{' ' + command if command else ''}: error: {message}", file=sys.stderr)
     return 2
 
 
@@ -112,10 +186,13 @@ def cmd_prepare(config: cfg.Config) -> int:
     import json
 
     from cotrain.data import DataError, prepare_from_source
+    from cotrain.families import tokenizer_type_for
 
     p = config.prepare
+    objective = p.objective or config.run.objective
     if p.train_tokenizer and p.tokenizer:
         raise DataError("give either --tokenizer or --train-tokenizer, not both")
+    check_writable(Path(p.output).absolute().parent, "the folder of --output")
     manifest = prepare_from_source(
         demo=p.demo_corpus,
         text_files=p.text_files or None,
@@ -129,8 +206,8 @@ def cmd_prepare(config: cfg.Config) -> int:
         tokenizer_path=p.tokenizer or None,
         vocab_size=p.vocab_size,
         valid_fraction=p.valid_fraction,
-        objective=p.objective or config.run.objective,
-        tokenizer_type=p.tokenizer_type,
+        objective=objective,
+        tokenizer_type=p.tokenizer_type or tokenizer_type_for(config.run.model_family, objective),
         shard_size=p.shard_size,
         num_proc=p.num_proc,
         progress=True,
@@ -170,6 +247,7 @@ def cmd_export(checkpoint: str, out_dir: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
+    command = command if command in DESCRIPTIONS else ""
     try:
         ns, config = parse(argv)
         if ns.command == "config":
@@ -180,9 +258,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(ns.checkpoint, ns.out_dir)
         if ns.command == "status":
             return cmd_status(config)
-        if ns.command in ("train", "monitor"):
+        if ns.command == "token":
+            from cotrain.tokens import run as cmd_token
+
+            return cmd_token(ns)
+        if ns.command in ("train", "monitor", "eval"):
             from cotrain.procs import supervise
 
+            if ns.command in ("train", "monitor"):
+                check_local_paths(ns.command, config)
             return supervise(argv)
         if ns.command == "demo":
             from cotrain.demo import run_demo
@@ -190,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(config)
     except UserError as e:
         return fail(command, str(e))
+    except OSError as e:  # the file system refused (read-only, full, missing folder): one line, no traceback
+        return fail(command, describe_os_error(e))
     except KeyboardInterrupt:
         print(f"cotrain {command}: interrupted", file=sys.stderr)
         return 130

@@ -10,7 +10,9 @@ Precedence: command line > ``--config FILE.toml`` > preset > dataclass defaults.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,8 +23,21 @@ from typing import Any
 import tomllib
 
 from cotrain.errors import UserError
+from cotrain.families import family_problems
 
 ROLES_ALL = ("train", "monitor", "demo", "status", "eval")
+AUTO = -1  # how an ``auto`` value (e.g. --per-device-train-batch-size auto) is stored
+
+
+def micro_batch_arg(value: int) -> str:
+    """--per-device-train-batch-size as typed on a command line (``auto`` for AUTO)."""
+    return "auto" if value == AUTO else str(value)
+
+
+def seed_flags(f: dataclasses.Field) -> tuple[str, ...]:
+    """The original scripts' spellings of a field (none when the original recipe did not have it)."""
+    seed = f.metadata["seed"]
+    return (seed,) if isinstance(seed, str) and seed else tuple(seed or ())
 
 
 class ConfigError(UserError):
@@ -35,12 +50,15 @@ def opt(
     *,
     flags: tuple[str, ...] = (),
     roles: tuple[str, ...] = ROLES_ALL,
-    seed: str = "",
+    seed: str | tuple[str, ...] = "",
+    auto: bool = False,
     **kw: Any,
 ):
     """A dataclass field carrying its doc line, extra CLI spellings, the roles that accept it and, when the
-    original recipe had it, the original flag's spelling (``seed``)."""
-    meta = {"doc": doc, "flags": flags, "roles": roles, "seed": seed}
+    original recipe had it, the original flag's spelling (``seed``: one, or a tuple when the original
+    scripts spelled it several ways). ``auto``: an int field that also takes the word ``auto`` (stored as
+    AUTO)."""
+    meta = {"doc": doc, "flags": flags, "roles": roles, "seed": seed, "auto": auto}
     if isinstance(default, list | dict):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -54,15 +72,25 @@ class RunConfig:
         "cotrain",
         "Name of the training run; peers with the same run id train together (no dots).",
         flags=("--experiment-prefix",),
-        seed="--experiment_prefix",
+        seed=("--experiment_prefix", "--run_id"),
     )
     preset: str = opt(
         "albert-large-v2",
         "Name of the shipped preset this config starts from.",
         roles=ROLES_ALL + ("prepare",),
     )
-    model_family: str = opt("albert", "Model family: albert (sentence order + masked LM).", roles=())
-    objective: str = opt("sop+mlm", "Training objective the dataset was prepared for.", roles=())
+    model_family: str = opt(
+        "albert",
+        "Model family: albert (sentence order + masked LM), bert, distilbert, roberta (masked LM) or gpt2 "
+        "(causal LM).",
+        roles=(),
+    )
+    objective: str = opt(
+        "sop+mlm",
+        "Training objective, the family's: sop+mlm (albert), mlm (bert, distilbert, roberta) or clm (gpt2); "
+        "`cotrain prepare` makes these examples.",
+        roles=(),
+    )
     model: dict = opt(
         {}, "Model architecture ([model] table: hidden_size, num_attention_heads, ...).", roles=()
     )
@@ -74,12 +102,26 @@ class RunConfig:
         seed="--seq_length",
     )
     mlm_probability: float = opt(0.15, "Fraction of tokens masked for the masked-LM objective.")
+    whole_word_mask: bool = opt(
+        False, "Masked LM: mask all the pieces of a word together (whole-word masking)."
+    )
+    init_from: str = opt(
+        "",
+        "Start from pretrained weights: a Hugging Face model folder (offline) or a Hub model name (needs a "
+        "network); its architecture replaces [run.model]. Give every peer the same value.",
+        flags=("--model-name-or-path",),
+        seed="--model_name_or_path",
+    )
     target_batch_size: int = opt(
         4096,
         "Samples the whole swarm accumulates before each global optimizer step.",
         seed="--target_batch_size",
     )
     optimizer: str = opt("lamb", "Optimizer: lamb (the seed recipe) or adamw.")
+    lr_scheduler: str = opt(
+        "linear",
+        "Learning-rate decay after the linear warmup, stepped once per global step: linear or cosine.",
+    )
     learning_rate: float = opt(0.00176, "Peak learning rate.", seed="--learning_rate")
     adam_beta1: float = opt(0.9, "First-moment decay of LAMB/Adam.", seed="--adam_beta1")
     adam_beta2: float = opt(0.999, "Second-moment decay of LAMB/Adam.", seed="--adam_beta2")
@@ -93,18 +135,22 @@ class RunConfig:
     )
     warmup_steps: int = opt(5000, "Global steps of linear learning-rate warmup.", seed="--warmup_steps")
     total_steps: int = opt(
-        125000, "Global steps of the whole schedule (linear decay to zero).", seed="--total_steps"
+        125000, "Global steps of the whole schedule (decay to zero).", seed="--total_steps"
     )
     matchmaking_time: float = opt(
         5.0,
         "Seconds a peer waits for others to form an averaging group.",
         flags=("--averaging-expiration",),
-        seed="--averaging_expiration",
+        seed=("--averaging_expiration", "--matchmaking_time"),
     )
     averaging_timeout: float = opt(
         60.0, "Seconds before an averaging round is given up.", seed="--averaging_timeout"
     )
-    grad_compression: str = opt("fp16", "Compression of gradients and parameters on the wire: fp16 or none.")
+    grad_compression: str = opt(
+        "fp16",
+        "Compression of gradients and parameters on the wire: fp16 or none (optimizer statistics and "
+        "downloaded state always travel in full precision).",
+    )
 
 
 @dataclass
@@ -119,9 +165,11 @@ class PeerConfig:
     )
     host_maddrs: list = opt(
         ["/ip4/0.0.0.0/tcp/0"],
-        "Multiaddrs to listen on (default: all interfaces, a free port).",
+        "Multiaddrs to listen on (default: all interfaces, a free port); the old IP:PORT forms "
+        "([::]:1337, 0.0.0.0:*) are translated.",
+        flags=("--listen-on", "--dht-listen-on"),
         roles=("train", "monitor", "status", "eval"),
-        seed="--host_maddrs",
+        seed=("--host_maddrs", "--listen_on", "--dht_listen_on"),
     )
     announce_maddrs: list = opt(
         [],
@@ -131,14 +179,27 @@ class PeerConfig:
     )
     identity_path: str = opt(
         "",
-        "File holding this peer's private key: the same file gives the same peer id across restarts.",
+        "File holding this peer's private key (created, owner-only, when missing): the same file gives the "
+        "same peer id across restarts.",
         roles=("train", "monitor", "eval"),
         seed="--identity_path",
+    )
+    access_token: str = opt(
+        "",
+        "Token file from the operator of a private swarm (`cotrain token issue`); without one, only public "
+        "swarms can be joined.",
+        roles=("train", "status", "eval"),
+    )
+    authority_key: str = opt(
+        "",
+        "Authority key of a private swarm (made by `cotrain token issue`): admit only peers whose access "
+        "tokens it signed and that are not revoked.",
+        roles=("monitor",),
     )
     client_mode: bool = opt(
         False,
         "Do not accept incoming connections (behind NAT/firewall): train and average through other peers.",
-        roles=("train", "eval"),
+        roles=("train",),
         seed="--client_mode",
     )
     use_ipfs: bool = opt(
@@ -164,20 +225,34 @@ class PeerConfig:
         "",
         "Where shards fetched from --dataset-url are cached (default: ~/.cache/cotrain/datasets).",
         roles=("train", "eval", "monitor"),
+        seed="--cache_dir",
     )
     tokenizer_path: str = opt(
         "",
-        "Tokenizer folder (save_pretrained) for the model's shapes, instead of --dataset-path/--dataset-url.",
-        roles=("monitor",),
+        "Tokenizer folder (save_pretrained): the monitor's model shapes instead of the dataset's; a "
+        "trainer checks it is the tokenizer its dataset was prepared with.",
+        flags=("--tokenizer",),
+        roles=("train", "monitor"),
+        seed=("--tokenizer_path", "--tokenizer"),
+    )
+    model_config_path: str = opt(
+        "",
+        "Model architecture from a JSON file, a Hugging Face model folder (its config.json) or a URL; it "
+        "overrides the preset's [run.model] (give every peer the same).",
+        flags=("--config-path",),
+        roles=("train", "monitor", "eval"),
+        seed=("--model_config_path", "--config_path"),
     )
     output_dir: str = opt(
         "outputs", "Folder for this peer's logs, metrics and checkpoints.", seed="--output_dir"
     )
     per_device_train_batch_size: int = opt(
         4,
-        "Samples per micro-batch on this peer.",
+        "Samples per micro-batch on each device of this peer, or auto: the largest that fits the GPU's "
+        "memory, with gradient accumulation making up the preset's samples per step (on a CPU: 4).",
         roles=("train", "demo"),
         seed="--per_device_train_batch_size",
+        auto=True,
     )
     gradient_accumulation_steps: int = opt(
         1,
@@ -195,6 +270,147 @@ class PeerConfig:
         seed="--seed",
     )
     torch_threads: int = opt(0, "CPU threads for torch on this peer (0: torch's default).")
+    devices: str = opt(
+        "",
+        "Devices this peer trains on: cpu, cuda, cuda:1, a list (cuda:0,cuda:1) or all (every local GPU, "
+        "data parallel); default: the first GPU, else the CPU.",
+        roles=("train",),
+    )
+    fp16: bool = opt(
+        False,
+        "Mixed precision in float16: torch.autocast with loss scaling (each micro-batch's gradients are "
+        "unscaled and checked before the swarm sees them).",
+        roles=("train",),
+        seed="--fp16",
+    )
+    bf16: bool = opt(
+        False,
+        "Mixed precision in bfloat16: torch.autocast (no loss scaling).",
+        roles=("train",),
+        seed="--bf16",
+    )
+    dataloader_num_workers: int = opt(
+        0,
+        "Worker processes that load and collate micro-batches from a local --dataset-path "
+        "(0: in the training process).",
+        roles=("train",),
+        seed="--dataloader_num_workers",
+    )
+    num_train_epochs: float = opt(
+        0.0,
+        "Stop after this many passes over this peer's training examples (0: no limit).",
+        roles=("train",),
+        seed="--num_train_epochs",
+    )
+    logging_dir: str = opt(
+        "",
+        "Folder for TensorBoard event files of this trainer's logged steps (needs tensorboard; none when "
+        "empty).",
+        roles=("train",),
+        seed="--logging_dir",
+    )
+    logging_steps: int = opt(
+        1,
+        "Log a line (and write --logging-dir) every N global steps; the swarm's record is published every "
+        "step.",
+        roles=("train",),
+        seed="--logging_steps",
+    )
+    logging_first_step: bool = opt(
+        False,
+        "Also log the first global step this trainer completes.",
+        roles=("train",),
+        seed="--logging_first_step",
+    )
+    backup_every_steps: int = opt(
+        10,
+        "Keep an in-memory copy of the model and optimizer state every N global steps; when the loss or the "
+        "parameters turn NaN/inf, restore it, reload the swarm's state and keep training (0: off).",
+        roles=("train",),
+        seed="--backup_every_steps",
+    )
+    target_group_size: int = opt(
+        256, "Largest all-reduce group this peer averages in.", roles=("train",), seed="--target_group_size"
+    )
+    min_refresh_period: float = opt(
+        0.5,
+        "Fewest seconds between this peer's reads of the swarm's progress.",
+        roles=("train",),
+        seed="--min_refresh_period",
+    )
+    max_refresh_period: float = opt(
+        0.0,
+        "Most seconds between reads of the swarm's progress (0: twice --matchmaking-time, at least 1).",
+        roles=("train",),
+        seed="--max_refresh_period",
+    )
+    default_refresh_period: float = opt(
+        3.0,
+        "Seconds between reads of the swarm's progress while it cannot be estimated.",
+        roles=("train",),
+        seed="--default_refresh_period",
+    )
+    expected_drift_peers: float = opt(
+        3.0,
+        "Peers the progress tracker expects may join per step (it refreshes sooner for them).",
+        roles=("train",),
+        seed="--expected_drift_peers",
+    )
+    expected_drift_rate: float = opt(
+        0.2,
+        "Fraction of the swarm the progress tracker expects may join per step.",
+        roles=("train",),
+        seed="--expected_drift_rate",
+    )
+    metadata_expiration: float = opt(
+        120.0,
+        "Seconds this peer's progress record stays valid in the DHT.",
+        roles=("train",),
+        seed="--metadata_expiration",
+    )
+    performance_ema_alpha: float = opt(
+        0.1,
+        "Smoothing of this peer's samples/s estimate (moving-average weight of the newest step).",
+        roles=("train",),
+        seed="--performance_ema_alpha",
+    )
+    offload_optimizer: bool = opt(
+        True,
+        "Keep the optimizer's parameters and statistics in host memory (--no-offload-optimizer: on the "
+        "device).",
+        roles=("train",),
+    )
+    delay_optimizer_step: bool = opt(
+        False,
+        "Run the optimizer step in the background while the next micro-batches compute (parameters lag one "
+        "step).",
+        roles=("train",),
+    )
+    delay_grad_averaging: bool = opt(
+        False, "Average gradients in the background too (implies --delay-optimizer-step).", roles=("train",)
+    )
+    delay_state_averaging: bool = opt(
+        True,
+        "Average parameters with peers in the background (--no-delay-state-averaging: wait for it).",
+        roles=("train",),
+    )
+    use_relay: bool = opt(
+        True,
+        "Let libp2p circuit relays carry connections to and from peers behind NAT (--no-use-relay: never).",
+        roles=("train", "monitor", "eval"),
+    )
+    use_auto_relay: bool = opt(
+        False,
+        "Behind NAT: find relays among the swarm's public peers and become reachable through them.",
+        roles=("train", "monitor", "eval"),
+    )
+    use_google_dns: bool = opt(
+        False,
+        "Announce the address this machine reaches the internet from (a UDP socket 'connected' to 8.8.8.8 "
+        "names it without sending a packet): the public IP of a server or cloud VM.",
+        roles=("train", "monitor"),
+        seed="--use_google_dns",
+    )
     batch_size_lead: int = opt(
         0,
         "Start averaging this many samples before the target batch is reached.",
@@ -216,7 +432,7 @@ class PeerConfig:
     load_state_timeout: float = opt(
         60.0,
         "Seconds to wait for the current model state from other peers (joining; a monitor's checkpoint).",
-        roles=("train", "monitor"),
+        roles=("train", "monitor", "eval"),
     )
     save_every: int = opt(
         500,
@@ -234,9 +450,21 @@ class PeerConfig:
     push_to_hub: str = opt(
         "",
         "Hugging Face Hub repository (user/name) to upload the newest checkpoint to, as a model folder.",
-        flags=("--repo-url", "--repo-path"),
+        flags=("--repo-url",),
         roles=("monitor",),
         seed="--repo_url",
+    )
+    repo_path: str = opt(
+        "",
+        "Local folder where the model folder uploaded to --push-to-hub is written (default OUTPUT_DIR/hub).",
+        roles=("monitor",),
+        seed="--repo_path",
+    )
+    store_checkpoints: bool = opt(
+        True,
+        "Keep checkpoints of the swarm's state every --save-every steps (--no-store-checkpoints: none).",
+        roles=("monitor",),
+        seed="--store_checkpoints",
     )
     upload_every: float = opt(
         3600.0,
@@ -272,9 +500,18 @@ class PeerConfig:
     startup_timeout: float = opt(
         20.0,
         "Seconds to wait for the network layer to start and reach initial peers.",
-        roles=("train", "monitor", "status"),
+        roles=("train", "monitor", "status", "eval"),
     )
     verbose: bool = opt(False, "Log hivemind's status lines at INFO instead of DEBUG.")
+    eval_every: float = opt(
+        60.0, "Seconds between the evaluation peer's runs on the swarm's latest state.", roles=("eval",)
+    )
+    eval_batches: int = opt(
+        16, "Held-out batches per evaluation: the same batches (and masks) every time.", roles=("eval",)
+    )
+    per_device_eval_batch_size: int = opt(
+        8, "Samples per evaluation batch.", roles=("eval",), seed="--per_device_eval_batch_size"
+    )
     dashboard_port: int = opt(
         8080,
         "Port of the monitor's live web dashboard (0: any free port; -1: no dashboard).",
@@ -318,8 +555,8 @@ class PrepareConfig:
     )
     tokenizer_type: str = opt(
         "",
-        "Tokenizer to train: unigram (ALBERT), wordpiece (BERT) or bpe (RoBERTa, GPT-2); "
-        "default: the objective's.",
+        "Tokenizer to train: unigram (ALBERT), wordpiece (BERT, DistilBERT) or bpe (RoBERTa, GPT-2); "
+        "default: the preset's family's (with another --objective, that objective's).",
         roles=("prepare",),
     )
     train_tokenizer: bool = opt(
@@ -371,12 +608,19 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def field_type(f: dataclasses.Field) -> type:
-    """The runtime type of a field (annotations are strings here)."""
+@functools.cache
+def _type_hints() -> dict[str, Any]:
+    """Every section's field annotations, evaluated once (they are strings here, and evaluating them for
+    each of the CLI's few hundred options took seconds)."""
     hints: dict = {}
     for cls in SECTIONS.values():
         hints |= typing.get_type_hints(cls)
-    t = hints[f.name]
+    return hints
+
+
+def field_type(f: dataclasses.Field) -> type:
+    """The runtime type of a field (annotations are strings here)."""
+    t = _type_hints()[f.name]
     if isinstance(t, types.UnionType):
         t = next(a for a in t.__args__ if a is not type(None))
     return typing.get_origin(t) or t
@@ -432,6 +676,8 @@ def load_toml(path: str | Path) -> dict:
 
 def _coerce(name: str, value: Any, f: dataclasses.Field, problems: list[str]) -> Any:
     t = field_type(f)
+    if f.metadata.get("auto") and isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if t is list and isinstance(value, str):
@@ -462,18 +708,53 @@ def _apply(values: dict, layer: dict, origin: str, problems: list[str]) -> None:
                 values[section][key] = coerced
 
 
+def _option_problems(peer: PeerConfig) -> list[str]:
+    """Problems of the per-peer tuning options (precision, logging, backups, progress tracking)."""
+    problems = []
+    if peer.fp16 and peer.bf16:
+        problems.append("give --fp16 or --bf16, not both")
+    if (peer.delay_optimizer_step or peer.delay_grad_averaging) and not peer.offload_optimizer:
+        problems.append("delay_optimizer_step and delay_grad_averaging need offload_optimizer")
+    for name in ("backup_every_steps", "dataloader_num_workers", "num_train_epochs", "max_refresh_period"):
+        if getattr(peer, name) < 0:
+            problems.append(f"{name} must not be negative, got {getattr(peer, name)}")
+    if peer.logging_steps < 1 or peer.target_group_size < 2:
+        problems.append("logging_steps must be at least 1 and target_group_size at least 2")
+    for name in ("min_refresh_period", "default_refresh_period", "metadata_expiration"):
+        if getattr(peer, name) <= 0:
+            problems.append(f"{name} must be positive, got {getattr(peer, name)}")
+    if 0 < peer.max_refresh_period < peer.min_refresh_period:
+        problems.append("max_refresh_period must not be below min_refresh_period")
+    if peer.expected_drift_peers < 0 or peer.expected_drift_rate < 0:
+        problems.append("expected_drift_peers and expected_drift_rate must not be negative")
+    if not 0 < peer.performance_ema_alpha <= 1:
+        problems.append(f"performance_ema_alpha must be in (0, 1], got {peer.performance_ema_alpha}")
+    return problems
+
+
 def validate(config: Config) -> list[str]:
     """Every semantic problem of a resolved config, each as one line."""
     run, peer = config.run, config.peer
-    problems = []
+    problems = [
+        f"{f.name} must be a finite number, got {getattr(section, f.name)}"
+        for section in (run, peer, config.prepare, config.demo)
+        for f in dataclasses.fields(section)
+        if isinstance(getattr(section, f.name), float) and not math.isfinite(getattr(section, f.name))
+    ]
     if not run.run_id or "." in run.run_id or "/" in run.run_id:
         problems.append(f"run_id {run.run_id!r} must be non-empty and contain no '.' or '/'")
     for name in ("target_batch_size", "max_seq_length", "total_steps"):
         if getattr(run, name) <= 0:
             problems.append(f"{name} must be positive, got {getattr(run, name)}")
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-        if getattr(peer, name) <= 0:
-            problems.append(f"{name} must be positive, got {getattr(peer, name)}")
+    if peer.per_device_train_batch_size < 1 and peer.per_device_train_batch_size != AUTO:
+        problems.append(
+            f"per_device_train_batch_size must be positive or auto, got {peer.per_device_train_batch_size}"
+        )
+    if peer.gradient_accumulation_steps <= 0:
+        problems.append(
+            f"gradient_accumulation_steps must be positive, got {peer.gradient_accumulation_steps}"
+        )
+    problems += _option_problems(peer)
     if run.warmup_steps < 0 or run.warmup_steps > run.total_steps:
         problems.append(
             f"warmup_steps must be between 0 and total_steps ({run.total_steps}), got {run.warmup_steps}"
@@ -484,6 +765,9 @@ def validate(config: Config) -> list[str]:
         problems.append(f"mlm_probability must be between 0 and 1, got {run.mlm_probability}")
     if run.optimizer not in ("lamb", "adamw"):
         problems.append(f"optimizer must be lamb or adamw, got {run.optimizer!r}")
+    if run.lr_scheduler not in ("linear", "cosine"):
+        problems.append(f"lr_scheduler must be linear or cosine, got {run.lr_scheduler!r}")
+    problems += family_problems(run.model_family, run.objective)
     if run.grad_compression not in ("fp16", "none"):
         problems.append(f"grad_compression must be fp16 or none, got {run.grad_compression!r}")
     if run.matchmaking_time <= 0 or run.averaging_timeout <= 0:
@@ -504,6 +788,8 @@ def validate(config: Config) -> list[str]:
         problems.append("refresh_period, statistics_expiration and load_state_timeout must be positive")
     if peer.save_every < 0 or peer.save_steps < 0 or peer.upload_every <= 0:
         problems.append("save_every and save_steps must not be negative, upload_every must be positive")
+    if peer.eval_every <= 0 or peer.eval_batches < 1 or peer.per_device_eval_batch_size < 1:
+        problems.append("eval_every must be positive, eval_batches and per_device_eval_batch_size at least 1")
     if peer.keep_checkpoints < 1 or peer.save_total_limit < 1:
         problems.append("keep_checkpoints and save_total_limit must be at least 1")
     if not -1 <= peer.dashboard_port <= 65535:
@@ -531,6 +817,11 @@ def resolve(
     if file_layer:
         _apply(values, file_layer, str(config_file), problems)
     _apply(values, overrides, "command line", problems)
+    if values["peer"].get("model_config_path") and not problems:
+        architecture = model_config_overrides(
+            values["peer"]["model_config_path"], values["run"]["model_family"], problems
+        )
+        values["run"]["model"] = {**values["run"]["model"], **architecture}
     if problems:
         raise ConfigError("; ".join(problems))
     config = Config(**{section: cls(**values[section]) for section, cls in SECTIONS.items()})
@@ -538,6 +829,51 @@ def resolve(
     if problems:
         raise ConfigError("; ".join(problems))
     return config
+
+
+# keys of a Hugging Face config.json that are not architecture: the tokenizer gives the vocabulary and
+# special ids, the rest is bookkeeping
+NOT_ARCHITECTURE = {
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "vocab_size",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "torch_dtype",
+    "dtype",
+    "_name_or_path",
+    "id2label",
+    "label2id",
+}
+
+
+def model_config_overrides(path: str, family: str, problems: list[str]) -> dict:
+    """The architecture in a JSON model config (a file, a Hugging Face model folder's config.json or a
+    URL), as [run.model] keys; problems are appended, not raised."""
+    try:
+        if path.startswith(("http://", "https://")):
+            from cotrain.data.fetch import fetch_bytes
+
+            text = fetch_bytes(path).decode()
+        else:
+            p = Path(path).expanduser()
+            text = (p / "config.json" if p.is_dir() else p).read_text()
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, UserError) as e:
+        problems.append(f"model_config_path {path}: cannot read a JSON model config ({e})")
+        return {}
+    if not isinstance(data, dict):
+        problems.append(f"model_config_path {path}: expected a JSON object")
+        return {}
+    model_type = data.get("model_type")
+    if model_type and model_type.replace("-", "") != family:
+        problems.append(
+            f"model_config_path {path} is a {model_type!r} config, but the preset trains {family!r}"
+        )
+        return {}
+    return {k: v for k, v in data.items() if k not in NOT_ARCHITECTURE}
 
 
 def config_hash(run: RunConfig) -> str:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from cotrain.config import Config
+from cotrain.config import Config, micro_batch_arg
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -94,16 +94,29 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _tokenizer_kind(data: Path) -> str:
+    """The type of a prepared dataset's tokenizer (unigram, wordpiece or bpe), "" when unreadable."""
+    try:
+        return json.loads((data / "tokenizer" / "tokenizer.json").read_text())["model"]["type"].lower()
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def _prepare_data(config: Config, data: Path) -> None:
     from cotrain.data import DataError, prepare_from_source, read_manifest
+    from cotrain.families import tokenizer_type_for
 
+    kind = tokenizer_type_for(config.run.model_family, config.run.objective)
     if (data / "manifest.json").exists():
         try:
             manifest = read_manifest(data)
         except DataError:
             manifest = {}  # another version's layout: prepare again
-        if manifest.get("max_length") == config.run.max_seq_length and manifest.get("vocab_size") == (
-            config.prepare.vocab_size
+        if (
+            manifest.get("max_length") == config.run.max_seq_length
+            and manifest.get("vocab_size") == config.prepare.vocab_size
+            and manifest.get("objective") == config.run.objective
+            and _tokenizer_kind(data) == kind
         ):
             _say(f"using the demo dataset already prepared in {data}")
             return
@@ -117,6 +130,8 @@ def _prepare_data(config: Config, data: Path) -> None:
         tokenizer_path=None,
         vocab_size=config.prepare.vocab_size,
         progress=False,
+        objective=config.run.objective,
+        tokenizer_type=kind,
     )
 
 
@@ -203,7 +218,7 @@ def run_demo(config: Config) -> int:
                     "--seed",
                     str(i + 1),
                     "--per-device-train-batch-size",
-                    str(config.peer.per_device_train_batch_size),
+                    micro_batch_arg(config.peer.per_device_train_batch_size),
                     "--statistics-expiration",
                     "30",
                 ],

@@ -21,9 +21,10 @@ def rows() -> list[tuple[str, str, str, str]]:
     out = []
     for cls in cfg.SECTIONS.values():
         for f in dataclasses.fields(cls):
-            if f.metadata["seed"]:
-                roles = ", ".join(r for r in f.metadata["roles"] if r in ("train", "monitor", "prepare"))
-                out.append((f.metadata["seed"], cfg.cli_flags(f)[0], roles, f.metadata["doc"]))
+            shown = ("train", "monitor", "prepare", "eval")
+            roles = ", ".join(r for r in f.metadata["roles"] if r in shown)
+            for seed in cfg.seed_flags(f):  # one row per original spelling
+                out.append((seed, cfg.cli_flags(f)[0], roles, f.metadata["doc"]))
     return sorted(out)
 
 

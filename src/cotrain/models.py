@@ -1,32 +1,159 @@
-"""Model families: a preset's architecture -> a model, its parameter groups, optimizer and schedule."""
+"""Model families: a preset's architecture -> a model, its collator, loss, parameter groups, optimizer and
+schedule. The families themselves (objective, tokenizer, transformers classes) are in cotrain.families."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import (
-    AlbertConfig,
-    AlbertForPreTraining,
-    get_cosine_schedule_with_warmup,
-    get_linear_schedule_with_warmup,
-)
+import transformers
+from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from cotrain.config import RunConfig
+from cotrain.errors import UserError
+from cotrain.families import FAMILIES, Family
 
 logger = logging.getLogger(__name__)
 
-NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")
+NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")
+SCHEDULES = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup}
 
 
-def build_model(run: RunConfig, vocab_size: int, pad_token_id: int = 0) -> torch.nn.Module:
-    """A freshly initialised model of the run's family; the vocabulary size comes from the tokenizer."""
-    if run.model_family != "albert":
-        raise ValueError(f"unknown model family {run.model_family!r}")
-    config = AlbertConfig(vocab_size=vocab_size, pad_token_id=pad_token_id, **run.model)
+def family_of(run: RunConfig) -> Family:
+    family = FAMILIES.get(run.model_family)
+    if family is None:
+        raise UserError(f"unknown model family {run.model_family!r}; choose one of {', '.join(FAMILIES)}")
+    return family
+
+
+def model_config(
+    run: RunConfig,
+    vocab_size: int,
+    pad_token_id: int = 0,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> transformers.PretrainedConfig:
+    """The transformers configuration of the run's family from its [run.model] table; the vocabulary size
+    and special token ids come from the tokenizer."""
+    family = family_of(run)
+    config_class = getattr(transformers, family.config_class)
+    defaults = config_class()
+    unknown = sorted(k for k in run.model if not hasattr(defaults, k))
+    if unknown:
+        raise UserError(f"[run.model] has keys {family.config_class} does not know: {', '.join(unknown)}")
+    special: dict[str, int | None] = {"pad_token_id": pad_token_id}
+    for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+        if value is not None:
+            special[name] = value
+        elif (getattr(defaults, name, None) or 0) >= vocab_size:  # GPT-2's 50256 past a smaller vocabulary
+            special[name] = None
+    return config_class(vocab_size=vocab_size, **special, **run.model)
+
+
+def max_positions(config: transformers.PretrainedConfig) -> int:
+    """The longest sequence a model configuration takes (RoBERTa's positions start after its padding id)."""
+    n = int(config.max_position_embeddings)
+    if config.model_type == "roberta":
+        n -= int(config.pad_token_id) + 1
+    return n
+
+
+def build_model(
+    run: RunConfig,
+    vocab_size: int,
+    pad_token_id: int = 0,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> torch.nn.Module:
+    """The run's model: freshly initialised from the preset's architecture, or, with ``run.init_from``,
+    loaded from a pretrained Hugging Face model folder (or a Hub name where a network exists). Either way the
+    vocabulary size comes from the tokenizer (a pretrained embedding is resized to it)."""
+    family = family_of(run)
     torch.manual_seed(0)  # every peer starts from the same weights even before it loads the swarm's state
-    return AlbertForPreTraining(config)
+    if run.init_from:
+        model = _pretrained(run, family, vocab_size)
+        model.config.pad_token_id = pad_token_id
+    else:
+        config = model_config(run, vocab_size, pad_token_id, bos_token_id, eos_token_id)
+        model = getattr(transformers, family.model_class)(config)
+    if max_positions(model.config) < run.max_seq_length:
+        raise UserError(
+            f"the {family.name} model takes sequences of up to {max_positions(model.config)} tokens, "
+            f"shorter than max_seq_length {run.max_seq_length}; raise max_position_embeddings "
+            "(RoBERTa: max_seq_length + 2) or lower max_seq_length"
+        )
+    return model
+
+
+def _pretrained(run: RunConfig, family: Family, vocab_size: int) -> torch.nn.Module:
+    """``from_pretrained`` of the family's class: offline from a local folder, by name otherwise."""
+    model_class = getattr(transformers, family.model_class)
+    local = Path(run.init_from).expanduser()
+    if not local.is_dir() and (local.exists() or run.init_from.startswith((".", "/", "~"))):
+        raise UserError(f"--init-from {run.init_from}: no model folder there (a save_pretrained folder)")
+    source = str(local) if local.is_dir() else run.init_from
+    kind = getattr(transformers, family.config_class).model_type
+    try:
+        found = transformers.AutoConfig.from_pretrained(source, local_files_only=local.is_dir()).model_type
+    except Exception as e:  # no config.json, no network, unknown name: all one line for the user
+        raise UserError(f"--init-from {run.init_from}: no model configuration ({_first_line(e)})") from None
+    if found != kind:
+        raise UserError(f"--init-from {run.init_from} holds a {found} model, but this run trains {kind}")
+    try:
+        model = model_class.from_pretrained(source, local_files_only=local.is_dir(), dtype=torch.float32)
+    except Exception as e:
+        raise UserError(f"--init-from {run.init_from}: cannot load the model ({_first_line(e)})") from None
+    if model.get_input_embeddings().num_embeddings != vocab_size:
+        logger.info(
+            f"Resizing the pretrained vocabulary ({model.get_input_embeddings().num_embeddings}) "
+            f"to the tokenizer's ({vocab_size})"
+        )
+        model.resize_token_embeddings(vocab_size)
+    logger.info(f"Initialised the {family.model_class} from {run.init_from}")
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Parameters of a model, tied weights counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def collator_for_run(run: RunConfig, tokenizer: Any, seed: int = 0) -> Callable:
+    """The family's collator: SOP+MLM pairs (ALBERT), masked LM (BERT, DistilBERT, RoBERTa; whole-word
+    masking with ``run.whole_word_mask``) or causal LM blocks (GPT-2)."""
+    from cotrain.data import collator_for
+
+    return collator_for(
+        family_of(run).objective,
+        tokenizer,
+        mlm_probability=run.mlm_probability,
+        seed=seed,
+        whole_word_mask=run.whole_word_mask,
+    )
+
+
+def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The family's training loss on one collated micro-batch: the model gets the columns its forward
+    takes (ALBERT: masked LM + sentence order; BERT, DistilBERT, RoBERTa: masked LM; GPT-2: causal LM)."""
+    out = model(**model_inputs(model, batch))
+    if out.loss is None:
+        raise ValueError(f"the batch lacks the labels {type(model).__name__} needs: {sorted(batch)}")
+    return out.loss
+
+
+def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The columns of a collated batch that the model's forward takes (DistilBERT, RoBERTa and GPT-2 get no
+    token types; only ALBERT gets sentence-order labels)."""
+    family = FAMILIES[model.config.model_type]
+    return {name: batch[name] for name in family.inputs if name in batch}
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -38,7 +165,7 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def optimizer_factory(run: RunConfig) -> Callable[[Iterable], torch.optim.Optimizer]:
-    """A function params -> optimizer, as hivemind.Optimizer wants it."""
+    """A function params -> optimizer, as hivemind.Optimizer wants it: LAMB (the seed recipe's) or AdamW."""
     if run.optimizer == "lamb":
         from torch_optimizer import Lamb
 
@@ -62,22 +189,13 @@ def optimizer_factory(run: RunConfig) -> Callable[[Iterable], torch.optim.Optimi
             eps=run.adam_epsilon,
             weight_decay=run.weight_decay,
         )
-    raise ValueError(f"unknown optimizer {run.optimizer!r}")
+    raise UserError(f"unknown optimizer {run.optimizer!r}; choose lamb or adamw")
 
 
-def scheduler_factory(run: RunConfig, kind: str = "linear") -> Callable[[torch.optim.Optimizer], object]:
-    """A function optimizer -> LR scheduler, stepped once per global step."""
-    schedule = get_cosine_schedule_with_warmup if kind == "cosine" else get_linear_schedule_with_warmup
+def scheduler_factory(run: RunConfig) -> Callable[[torch.optim.Optimizer], object]:
+    """A function optimizer -> LR scheduler (``run.lr_scheduler``: linear or cosine decay after a linear
+    warmup), which hivemind.Optimizer steps once per global step of the swarm."""
+    schedule = SCHEDULES.get(run.lr_scheduler)
+    if schedule is None:
+        raise UserError(f"unknown lr_scheduler {run.lr_scheduler!r}; choose one of {', '.join(SCHEDULES)}")
     return lambda opt: schedule(opt, num_warmup_steps=run.warmup_steps, num_training_steps=run.total_steps)
-
-
-def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The family's training loss on one collated micro-batch (ALBERT: masked LM + sentence order)."""
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        token_type_ids=batch["token_type_ids"],
-        labels=batch["labels"],
-        sentence_order_label=batch["sentence_order_label"],
-    )
-    return out.loss

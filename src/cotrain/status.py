@@ -33,8 +33,11 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
     if peer.host_maddrs == PeerConfig().host_maddrs:  # not chosen: a client needs no public listener
         peer = dataclasses.replace(peer, host_maddrs=[LOOPBACK])
     peer = dataclasses.replace(peer, client_mode=True)
+    from cotrain.swarm.auth import access_for
+
     validators, _ = make_validators(config.run.run_id)
-    dht = create_dht(peer, validators, client_mode=True)
+    access = access_for(config.run.run_id, peer.access_token, "")
+    dht = create_dht(peer, validators, client_mode=True, access=access)
     try:
         state: dict = {}
         for attempt in range(attempts):  # right after joining, the routing table may still be filling

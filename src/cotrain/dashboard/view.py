@@ -8,6 +8,7 @@ from collections import deque
 
 HISTORY = 20_000  # global steps kept for the charts
 PEER_HISTORY = 5_000  # alive-peer samples kept
+EVAL_HISTORY = 5_000  # evaluations kept
 ALIVE_RESOLUTION = 30.0  # seconds: an unchanged peer count adds a point at most this often
 
 
@@ -22,11 +23,19 @@ class SwarmView:
         self.state: dict = {}
         self.checkpoint: dict | None = None  # filled in once the monitor keeps checkpoints
         self.evaluation: dict | None = None  # filled in once an evaluation peer reports
+        self.evaluations: deque[dict] = deque(maxlen=EVAL_HISTORY)
         self.started = time.time()
 
     def add_step(self, row: dict) -> None:
         with self._lock:
             self.steps.append(dict(row))
+
+    def add_evaluation(self, row: dict) -> None:
+        """An evaluation peer's record (cotrain.roles.monitor.eval_row): the latest is shown, all charted."""
+        with self._lock:
+            self.evaluations.append(dict(row))
+            if self.evaluation is None or row["step"] >= self.evaluation["step"]:
+                self.evaluation = {k: v for k, v in row.items() if k != "kind"}
 
     def update(self, state: dict) -> None:
         with self._lock:
@@ -50,5 +59,6 @@ class SwarmView:
                 "state": self.state,
                 "checkpoint": self.checkpoint,
                 "evaluation": self.evaluation,
+                "evaluations": list(self.evaluations),
                 "now": time.time(),
             }

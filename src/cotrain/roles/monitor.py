@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 from cotrain.config import Config
 from cotrain.dashboard.view import SwarmView
 from cotrain.sinks import SinkSet, build_sinks
+from cotrain.swarm.auth import access_for
+from cotrain.swarm.configrecord import ConfigPublisher, agree_and_publish
 from cotrain.swarm.dht import create_dht, visible_maddrs
-from cotrain.swarm.records import LocalMetrics, make_validators, read_metrics
+from cotrain.swarm.records import EvalMetrics, LocalMetrics, make_validators, read_evaluations, read_metrics
 from cotrain.swarm.state import read_progress, snapshot
 
 if TYPE_CHECKING:
@@ -22,9 +24,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+MAX_STEPS_AHEAD = 1000  # a record this far ahead of every other peer's step is ignored
+
+
+def plausible(records: dict[bytes, Any]) -> dict[bytes, LocalMetrics]:
+    """The records whose values pass the schema, by whatever path they arrived, and whose step is not far
+    ahead of every other peer's: a single peer cannot skew the swarm's step or aggregates."""
+    valid = {}
+    for key, record in records.items():
+        try:
+            valid[key] = LocalMetrics.parse_obj(record if isinstance(record, dict) else dict(record))
+        except (ValueError, TypeError):
+            logger.debug(f"ignoring an out-of-schema metrics record: {record!r}")
+    steps = sorted(r.step for r in valid.values())
+    if len(steps) < 2:
+        return valid
+    return {k: r for k, r in valid.items() if r.step <= steps[-2] + MAX_STEPS_AHEAD}
+
+
 def aggregate(step: int, records: dict[bytes, LocalMetrics]) -> dict:
-    """One line of the swarm's metrics for a global step, as the seed recipe computes it."""
-    values = list(records.values())
+    """One line of the swarm's metrics for a global step, as the seed recipe computes it (implausible
+    records ignored)."""
+    values = list(plausible(records).values())
     mini_steps = sum(r.mini_steps for r in values)
     current = [r for r in values if r.step == step]
     return {
@@ -39,9 +60,23 @@ def aggregate(step: int, records: dict[bytes, LocalMetrics]) -> dict:
     }
 
 
-def join_command(maddrs: list[str], run_id: str) -> str:
+def eval_row(record: EvalMetrics) -> dict:
+    """One line of an evaluation peer's metrics; its keys start with ``eval_`` so that per-step readers of the
+    same JSONL (loss curves, the demo) tell the two kinds of line apart."""
+    row: dict = {"kind": "eval", "step": record.step}
+    for name in ("loss", "perplexity", "lm_loss", "mlm_accuracy", "sop_accuracy", "examples"):
+        value = getattr(record, name)
+        if value is not None:
+            row[f"eval_{name}"] = value
+    row["eval_peer"] = record.peer_id
+    row["time"] = record.time
+    return row
+
+
+def join_command(maddrs: list[str], run_id: str, private: bool = False) -> str:
     peers = " ".join(maddrs)
-    return f"cotrain train --run-id {run_id} --initial-peers {peers} --dataset-path DATA"
+    token = " --access-token TOKEN_FILE" if private else ""
+    return f"cotrain train --run-id {run_id} --initial-peers {peers} --dataset-path DATA{token}"
 
 
 DASHBOARD_TICK = 2.0  # seconds between reads of the swarm while a dashboard is open
@@ -57,16 +92,20 @@ class Monitor:
         self.dashboard = None
         self.keeper: StateKeeper | None = None
         self.uploader: HubUploader | None = None
+        self.evaluations_seen: dict[bytes, tuple[int, float]] = {}
+        self.config_publisher: ConfigPublisher | None = None
 
     def run(self) -> int:
         run, peer = self.config.run, self.config.peer
         out = Path(peer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "initial_peers.txt").unlink(missing_ok=True)  # a previous run's: written again once ready
-        validators, _ = make_validators(run.run_id)
-        self.dht = create_dht(peer, validators, client_mode=False)
+        validators, public_key = make_validators(run.run_id)
+        access = access_for(run.run_id, "", peer.authority_key)  # a private swarm: admits token holders only
+        self.dht = create_dht(peer, validators, client_mode=False, access=access)
+        self.config_publisher = agree_and_publish(self.dht, run, public_key, "monitor", peer.initial_peers)
         maddrs = visible_maddrs(self.dht)
-        join = join_command(maddrs, run.run_id)
+        join = join_command(maddrs, run.run_id, private=access is not None)
         self.sinks = build_sinks(out, run.run_id, peer.tensorboard_dir, peer.wandb_project)
         view = SwarmView(run.run_id, join, run.target_batch_size)
         self._start_dashboard(view, out)
@@ -78,13 +117,14 @@ class Monitor:
         current_step = -1
         while not self.stop.wait(period):
             try:
-                records = read_metrics(self.dht, run.run_id)
+                records = plausible(read_metrics(self.dht, run.run_id))
                 progress = read_progress(self.dht, run.run_id) if self.dashboard else {}
             except Exception as e:  # network trouble degrades, it never kills the monitor
                 logger.warning(f"Reading metrics from the DHT failed: {e!r}")
                 continue
             state = snapshot(run.run_id, run.target_batch_size, records, progress)
             view.update(state)
+            self._log_evaluations(view)
             if self.prometheus is not None:
                 self.prometheus.write(state["global_step"], state)
             if not records:
@@ -104,6 +144,24 @@ class Monitor:
                 f"{line['samples']} samples | {line['samples_per_second']:.1f} samples/s"
             )
         return 0
+
+    def _log_evaluations(self, view: SwarmView) -> None:
+        """Write each evaluation peer's new records to the sinks and the dashboard, once each."""
+        try:
+            found = read_evaluations(self.dht, self.config.run.run_id)
+        except Exception as e:  # network trouble degrades, it never kills the monitor
+            logger.debug(f"Reading evaluations from the DHT failed: {e!r}")
+            return
+        new = [(k, r) for k, r in found.items() if self.evaluations_seen.get(k) != (r.step, r.time)]
+        for key, record in sorted(new, key=lambda kr: (kr[1].step, kr[1].time)):
+            self.evaluations_seen[key] = (record.step, record.time)
+            row = eval_row(record)
+            self.sinks.write(record.step, row)
+            view.add_evaluation(row)
+            logger.info(
+                f"eval step {record.step} | held-out loss {record.loss:.5f} | "
+                f"perplexity {record.perplexity:.2f}"
+            )
 
     def _tokenizer(self, checkpoints: Path) -> Any | None:
         """The run's tokenizer (it gives the model's shapes): --tokenizer-path, the dataset's, or with
@@ -134,8 +192,9 @@ class Monitor:
         """Keep, checkpoint and serve the swarm's state (created here, in the main thread), and upload it."""
         peer = self.config.peer
         root = out / "checkpoints"
-        if peer.save_every <= 0 and not peer.resume:
-            logger.info("Checkpoints are off (--save-every 0)")
+        saving = peer.save_every > 0 and peer.store_checkpoints
+        if not saving and not peer.resume:
+            logger.info("Checkpoints are off (--save-every 0 or --no-store-checkpoints)")
             return
         tokenizer = self._tokenizer(root)
         if tokenizer is None:
@@ -149,13 +208,14 @@ class Monitor:
         self.keeper = StateKeeper(self.dht, self.config, tokenizer, root, self.stop)
         if peer.resume:
             self.keeper.resume()
-        if peer.save_every > 0:
+        if saving:
             self.keeper.start()
             logger.info(f"Checkpoints every {peer.save_every} global steps into {root}")
         if peer.push_to_hub:
             from cotrain.hub import HubUploader
 
-            self.uploader = HubUploader(root, peer.push_to_hub, peer.upload_every, out / "hub", self.stop)
+            work_dir = Path(peer.repo_path) if peer.repo_path else out / "hub"
+            self.uploader = HubUploader(root, peer.push_to_hub, peer.upload_every, work_dir, self.stop)
             self.uploader.start()
             logger.info(f"Uploading the newest checkpoint to {peer.push_to_hub} every {peer.upload_every:g}s")
 
@@ -190,6 +250,8 @@ class Monitor:
         logger.info(f"Dashboard: {self.dashboard.url}")
 
     def close(self) -> None:
+        if self.config_publisher is not None:
+            self.config_publisher.close()
         if self.keeper is not None:
             self.keeper.shutdown()
         if self.dashboard is not None:

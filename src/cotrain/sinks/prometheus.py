@@ -12,6 +12,13 @@ STEP_METRICS = {
     "max_group_size": "Largest gradient-averaging group at the last global step.",
     "client_peers": "Live peers in client mode.",
 }
+EVAL_METRICS = {
+    "eval_step": "Global step of the state the evaluation peer measured last.",
+    "eval_loss": "Held-out loss of the swarm's state (the training objective).",
+    "eval_perplexity": "Held-out perplexity of the swarm's state.",
+    "eval_mlm_accuracy": "Share of held-out masked tokens predicted exactly.",
+    "eval_sop_accuracy": "Share of held-out sentence pairs whose order is predicted right (ALBERT).",
+}
 PROGRESS_METRICS = {
     "samples_accumulated": "Samples accumulated toward the next global step.",
     "target_batch_size": "Samples the swarm accumulates per global step.",
@@ -29,12 +36,15 @@ class PrometheusSink(Sink):
         )
         self.gauges = {
             name: Gauge(f"cotrain_{name}", doc, ["run_id"], registry=self.registry)
-            for name, doc in {**STEP_METRICS, **PROGRESS_METRICS}.items()
+            for name, doc in {**STEP_METRICS, **PROGRESS_METRICS, **EVAL_METRICS}.items()
         }
         self.run_id = run_id
 
     def write(self, step: int, metrics: dict) -> None:
-        self.step.labels(self.run_id).set(step)
+        if metrics.get("kind") == "eval":  # an evaluation peer's row: its step is the evaluated state's
+            metrics = {**metrics, "eval_step": step}
+        else:
+            self.step.labels(self.run_id).set(step)
         for name, value in scalars(metrics).items():
             if name in self.gauges:
                 self.gauges[name].labels(self.run_id).set(value)

@@ -16,6 +16,9 @@ class WandbSink(Sink):
         self.run = wandb.init(project=project, name=run_id, dir=str(out_dir), config={"run_id": run_id})
 
     def write(self, step: int, metrics: dict) -> None:
+        if metrics.get("kind") == "eval":  # its step (the evaluated state's) may lie behind: wandb's grow
+            self.run.log({**scalars(metrics), "eval_step": step})
+            return
         self.run.log(scalars(metrics), step=step)
 
     def close(self) -> None:

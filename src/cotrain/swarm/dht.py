@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import re
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
@@ -85,31 +86,106 @@ class _TolerantRequests:
 
 
 class SwarmDHT(hivemind.DHT):
-    """hivemind's DHT whose serving process survives requests from peers' processes that have exited."""
+    """hivemind's DHT whose serving process survives requests from peers' processes that have exited.
+
+    In a private swarm it carries the peer's access control (set before its process starts), and averager
+    processes get a P2P that checks access tokens from ``replicate_p2p`` (see cotrain.swarm.auth)."""
+
+    def __init__(self, *args, access=None, **kwargs) -> None:
+        self.access = access
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         self._inner_pipe = _TolerantRequests(self._inner_pipe)
         super().run()
 
+    async def replicate_p2p(self):
+        if self.access is None:
+            return await super().replicate_p2p()
+        from cotrain.swarm.auth import replicate_guarded
+
+        return await replicate_guarded(self)
+
+
+GOOGLE_DNS = ("8.8.8.8", 53)
+
+
+def outbound_address(target: tuple[str, int] = GOOGLE_DNS) -> str:
+    """The address this machine's route to ``target`` leaves from: a UDP socket is "connected" to it, which
+    only selects the route and the source address; no packet is sent. On a machine with a public IP (a
+    cloud VM, a server) that is its public address; behind NAT it is the private one."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(target)
+            return sock.getsockname()[0]
+    except OSError as e:
+        raise UserError(f"--use-google-dns: no route to {target[0]} here ({e.strerror})") from None
+
+
+def announce_public_address(host_maddrs: list[str], target: tuple[str, int] = GOOGLE_DNS) -> list[str]:
+    """Multiaddrs announcing this machine's outbound address on the TCP ports it listens on."""
+    address = outbound_address(target)
+    proto = "ip6" if ipaddress.ip_address(address).version == 6 else "ip4"
+    ports = [m.split("/tcp/")[1].split("/")[0] for m in host_maddrs if "/tcp/" in m]
+    ports = sorted({p for p in ports if p != "0"})
+    if not ports:
+        raise UserError(
+            "--use-google-dns announces this machine's address with the port it listens on: give a fixed "
+            "port, e.g. --host-maddrs /ip4/0.0.0.0/tcp/31337"
+        )
+    logger.info(f"This machine's outbound address is {address}; announcing it to other peers")
+    return [f"/{proto}/{address}/tcp/{port}" for port in ports]
+
 
 def create_dht(
-    peer: PeerConfig, record_validators: list, *, client_mode: bool | None = None, wait_timeout: float = 10.0
+    peer: PeerConfig,
+    record_validators: list,
+    *,
+    client_mode: bool | None = None,
+    wait_timeout: float = 10.0,
+    access=None,
 ) -> hivemind.DHT:
-    """Start this process's DHT node; raise UserError with one line when the swarm cannot be reached."""
+    """Start this process's DHT node; raise UserError with one line when the swarm cannot be reached.
+
+    ``access`` (cotrain.swarm.auth.AccessControl) makes it a peer of a private swarm: its requests carry
+    its token and it refuses those without a valid one."""
     initial_peers = parse_maddrs(peer.initial_peers, "initial peer")
     host_maddrs = parse_maddrs(peer.host_maddrs, "listen")
     announce_maddrs = parse_maddrs(peer.announce_maddrs, "announce")
+    if peer.use_google_dns:
+        announce_maddrs += announce_public_address(host_maddrs)
     client = peer.client_mode if client_mode is None else client_mode
+    identity: dict = {}
+    if peer.identity_path:
+        from cotrain.swarm.identity import check_identity_free, ensure_identity
+
+        peer_id = ensure_identity(peer.identity_path)
+        check_identity_free(peer.identity_path, peer_id, initial_peers, peer.startup_timeout)
+        # checked above; hivemind's own check would start a node with router port mapping on
+        identity = {
+            "identity_path": str(Path(peer.identity_path).expanduser()),
+            "check_if_identity_free": False,
+        }
+    private: dict = {}
+    if access is not None:
+        record_validators = [*record_validators, *access.validators()]
+        private = {"access": access, "authorizer": access.authorizer()}
     try:
-        return SwarmDHT(
+        dht = SwarmDHT(
+            **private,
             initial_peers=initial_peers,
             client_mode=client,
             record_validators=record_validators,
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs or None,
-            identity_path=peer.identity_path or None,
+            **identity,
             use_ipfs=peer.use_ipfs,
             nat_port_map=peer.nat_port_map,
+            use_relay=peer.use_relay,
+            use_auto_relay=peer.use_auto_relay,
             startup_timeout=peer.startup_timeout,
             wait_timeout=wait_timeout,
             start=True,
@@ -117,6 +193,11 @@ def create_dht(
     except Exception as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if initial_peers and ("bootstrap" in text or "initial" in text or "connect" in text):
+            from cotrain.swarm.auth import probe_refusal, refused_message
+
+            reason = probe_refusal(initial_peers, access)  # a private swarm says why it refused this peer
+            if reason is not None:
+                raise UserError(refused_message(reason)) from None
             raise UserError(
                 f"no initial peer could be reached ({', '.join(initial_peers)}): "
                 f"check the addresses and that "
@@ -125,6 +206,11 @@ def create_dht(
         if "address already in use" in text.lower():
             raise UserError(f"cannot listen on {', '.join(host_maddrs)}: address already in use") from None
         raise UserError(f"the network layer failed to start: {text}") from None
+    if access is not None:
+        from cotrain.swarm.auth import start_access_service
+
+        dht.run_coroutine(start_access_service)
+    return dht
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -26,6 +26,7 @@ from cotrain.config import Config
 from cotrain.data.tokenizer import tokenizer_hash
 from cotrain.errors import UserError
 from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
+from cotrain.swarm.optimizer import request_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class StateKeeper:
             scheduler=scheduler_factory(run),
             state_compression=NoCompression(),  # full precision: optimizer moments must not be flushed
             min_matchmaking_time=run.matchmaking_time,
+            request_timeout=request_timeout(run.matchmaking_time),
             allow_state_sharing=False,  # until there is a state worth serving
             status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
             start=True,

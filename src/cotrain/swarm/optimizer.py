@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import hivemind
 import torch
-from hivemind.compression import Float16Compression, NoCompression
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression, RoleAdaptiveCompression
 
 from cotrain.config import PeerConfig, RunConfig
+from cotrain.swarm.averaging import gradient_averager_factory
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,17 @@ def build_optimizer(
     scheduler_factory: Callable,
     batch_size_per_step: int,
 ) -> SwarmOptimizer:
-    compression = Float16Compression() if run.grad_compression == "fp16" else NoCompression()
-    averager_opts: dict = {}
+    averager_opts: dict = {
+        "target_group_size": peer.target_group_size,
+        "request_timeout": request_timeout(run.matchmaking_time),
+    }
     if peer.bandwidth > 0:
         averager_opts["bandwidth"] = peer.bandwidth
     return SwarmOptimizer(
         dht=dht,
+        # hivemind keeps client_mode=None (read as "not a client") unless a value is given, and then uses the
+        # DHT's: a client would try to serve its state and fail at its first global step
+        client_mode=dht.client_mode,
         run_id=run.run_id,
         params=params,
         optimizer=optimizer_factory,
@@ -90,15 +96,60 @@ def build_optimizer(
         matchmaking_time=run.matchmaking_time,
         averaging_timeout=run.averaging_timeout,
         load_state_timeout=peer.load_state_timeout,
-        grad_compression=compression,
-        state_averaging_compression=compression,
-        # optimizer statistics (LAMB/Adam moments) travel uncompressed: fp16 flushes small moments to zero
-        load_state_compression=NoCompression(),
+        grad_compression=gradient_compression(run),
+        state_averaging_compression=state_compression(run),
+        load_state_compression=LOAD_STATE_COMPRESSION,
         average_state_every=1,
+        offload_optimizer=peer.offload_optimizer,
+        delay_optimizer_step=peer.delay_optimizer_step or peer.delay_grad_averaging,
+        delay_grad_averaging=peer.delay_grad_averaging,
+        delay_state_averaging=peer.delay_state_averaging,
         averager_opts=averager_opts,
-        tracker_opts={"min_refresh_period": 0.5, "max_refresh_period": max(1.0, run.matchmaking_time * 2)},
+        # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
+        grad_averager_factory=gradient_averager_factory(averager_opts),
+        tracker_opts=tracker_options(run, peer),
+        performance_ema_alpha=peer.performance_ema_alpha,
         verbose=peer.verbose,
     )
+
+
+# A newcomer downloads parameters and optimizer statistics in full precision: fp16 would flush LAMB/Adam
+# second moments (often below 1e-8) to zero and change the parameters it starts from.
+LOAD_STATE_COMPRESSION = NoCompression()
+
+
+def gradient_compression(run: RunConfig) -> CompressionBase:
+    """Gradients averaged in fp16 with --grad-compression fp16 (the default)."""
+    return Float16Compression() if run.grad_compression == "fp16" else NoCompression()
+
+
+def state_compression(run: RunConfig) -> CompressionBase:
+    """State averaging: parameters in fp16 with --grad-compression fp16; tensors tagged as optimizer
+    statistics (LAMB/Adam moments, when averaged) and anything untagged stay in full precision."""
+    if run.grad_compression != "fp16":
+        return NoCompression()
+    return RoleAdaptiveCompression(
+        parameter=Float16Compression(), optimizer=NoCompression(), default=NoCompression()
+    )
+
+
+def tracker_options(run: RunConfig, peer: PeerConfig) -> dict:
+    """hivemind ProgressTracker's tuning from the peer's options."""
+    max_refresh = peer.max_refresh_period or max(1.0, run.matchmaking_time * 2)
+    return {
+        "min_refresh_period": min(peer.min_refresh_period, max_refresh),
+        "max_refresh_period": max_refresh,
+        "default_refresh_period": peer.default_refresh_period,
+        "expected_drift_peers": peer.expected_drift_peers,
+        "expected_drift_rate": peer.expected_drift_rate,
+        "metadata_expiration": peer.metadata_expiration,
+    }
+
+
+def request_timeout(matchmaking_time: float) -> float:
+    """How long to wait for a group leader's answer: hivemind's 3 s, but below the matchmaking time, as
+    its matchmaking needs to break waiting cycles between would-be leaders within that time."""
+    return min(3.0, 0.5 * matchmaking_time)
 
 
 def parameters_finite(model: torch.nn.Module) -> bool:

@@ -17,15 +17,18 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from pydantic.v1 import BaseModel, StrictBool, confloat, conint, constr
 
+from cotrain.swarm.configrecord import schema_validators
+
 logger = logging.getLogger(__name__)
 
 MAX_SAMPLES_PER_SECOND = 1e6
+MAX_STEP = 10**9  # a step beyond any schedule; steps far ahead of the swarm are the monitor's to ignore
 
 
 class LocalMetrics(BaseModel):
     """What one trainer reports after each global step."""
 
-    step: conint(ge=0, strict=True)
+    step: conint(ge=0, le=MAX_STEP, strict=True)
     samples_per_second: confloat(ge=0.0, le=MAX_SAMPLES_PER_SECOND, strict=True)
     samples_accumulated: conint(ge=0, le=10**9, strict=True)
     loss: confloat(ge=0.0, le=1e7, strict=True)  # sum over mini_steps, as in the seed recipe
@@ -42,14 +45,45 @@ class MetricsSchema(BaseModel):
     metrics: dict[BytesWithPublicKey, LocalMetrics]
 
 
+MAX_PERPLEXITY = 1e30  # exp(69): a diverged model's perplexity is reported as this bound
+
+
+class EvalMetrics(BaseModel):
+    """What an evaluation peer reports after evaluating the swarm's state on held-out batches."""
+
+    step: conint(ge=0, strict=True)  # the global step of the evaluated state
+    loss: confloat(ge=0.0, le=1e4, strict=True)  # mean of the model's training loss over the batches
+    perplexity: confloat(ge=1.0, le=MAX_PERPLEXITY, strict=True)  # exp of the token-level LM loss
+    lm_loss: confloat(ge=0.0, le=1e4, strict=True)  # token-level masked/causal LM loss
+    mlm_accuracy: confloat(ge=0.0, le=1.0, strict=True) | None = None  # masked tokens predicted exactly
+    sop_accuracy: confloat(ge=0.0, le=1.0, strict=True) | None = None  # ALBERT's sentence-order task
+    examples: conint(ge=1, le=10**7, strict=True)
+    tokens: conint(ge=0, le=10**10, strict=True)  # predicted tokens behind lm_loss
+    time: confloat(ge=0.0, strict=True) = 0.0
+    peer_id: constr(max_length=128, strict=True) = ""
+
+
+class EvalSchema(BaseModel):
+    eval: dict[BytesWithPublicKey, EvalMetrics]
+
+
 def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
+
+
+def eval_key(run_id: str) -> str:
+    return f"{run_id}_eval"
 
 
 def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
     """The record validators every peer of a run installs, and this process's public key (its subkey)."""
     signature_validator = RSASignatureValidator()
-    validators = [SchemaValidator(MetricsSchema, prefix=run_id), signature_validator]
+    validators = [
+        SchemaValidator(MetricsSchema, prefix=run_id),
+        SchemaValidator(EvalSchema, prefix=run_id),
+        *schema_validators(run_id),  # the signed run config, see cotrain.swarm.configrecord
+        signature_validator,
+    ]
     return validators, signature_validator.local_public_key
 
 
@@ -74,6 +108,34 @@ def publish_metrics(
 
     dht.store(
         key=metrics_key(run_id),
+        subkey=public_key,
+        value=metrics.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )
+
+
+def read_evaluations(dht: Any, run_id: str) -> dict[bytes, EvalMetrics]:
+    """The latest valid evaluation record of every evaluation peer (malformed ones dropped)."""
+    found = dht.get(eval_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out = {}
+    for subkey, entry in found.value.items():
+        try:
+            out[subkey] = EvalMetrics.parse_obj(entry.value)
+        except Exception as e:
+            logger.debug(f"ignoring malformed evaluation record: {e}")
+    return out
+
+
+def publish_evaluation(
+    dht: Any, run_id: str, public_key: bytes, metrics: EvalMetrics, expiration: float
+) -> None:
+    from hivemind.utils import get_dht_time
+
+    dht.store(
+        key=eval_key(run_id),
         subkey=public_key,
         value=metrics.dict(),
         expiration_time=get_dht_time() + expiration,

@@ -38,7 +38,7 @@ function lineChart(container, points, opts) {
   container.dataset.points = String(pts.length);
   if (pts.length === 0) {
     const t = el("text", { x: w / 2, y: h / 2, "text-anchor": "middle", class: "empty" }, svg);
-    t.textContent = "waiting for the first global step";
+    t.textContent = (opts && opts.empty) || "waiting for the first global step";
     container.replaceChildren(svg);
     return;
   }
@@ -135,9 +135,14 @@ function render(data) {
   const ckpt = data.checkpoint;
   document.getElementById("checkpoint").textContent = ckpt ? `step ${ckpt.step}: ${ckpt.path}` : "none yet";
   const ev = data.evaluation;
+  const evalNames = [["eval_loss", "loss"], ["eval_perplexity", "perplexity"], ["eval_mlm_accuracy", "MLM accuracy"],
+    ["eval_sop_accuracy", "sentence-order accuracy"], ["eval_examples", "examples"]];
   document.getElementById("evaluation").textContent = ev
-    ? Object.entries(ev).map(([k, v]) => `${k}: ${typeof v === "number" ? fmt(v, 3) : v}`).join(", ")
+    ? `step ${fmt(ev.step)}: ` + evalNames.filter(([k]) => ev[k] !== undefined && ev[k] !== null)
+      .map(([k, name]) => `${name} ${fmt(ev[k], k === "eval_examples" ? undefined : 3)}`).join(", ")
     : "no evaluation peer";
+  lineChart(document.getElementById("chart-eval-loss"), (data.evaluations || []).map((r) => [r.step, r.eval_loss]),
+    { yDigits: 2, empty: "no evaluation peer yet (cotrain eval)" });
 }
 
 async function poll() {

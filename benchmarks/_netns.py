@@ -1,0 +1,423 @@
+"""Several hosts on one machine for the benchmarks: network namespaces joined by a shaped bridge.
+
+``Network(n, rate_mbit)`` creates, all named ``cotrain-bench-<pid>-...``:
+
+- a namespace holding only a bridge (``br0``);
+- one namespace per host, each with a veth pair: ``eth0`` (address ``10.213.0.<i+1>/24``) inside the host's
+  namespace, ``v<i>`` on the bridge;
+- a ``tbf`` qdisc at ``rate_mbit`` on both ends of every veth: ``eth0`` limits what the host sends (its
+  upload), ``v<i>`` what it receives (its download). The kernel has no ``netem``: no added latency or loss.
+
+Nothing is created in the machine's own namespace and the addresses exist only inside these namespaces.
+``close()`` (also on exit from ``with``) kills every process still running inside them and deletes them;
+``remove_stale()`` deletes namespaces left by a run of these scripts whose process no longer exists (a
+``kill -9``). ``install_exit_handlers`` turns SIGTERM/SIGHUP and a global time limit into exceptions, so
+``finally`` blocks and ``with`` exits run on Ctrl+C, on errors and when the time is up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+PREFIX = "cotrain-bench"
+SUBNET = "10.213.0"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_OURS = re.compile(rf"^{PREFIX}-(\d+)-")
+TAG = "@@"  # marks the lines a peer process writes for the benchmark on its stdout
+
+
+def valid_netns_name(name: str) -> bool:
+    """A name `ip netns` stores as a plain file in /run/netns: letters, digits, '_', '.', '-'; no path."""
+    return bool(_NAME.match(name)) and name not in (".", "..")
+
+
+def allreduce_bound_s(n: int, message_bytes: float, rate_bits_per_s: float) -> float:
+    """Lower bound of an all-reduce of ``message_bytes`` among ``n`` peers, each with a full-duplex link of
+    ``rate_bits_per_s``: every peer must send (and receive) 2(n-1)/n of the message (reduce-scatter then
+    all-gather; hivemind's butterfly all-reduce moves exactly this much)."""
+    if n < 2:
+        return 0.0
+    return 2 * (n - 1) / n * message_bytes * 8 / rate_bits_per_s
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
+
+
+def list_netns() -> list[str]:
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def netns_pids(name: str) -> list[int]:
+    out = _run("ip", "netns", "pids", name, check=False).stdout
+    return [int(x) for x in out.split() if x.isdigit()]
+
+
+def kill_pids(pids: list[int], grace: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL what is still there after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive or sig == signal.SIGKILL:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_exists(p) for p in alive):
+            time.sleep(0.1)
+        pids = [p for p in alive if _exists(p)]
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False
+
+
+def delete_netns(name: str) -> None:
+    kill_pids(netns_pids(name))
+    _run("ip", "netns", "delete", name, check=False)
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces of earlier benchmark runs whose process has gone (killed with SIGKILL)."""
+    removed = []
+    for name in list_netns():
+        m = _OURS.match(name)
+        if m and not _exists(int(m.group(1))):
+            delete_netns(name)
+            removed.append(name)
+    return removed
+
+
+@dataclass
+class Network:
+    hosts: int
+    rate_mbit: float
+    burst_bytes: int = 64 * 1024
+    queue_ms: int = 50
+    tag: str = field(default_factory=lambda: f"{PREFIX}-{os.getpid()}")
+    created: list[str] = field(default_factory=list)
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.tag}-br"
+
+    def host_ns(self, i: int) -> str:
+        return f"{self.tag}-h{i}"
+
+    def address(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def exec_argv(self, i: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.host_ns(i), *argv]
+
+    def __enter__(self) -> Network:
+        try:
+            self.create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _add_ns(self, name: str) -> None:
+        if not valid_netns_name(name):
+            raise ValueError(f"invalid network namespace name {name!r}")
+        _run("ip", "netns", "add", name)
+        self.created.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def shape(self, ns: str, dev: str, rate_mbit: float) -> None:
+        _run(
+            "tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+            "rate", f"{rate_mbit}mbit", "burst", str(self.burst_bytes), "latency", f"{self.queue_ms}ms",
+        )  # fmt: skip
+
+    def create(self) -> None:
+        if not 1 <= self.hosts <= 200:
+            raise ValueError("hosts must be between 1 and 200")
+        br = self.bridge_ns
+        self._add_ns(br)
+        _run("ip", "-n", br, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", br, "link", "set", "br0", "up")
+        for i in range(self.hosts):
+            ns = self.host_ns(i)
+            self._add_ns(ns)
+            _run("ip", "-n", br, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "-n", br, "link", "set", f"v{i}", "master", "br0", "up")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            if self.rate_mbit > 0:
+                self.shape(ns, "eth0", self.rate_mbit)
+                self.shape(br, f"v{i}", self.rate_mbit)
+
+    def close(self) -> None:
+        """Kill everything still running in the namespaces, then delete them (their veths go with them)."""
+        for name in reversed(self.created):
+            delete_netns(name)
+        self.created.clear()
+
+
+class TimeUp(Exception):
+    """The benchmark's overall time limit passed."""
+
+
+def install_exit_handlers(limit_s: float | None) -> None:
+    """SIGTERM/SIGHUP -> KeyboardInterrupt, and a time limit -> TimeUp, both raised in the main thread so that
+    cleanup code runs."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def time_up(signum, frame):
+        raise TimeUp(f"time limit of {limit_s:.0f} s reached")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGHUP, interrupt)
+    if limit_s:
+        signal.signal(signal.SIGALRM, time_up)
+        signal.alarm(max(1, int(limit_s)))
+
+
+def start_in_ns(net: Network, i: int, argv: list[str], **kwargs) -> subprocess.Popen:
+    """Start a process inside host i's namespace, in a process group of its own (so that the terminal's
+    Ctrl+C reaches only this script, which then stops its children in order)."""
+    return subprocess.Popen(net.exec_argv(i, argv), start_new_session=True, **kwargs)
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the process group, SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def tcp_goodput_mbit(net: Network, src: int, dst: int, megabytes: int = 8, timeout: float = 60.0) -> float:
+    """Application-level throughput of one TCP flow from host src to host dst (Mbit/s of payload): the most
+    that any protocol can get out of the shaped link, TCP/IP and Ethernet headers taken off."""
+    import sys
+
+    port = 5201
+    server = (
+        "import socket,sys,time\n"
+        f"s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{net.address(dst)}',{port}))\n"
+        "s.listen(1);print('ready',flush=True);c,_=s.accept();n=0;t0=None\n"
+        "while True:\n"
+        " b=c.recv(1<<20)\n"
+        " if t0 is None:t0=time.perf_counter()\n"
+        " if not b:break\n"
+        " n+=len(b)\n"
+        "print(n*8/(time.perf_counter()-t0)/1e6,flush=True)\n"
+    )
+    client = (
+        "import socket\n"
+        f"s=socket.create_connection(('{net.address(dst)}',{port}));buf=bytes(1<<20)\n"
+        f"for _ in range({megabytes}):s.sendall(buf)\n"
+        "s.close()\n"
+    )
+    srv = start_in_ns(net, dst, [sys.executable, "-c", server], stdout=subprocess.PIPE, text=True)
+    try:
+        if srv.stdout.readline().strip() != "ready":
+            raise RuntimeError("TCP test server did not start")
+        subprocess.run(net.exec_argv(src, [sys.executable, "-c", client]), check=True, timeout=timeout)
+        out, _ = srv.communicate(timeout=timeout)
+        return float(out.strip().splitlines()[-1])
+    finally:
+        stop_process(srv, grace=2)
+
+
+class LinkCounters:
+    """Byte counters of every host's link, sampled 20 times a second by a small process in the bridge's
+    namespace: (monotonic time, [(bytes the host sent, bytes it received) for each host])."""
+
+    def __init__(self, net: Network, period: float = 0.05):
+        import sys
+        import threading
+
+        code = (
+            "import sys,time\n"
+            f"n={net.hosts}\n"
+            "def rd(i,k):\n"
+            " with open(f'/sys/class/net/v{i}/statistics/{k}_bytes') as f: return f.read().strip()\n"
+            "while True:\n"
+            " print(time.monotonic(),*[rd(i,k) for i in range(n) for k in ('rx','tx')],flush=True)\n"
+            f" time.sleep({period})\n"
+        )
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", net.bridge_ns, sys.executable, "-c", code],
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        self.samples: list[tuple[float, list[tuple[int, int]]]] = []
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                parts = line.split()
+                values = [int(x) for x in parts[1:]]
+                self.samples.append((float(parts[0]), list(zip(values[::2], values[1::2], strict=True))))
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def between(self, t0: float, t1: float) -> list[tuple[int, int]]:
+        """Bytes each host sent and received between t0 and t1 (nearest samples outside the window)."""
+        before = [s for s in self.samples if s[0] <= t0]
+        after = [s for s in self.samples if s[0] >= t1]
+        if not before or not after:
+            return []
+        a, b = before[-1][1], after[0][1]
+        return [(b[i][0] - a[i][0], b[i][1] - a[i][1]) for i in range(len(a))]
+
+    def close(self) -> None:
+        stop_process(self.proc, grace=1)
+
+
+# ------------------------------------------------------------------------------- processes in the namespaces
+
+
+def say(**msg) -> None:
+    """A peer process's message to the benchmark (one JSON line on stdout)."""
+    print(TAG + json.dumps(msg), flush=True)
+
+
+class Peers:
+    """The n peer processes, each in its namespace, spoken to with JSON lines over stdin/stdout."""
+
+    def __init__(self, net: Network, argv: list[str], logdir: Path, cwd: Path | None = None):
+        self.net, self.argv, self.logdir, self.cwd = net, argv, logdir, cwd
+        self.procs: list[subprocess.Popen] = []
+        self.inbox: list[queue.Queue] = []
+
+    def start(self, i: int, extra: list[str]) -> None:
+        log = open(self.logdir / f"peer{i}.log", "w")
+        proc = start_in_ns(
+            self.net,
+            i,
+            [*self.argv, "--index", str(i), "--address", self.net.address(i), *extra],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=self.cwd,
+        )
+        inbox: queue.Queue = queue.Queue()
+
+        def read() -> None:
+            for line in proc.stdout:
+                if line.startswith(TAG):
+                    inbox.put(json.loads(line[len(TAG) :]))
+            inbox.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        self.procs.append(proc)
+        self.inbox.append(inbox)
+
+    def send(self, cmd: dict, only: int | None = None) -> None:
+        for i, proc in enumerate(self.procs):
+            if only is None or i == only:
+                proc.stdin.write(json.dumps(cmd) + "\n")
+                proc.stdin.flush()
+
+    def receive(self, i: int, timeout: float) -> dict:
+        try:
+            msg = self.inbox[i].get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"peer {i} did not answer within {timeout:.0f} s; see {self.logdir}") from None
+        if msg is None:
+            tail = (self.logdir / f"peer{i}.log").read_text()[-2000:]
+            raise RuntimeError(f"peer {i} exited; the end of its log:\n{tail}")
+        return msg
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.poll() is None]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                proc.stdin.flush()
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            stop_process(proc, grace=3)
+
+
+def busy_seconds() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def tree_cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                try:
+                    t = proc.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+    return total
+
+
+class CpuSampler(threading.Thread):
+    """Samples (monotonic time, machine busy CPU seconds, our processes' CPU seconds) every 0.2 s."""
+
+    def __init__(self, pids):
+        super().__init__(daemon=True)
+        self.pids, self.samples, self.stopped = pids, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            self.samples.append((time.monotonic(), busy_seconds(), tree_cpu_seconds(self.pids())))
+            self.stopped.wait(0.2)
+
+    def cores(self, t0: float, t1: float) -> tuple[float, float]:
+        """(machine, ours) busy cores between t0 and t1, from the samples around the window."""
+        inside = [s for s in self.samples if t0 - 0.2 <= s[0] <= t1 + 0.2]
+        if len(inside) < 2:
+            return float("nan"), float("nan")
+        a, b = inside[0], inside[-1]
+        span = b[0] - a[0]
+        return (b[1] - a[1]) / span, (b[2] - a[2]) / span

@@ -1,0 +1,419 @@
+"""All-reduce of ALBERT-large's gradients over shaped links: cotrain's averager, the bound, hivemind's.
+
+n peers (2, 4 and 8 by default), each in a network namespace of its own behind a bridge (``_netns.Network``);
+every link is shaped with ``tbf`` to ``--rate`` Mbit/s each way (``--rate-8`` for 8 peers, so that the link
+and not the machine's 2 cores stays the bottleneck). Each peer is a process running a DHT (cotrain's
+``create_dht``) and, per precision, two averagers of a vector shaped like ALBERT-large's parameters
+(17.8M values in its 32 tensors):
+
+- cotrain: ``cotrain.swarm.averaging.gradient_averager_factory`` called with the arguments hivemind.Optimizer
+  gives its gradient averager (fp16: ``Float16Compression``, fp32: none), fed through
+  ``accumulate_grads_`` and ``step`` as the optimizer does;
+- hivemind: a bare ``hivemind.DecentralizedAverager`` with its defaults and the same compression.
+
+Rounds of the two arms alternate. All peers are asked to average at the same moment (``scheduled_time``); the
+groups must hold all n peers. The time reported is the all-reduce itself: from the moment the first peer of
+the group starts aggregating (its group is formed: ``_aggregate_with_group`` begins) to the moment the last
+peer has the averaged tensors in place; matchmaking before it (``min_matchmaking_time``, a setting) is not
+included. The ratio divides it by the bound 2(n-1)/n x M / bandwidth, M the bytes of the message (2 or 4 per
+value). Each result is checked against the true average. Beside each row: the share of the machine's 2 cores
+busy during the all-reduces and the TCP goodput of one flow over the same shaped link (the floor any protocol
+over TCP starts from).
+
+    python benchmarks/allreduce.py [--peers 2 4 8] [--rounds 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _netns  # noqa: E402
+from _netns import CpuSampler, Peers, say  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GOAL = 1.2
+ARMS = ("cotrain", "hivemind")
+
+
+# ----------------------------------------------------------------------------------------------- peer process
+
+
+def albert_large_shapes() -> list[list[int]]:
+    from cotrain.config import resolve
+    from cotrain.models import build_model
+
+    model = build_model(resolve("albert-large-v2").run, vocab_size=30000)
+    return [list(p.shape) for p in model.parameters()]
+
+
+def timed(cls):
+    """Subclass recording when this peer's all-reduce starts (group formed) and ends (tensors averaged in
+    place), in shared memory written by the averager process. Instrumentation only."""
+    import torch
+
+    class Timed(cls):
+        def __init__(self, *args, **kwargs):
+            self.window = torch.zeros(2, dtype=torch.float64).share_memory_()
+            super().__init__(*args, **kwargs)
+
+        async def _aggregate_with_group(self, *args, **kwargs):
+            self.window[0], self.window[1] = time.monotonic(), 0.0
+            try:
+                return await super()._aggregate_with_group(*args, **kwargs)
+            finally:
+                self.window[1] = time.monotonic()
+
+    Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
+    return Timed
+
+
+def peer_main(args: argparse.Namespace) -> None:
+    import hivemind
+    import torch
+    from hivemind.compression import Float16Compression, NoCompression
+
+    from cotrain.config import PeerConfig
+    from cotrain.swarm.dht import create_dht, visible_maddrs
+
+    torch.set_num_threads(1)
+    shapes = json.loads(Path(args.shapes).read_text())
+    peer = PeerConfig(
+        host_maddrs=[f"/ip4/{args.address}/tcp/0"],
+        initial_peers=[args.initial_peer] if args.initial_peer else [],
+        nat_port_map=False,
+    )
+    dht = create_dht(peer, [])
+    say(maddrs=visible_maddrs(dht))
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(shape, generator=gen) * 1e-3 for shape in shapes]  # gradient-like magnitudes
+    mine = args.index + 1
+    expected = (args.group_size + 1) / 2  # mean of 1..n
+    averagers: dict = {}
+    params: list = []
+
+    def check(tensors) -> float:
+        err = 0.0
+        for t, b in zip(tensors, base, strict=True):
+            err = max(err, ((t - b * expected).abs().max() / (b.abs().max() * expected)).item())
+        return err
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "phase":
+            for avg in averagers.values():
+                avg.shutdown()
+            averagers.clear()
+            compression = Float16Compression() if cmd["dtype"] == "fp16" else NoCompression()
+            group = dict(target_group_size=args.group_size, min_group_size=args.group_size)
+            params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+            for p, b in zip(params, base, strict=True):
+                p.grad = b * mine
+            averagers["cotrain"] = make_cotrain_averager(args, dht, cmd["dtype"], params, compression, group)
+            averagers["hivemind"] = timed(hivemind.DecentralizedAverager)(
+                averaged_tensors=[torch.zeros(shape) for shape in shapes],
+                dht=dht,
+                prefix=f"bench{cmd['dtype']}_bare",
+                min_matchmaking_time=args.matchmaking_time,
+                compression=compression,
+                start=True,
+                **group,
+            )
+            say(ready=cmd["dtype"])
+        elif cmd["op"] == "round":
+            avg = averagers[cmd["arm"]]
+            timeout = cmd["at"] - time.time() + args.round_timeout
+            try:
+                if cmd["arm"] == "cotrain":
+                    avg.accumulate_grads_(batch_size=1)
+                    gathered = avg.step(scheduled_time=cmd["at"], timeout=timeout)
+                    avg.notify_used_averaged_gradients()
+                else:
+                    with avg.get_tensors() as tensors:
+                        for t, b in zip(tensors, base, strict=True):
+                            t.copy_(b * mine)
+                    gathered = avg.step(scheduled_time=cmd["at"], timeout=timeout)
+                with avg.get_tensors() as tensors:
+                    err = check(tensors)
+                group_size = len(gathered) if gathered else 0
+                say(
+                    round=cmd["round"],
+                    arm=cmd["arm"],
+                    group=group_size,
+                    err=err,
+                    t0=avg.window[0].item(),
+                    t1=avg.window[1].item(),
+                )
+            except Exception as e:  # a failed round is reported, not fatal
+                say(round=cmd["round"], arm=cmd["arm"], group=0, error=repr(e)[:300], t0=0.0, t1=0.0)
+        elif cmd["op"] == "quit":
+            break
+    for avg in averagers.values():
+        avg.shutdown()
+    dht.shutdown()
+
+
+def make_cotrain_averager(args, dht, dtype, params, compression, group):
+    """cotrain's gradient averager, built with the arguments hivemind.Optimizer._make_gradient_averager passes
+    (run_id "bench<dtype>")."""
+    from cotrain.swarm.averaging import gradient_averager_factory
+
+    factory = gradient_averager_factory({"bandwidth": args.bandwidth} if args.bandwidth > 0 else {})
+    cls = timed(factory.func)
+    return cls(
+        dht=dht,
+        prefix=f"bench{dtype}_grad_averager",
+        parameters=params,
+        min_matchmaking_time=args.matchmaking_time,
+        allreduce_timeout=None,
+        shutdown_timeout=5,
+        next_chunk_timeout=None,
+        client_mode=False,
+        auxiliary=False,
+        start=True,
+        reuse_grad_buffers=False,
+        compression=compression,
+        **{**factory.keywords, **group},
+    )
+
+
+# ------------------------------------------------------------------------------------------- orchestration
+
+
+def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> list[dict]:
+    rows = []
+    with _netns.Network(n, rate) as net:
+        goodput = _netns.tcp_goodput_mbit(net, 0, 1, megabytes=max(8, int(rate / 8 * 3)))
+        worker = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--peer",
+            "--shapes",
+            str(shapes_file),
+            "--group-size",
+            str(n),
+            "--matchmaking-time",
+            str(args.matchmaking_time),
+            "--bandwidth",
+            str(args.bandwidth),
+        ]
+        peers = Peers(net, worker, logdir / f"n{n}", cwd=REPO)
+        peers.logdir.mkdir(parents=True, exist_ok=True)
+        sampler = CpuSampler(peers.pids)
+        links = _netns.LinkCounters(net)
+        try:
+            peers.start(0, [])
+            first = peers.receive(0, 120)["maddrs"][0]
+            for i in range(1, n):
+                peers.start(i, ["--initial-peer", first])
+            for i in range(1, n):
+                peers.receive(i, 120)
+            sampler.start()
+            for dtype in args.dtypes:
+                numel = sum(_numel(s) for s in json.loads(shapes_file.read_text()))
+                message = numel * (2 if dtype == "fp16" else 4)
+                payload = 2 * (n - 1) / n * message  # what each peer must send, and receive
+                peers.send({"op": "phase", "dtype": dtype})
+                for i in range(n):
+                    peers.receive(i, 180)
+                results: dict[str, list] = {arm: [] for arm in ARMS}
+                for r in range(-args.warmup, args.rounds):
+                    for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+                        at = time.time() + args.matchmaking_time + 1.0
+                        peers.send({"op": "round", "round": r, "arm": arm, "at": at})
+                        answers = [
+                            peers.receive(i, args.matchmaking_time + args.round_timeout + 60)
+                            for i in range(n)
+                        ]
+                        res = round_summary(answers, n, sampler, links, rate * 1e6 / 8, payload)
+                        if args.trace and res["ok"]:
+                            with open(args.trace, "a") as f:
+                                w0, w1 = res["window"]
+                                trace = [s for s in links.samples if w0 - 1 <= s[0] <= w1 + 1]
+                                f.write(
+                                    json.dumps(
+                                        {
+                                            "n": n,
+                                            "dtype": dtype,
+                                            "arm": arm,
+                                            "round": r,
+                                            "answers": answers,
+                                            "links": trace,
+                                        }
+                                    )
+                                    + "\n"
+                                )
+                        if r >= 0:
+                            results[arm].append(res)
+                        print(
+                            f"  n={n} {dtype} {arm:8s} "
+                            + (f"round {r}: " if r >= 0 else "warm-up: ")
+                            + (
+                                f"{res['seconds']:.2f} s, group {res['group']}, cores {res['machine']:.2f}, "
+                                f"uplinks busy {res['busy']:.0%}, bytes sent / payload {res['overhead']:.3f}"
+                                if res["ok"]
+                                else f"failed ({res['why']})"
+                            ),
+                            flush=True,
+                        )
+                bound = _netns.allreduce_bound_s(n, message, rate * 1e6)
+                rows.append(row(n, rate, dtype, message, bound, goodput, results))
+        finally:
+            sampler.stopped.set()
+            links.close()
+            peers.stop()
+    return rows
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def round_summary(answers, n, sampler: CpuSampler, links: _netns.LinkCounters, rate_bytes, payload) -> dict:
+    bad = [a for a in answers if a.get("error") or a["group"] != n or not a["t1"]]
+    if bad:
+        why = bad[0].get("error") or f"group of {bad[0]['group']}"
+        return {"ok": False, "why": why}
+    t0, t1 = min(a["t0"] for a in answers), max(a["t1"] for a in answers)
+    machine, ours = sampler.cores(t0, t1)
+    time.sleep(0.2)  # let the link counters pass t1
+    moved = links.between(t0, t1)
+    sent = [up for up, _ in moved] or [float("nan")]
+    return {
+        "busy": statistics.mean(sent) / ((t1 - t0) * rate_bytes),
+        "overhead": statistics.mean(sent) / payload,
+        "ok": True,
+        "window": (t0, t1),
+        "seconds": t1 - t0,
+        "group": n,
+        "err": max(a["err"] for a in answers),
+        "machine": machine,
+        "ours": ours,
+        "per_peer": [a["t1"] - a["t0"] for a in answers],
+    }
+
+
+def row(n, rate, dtype, message, bound, goodput, results) -> dict:
+    out = {
+        "n": n,
+        "rate": rate,
+        "dtype": dtype,
+        "message_mb": message / 1e6,
+        "bound": bound,
+        "tcp_floor": rate / goodput,
+    }
+    for arm in ARMS:
+        ok = [r for r in results[arm] if r["ok"]]
+        out[arm] = {
+            "rounds": len(ok),
+            "failed": len(results[arm]) - len(ok),
+            "seconds": statistics.median(r["seconds"] for r in ok) if ok else float("nan"),
+            "all": [round(r["seconds"], 3) for r in ok],
+            "machine": statistics.median(r["machine"] for r in ok) if ok else float("nan"),
+            "ours": statistics.median(r["ours"] for r in ok) if ok else float("nan"),
+            "err": max((r["err"] for r in ok), default=float("nan")),
+        }
+        out[arm]["ratio"] = out[arm]["seconds"] / bound
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    print()
+    print(
+        "| n | link | dtype | message | bound | cotrain | ratio | hivemind | ratio | cotrain / hivemind "
+        "| TCP floor | cores busy (machine / peers) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c, h = r["cotrain"], r["hivemind"]
+        print(
+            f"| {r['n']} | {r['rate']:g} Mbit/s | {r['dtype']} | {r['message_mb']:.1f} MB "
+            f"| {r['bound']:.2f} s "
+            f"| {c['seconds']:.2f} s | **{c['ratio']:.3f}** | {h['seconds']:.2f} s | {h['ratio']:.3f} "
+            f"| {c['seconds'] / h['seconds']:.3f} | {r['tcp_floor']:.3f} "
+            f"| {c['machine']:.2f} / {c['ours']:.2f} |"
+        )
+    print()
+    worst = max(r["cotrain"]["ratio"] for r in rows)
+    beats = all(r["cotrain"]["seconds"] <= r["hivemind"]["seconds"] * 1.02 for r in rows)
+    print(
+        f"Goal: ratio <= {GOAL} at every n ({'met' if worst <= GOAL else 'NOT met'}: worst {worst:.3f}); "
+        f"cotrain at least as fast as hivemind's averager: {'yes' if beats else 'no'} (within 2%)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8], help="group sizes to run")
+    ap.add_argument("--rate", type=float, default=100.0, help="link rate, Mbit/s each way (n <= 4)")
+    ap.add_argument("--rate-8", type=float, default=50.0, help="link rate for groups of more than 4 peers")
+    ap.add_argument("--dtypes", nargs="+", default=["fp16", "fp32"], choices=["fp16", "fp32"])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per arm, precision and n (median reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds per arm before those")
+    ap.add_argument("--matchmaking-time", type=float, default=5.0, help="as in the albert-large-v2 preset")
+    ap.add_argument("--round-timeout", type=float, default=120.0)
+    ap.add_argument("--bandwidth", type=float, default=0.0, help="cotrain's --bandwidth hint (0: none)")
+    ap.add_argument("--limit", type=float, default=1800.0, help="stop everything after this many seconds")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--trace", help="append each round's timings and link byte counters to this JSONL file")
+    ap.add_argument("--quick", action="store_true", help="2 and 4 peers, fp16, 1 round per arm")
+    ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--group-size", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--address", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--initial-peer", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer:
+        return peer_main(args)
+    if args.quick:
+        args.peers, args.dtypes, args.rounds = [2, 4], ["fp16"], 1
+    if os.geteuid() != 0 or not shutil.which("tc"):
+        sys.exit("allreduce.py needs root and iproute2 (ip, tc) to create network namespaces")
+    _netns.install_exit_handlers(args.limit)
+    removed = _netns.remove_stale()
+    if removed:
+        print(f"removed namespaces left by an earlier run: {', '.join(removed)}")
+    started = time.time()
+    load = os.getloadavg()
+    print(
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+        f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        flush=True,
+    )
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="cotrain-allreduce-"))
+    try:
+        shapes_file = tmp / "shapes.json"
+        shapes_file.write_text(json.dumps(albert_large_shapes()))
+        for n in args.peers:
+            rate = args.rate if n <= 4 else args.rate_8
+            rows += run_group(n, rate, args, shapes_file, tmp)
+    except BaseException:
+        print(f"peers' logs kept in {tmp}", file=sys.stderr)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    load = os.getloadavg()
+    print_table(rows)
+    print(
+        f"took {time.time() - started:.0f} s; load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,767 @@
+"""Private swarms: every DHT, averaging and state-download request carries a valid access token.
+
+Three layers, all keyed to the swarm's authority (see cotrain.tokens for the tokens themselves):
+
+- DHT requests: hivemind's ``TokenAuthorizerBase`` (``SwarmAuthorizer``). Each request carries the sender's
+  token, a timestamp, a random nonce and a signature by the token's key; the receiver checks the token
+  against the authority key, the revocation list and the expiry, the signature, the time (within a minute) and
+  that the nonce is new (replays are refused). Responses are signed the same way, so a peer without a token
+  cannot serve DHT answers either.
+- Averaging and state download: hivemind sends these over the same libp2p daemon, whose connections
+  authenticate each peer id. ``GuardedP2P`` (the P2P that averager processes of a private swarm get from
+  ``SwarmDHT.replicate_p2p``) binds a peer id to a token with a signed handshake per namespace (the
+  averager's prefix) and refuses every averaging, matchmaking and download request from a peer id that has
+  not presented a valid token; before calling another peer it makes that handshake itself and checks the
+  other side's token, so a peer without one can neither join a group, lead one, nor serve or download state.
+- Revocation: the monitor holds the authority key, signs the list of revoked tokens and keeps it in the DHT;
+  every process re-reads it every few seconds, and a DHT validator refuses lists the authority did not sign.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.crypto import RSAPublicKey
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import TimedStorage, get_dht_time
+
+from cotrain.errors import UserError
+from cotrain.tokens import (
+    NO_TOKEN,
+    Authority,
+    PrivateKey,
+    TokenFile,
+    check_token,
+    fingerprint,
+    iso,
+    read_token_file,
+    verify_revocations,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECK_HANDLE = "cotrain.AccessCheck"  # answered by every full peer of a private swarm, token or not
+HANDSHAKE = "cotrain.AccessHandshake"  # per averager namespace: binds a peer id to a token
+MAX_CLOCK_SKEW = 60.0  # seconds between a request's time and the receiver's clock
+REVOCATIONS_REFRESH = 3.0  # seconds between reads of the revocation list (every process of every peer)
+REVOCATIONS_TTL = 3600.0  # seconds a published revocation list lives in the DHT (the monitor republishes it)
+REPUBLISH = 30.0  # seconds between the monitor's publications when nothing changed
+CLIENT_PROOF_TTL = 20.0  # seconds a peer trusts a handshake it made before making a new one
+SERVER_PROOF_TTL = 40.0  # seconds a peer admits another's requests after its handshake
+OWN_TOKEN_RECHECK = 2.0  # seconds between checks that this peer's token file was replaced (renewed)
+AUTHORITY_SELF_TOKEN_DAYS = 1.0
+
+
+@dataclass
+class Credential:
+    """This peer's own token and the private key that proves it owns it."""
+
+    name: str
+    proto: AccessToken
+    key: PrivateKey
+    expiration: float
+
+
+def revocations_key(run_id: str) -> str:
+    return f"{run_id}_access_revocations"
+
+
+class AccessControl:
+    """What one peer of a private swarm knows: the authority's public key, its own credential and the revoked
+    tokens. A copy lives in each of the peer's processes (the DHT's, the averagers')."""
+
+    def __init__(
+        self,
+        run_id: str,
+        authority_public_key: bytes,
+        *,
+        token_path: str | None = None,
+        authority: Authority | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.authority_public_key = authority_public_key
+        self.token_path = token_path
+        self.authority = authority
+        self._authority_key = RSAPublicKey.from_bytes(authority_public_key)
+        self._revoked: frozenset[str] = frozenset()
+        self.revocations_version = -1.0
+        self._registry_mtime: float | None = None
+        self._own: Credential | None = None
+        self._own_mtime = 0.0
+        self._own_checked = 0.0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_token(cls, run_id: str, path: str) -> AccessControl:
+        token = read_token_file(path)
+        access = cls(run_id, token.authority_public_key, token_path=path)
+        access._set_own(token, Path(path).stat().st_mtime)
+        reason = access.refusal(token.proto())
+        if reason is not None:
+            raise UserError(f"{reason}: ask the swarm's operator for a new token ({path})")
+        return access
+
+    @classmethod
+    def for_authority(cls, run_id: str, key_path: str) -> AccessControl:
+        authority = Authority.load(key_path)
+        authority.entries()  # a damaged registry is reported now, not in the middle of a run
+        return cls(run_id, authority.public_key_bytes, authority=authority)
+
+    @property
+    def revocations_key(self) -> str:
+        return revocations_key(self.run_id)
+
+    @property
+    def name(self) -> str:
+        return self.own().name
+
+    # --- tokens ---------------------------------------------------------------------------------
+
+    @property
+    def revoked(self) -> frozenset[str]:
+        if self.authority is not None:  # the monitor reads its registry (`cotrain token revoke` writes it)
+            path = self.authority.registry_path
+            try:
+                mtime = path.stat().st_mtime
+            except FileNotFoundError:
+                mtime = 0.0
+            if mtime != self._registry_mtime:
+                try:
+                    self._revoked = frozenset(self.authority.revoked_fingerprints())
+                    self._registry_mtime = mtime
+                except UserError as e:
+                    logger.warning(f"{e}; keeping the previous revocations")
+        return self._revoked
+
+    def refusal(self, token: AccessToken | None) -> str | None:
+        """Why ``token`` grants no access (one sentence), or None when it does."""
+        return check_token(token, self._authority_key, self.revoked)
+
+    def _set_own(self, token: TokenFile, mtime: float) -> None:
+        self._own = Credential(token.name, token.proto(), token.private_key, token.expiration)
+        self._own_mtime = mtime
+
+    def own(self) -> Credential:
+        """This peer's credential: re-read when its token file is replaced (a renewed token needs no
+        restart); the monitor signs its own, renewing it a while before it expires."""
+        now = time.time()
+        with self._lock:
+            if self.authority is not None:
+                if self._own is None or self._own.expiration - now < 3600:
+                    key = self._own.key if self._own is not None else None
+                    if key is None:
+                        key = PrivateKey()
+                    token = self.authority.mint("authority", key, now + AUTHORITY_SELF_TOKEN_DAYS * 86400)
+                    self._set_own(token, 0.0)
+                return self._own
+            if self._own is None or now - self._own_checked >= OWN_TOKEN_RECHECK:
+                self._own_checked = now
+                self._reload_own()
+            return self._own
+
+    def _reload_own(self) -> None:
+        try:
+            mtime = Path(self.token_path).stat().st_mtime
+        except OSError:
+            return
+        if self._own is not None and mtime == self._own_mtime:
+            return
+        try:
+            token = read_token_file(self.token_path)
+        except UserError as e:
+            logger.warning(f"Not using the replaced token file: {e}")
+            self._own_mtime = mtime
+            return
+        if token.authority_public_key != self.authority_public_key:
+            logger.warning(
+                f"Not using the replaced token file {self.token_path}: another authority signed it"
+            )
+        elif self._own is None or token.proto() != self._own.proto:
+            logger.info(f"Using the renewed access token {token.name!r}, valid until {iso(token.expiration)}")
+            self._set_own(token, mtime)
+            return
+        self._own_mtime = mtime
+
+    def own_refusal(self) -> str | None:
+        return self.refusal(self.own().proto)
+
+    # --- revocations ----------------------------------------------------------------------------
+
+    def accept_revocations(self, value: object) -> bool:
+        """Take a revocation list read from the DHT if the authority signed it and it is newer."""
+        if self.authority is not None or not verify_revocations(value, self._authority_key):
+            return False
+        if value["version"] <= self.revocations_version:
+            return False
+        newly = set(value["revoked"]) - self._revoked
+        self._revoked = frozenset(value["revoked"]) | self._revoked  # a revocation is never taken back
+        self.revocations_version = float(value["version"])
+        if newly:
+            logger.debug(f"{len(newly)} more revoked access token(s)")
+        return True
+
+    def validators(self) -> list[RecordValidatorBase]:
+        return [RevocationsValidator(self.revocations_key, self.authority_public_key)]
+
+    def authorizer(self) -> SwarmAuthorizer:
+        return SwarmAuthorizer(self)
+
+
+class RevocationsValidator(RecordValidatorBase):
+    """Refuses a revocation list in the DHT unless the authority signed it for the record's expiration: an
+    allowlisted peer cannot hide revocations by storing another list under the same key."""
+
+    def __init__(self, key: str, authority_public_key: bytes) -> None:
+        self._key = DHTID.generate(source=key).to_bytes()
+        self._authority_public_key = authority_public_key
+        self._authority_key = RSAPublicKey.from_bytes(authority_public_key)
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._key:
+            return True
+        try:
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:
+            return False
+        return verify_revocations(value, self._authority_key, record.expiration_time)
+
+    def __getstate__(self):
+        return {"key": self._key, "authority_public_key": self._authority_public_key}
+
+    def __setstate__(self, state):
+        self._key = state["key"]
+        self._authority_public_key = state["authority_public_key"]
+        self._authority_key = RSAPublicKey.from_bytes(state["authority_public_key"])
+
+
+# --- DHT requests ---------------------------------------------------------------------------------
+
+
+class SwarmAuthorizer(TokenAuthorizerBase):
+    """hivemind's token protocol for DHT requests and responses, with cotrain's tokens."""
+
+    def __init__(self, access: AccessControl) -> None:
+        super().__init__(local_private_key=access.own().key)
+        self.access = access
+        self._logged: dict[str, float] = {}
+
+    async def get_token(self) -> AccessToken:
+        own = self.access.own()
+        self._local_private_key, self._local_public_key = own.key, own.key.get_public_key()
+        return own.proto
+
+    def is_token_valid(self, access_token: AccessToken) -> bool:
+        reason = self.access.refusal(access_token)
+        if reason is not None:
+            self._log_refusal(reason)
+        return reason is None
+
+    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
+        return access_token is not self.access.own().proto
+
+    async def refresh_token_if_needed(self) -> None:
+        # hivemind asserts that its own token is valid; an expired or revoked one is reported by the peer's
+        # AccessWatcher instead of failing every request of this process with an AssertionError
+        if self._local_access_token is None or self.does_token_need_refreshing(self._local_access_token):
+            async with self._refresh_lock:
+                self._local_access_token = await self.get_token()
+
+    def _log_refusal(self, reason: str) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(reason, -1e9) > 60:
+            self._logged[reason] = now
+            logger.info(f"Refused a DHT request: {reason}")
+
+
+async def start_access_service(dht, node) -> None:
+    """Runs in the DHT process: answer access checks (a full peer), keep the revocation list fresh (every
+    peer) and, at the monitor, publish it."""
+    access: AccessControl = node.protocol.authorizer.access
+    if not node.protocol.client_mode:
+        await node.p2p.add_protobuf_handler(
+            CHECK_HANDLE, functools.partial(_answer_check, access), messages().AccessRequest
+        )
+    asyncio.create_task(_revocations_loop(node, access))
+
+
+async def _answer_check(access: AccessControl, request, context):
+    m = messages()
+    token = None
+    if request.token:
+        try:
+            token = AccessToken.FromString(request.token)
+        except Exception:
+            return m.AccessReply(granted=False, reason="the access token is malformed")
+    reason = access.refusal(token)
+    return m.AccessReply(granted=reason is None, reason=reason or "")
+
+
+async def _revocations_loop(node, access: AccessControl) -> None:
+    published, published_at = None, 0.0
+    while True:
+        try:
+            if access.authority is not None:
+                revoked = access.revoked
+                if revoked != published or time.monotonic() - published_at > REPUBLISH:
+                    value = access.authority.signed_revocations(get_dht_time() + REVOCATIONS_TTL)
+                    await node.store(access.revocations_key, value, expiration_time=value["expires"])
+                    if revoked != published:
+                        logger.info(
+                            f"Published the revocation list ({len(value['revoked'])} revoked token(s))"
+                        )
+                    published, published_at = revoked, time.monotonic()
+            else:
+                found = await node.get(access.revocations_key, latest=True)
+                if found is not None:
+                    access.accept_revocations(found.value)
+        except Exception as e:
+            logger.debug(f"Revocation list refresh failed: {e!r}")
+        await asyncio.sleep(REVOCATIONS_REFRESH)
+
+
+# --- averaging and state download -----------------------------------------------------------------
+
+
+def _namespace(handle_name: str) -> str | None:
+    return handle_name.split("::", 1)[0] if "::" in handle_name else None
+
+
+def _handshake_payload(kind: bytes, namespace: str, client: PeerID, server: PeerID, t: float, nonce: bytes):
+    return b"\n".join(
+        [
+            b"cotrain-access-handshake/1",
+            kind,
+            namespace.encode(),
+            client.to_bytes(),
+            server.to_bytes(),
+            repr(float(t)).encode(),
+            nonce,
+        ]
+    )
+
+
+class GuardedP2P(P2P):
+    """hivemind's P2P (a replica in an averager process) that admits averaging, matchmaking and download
+    requests only from peers that proved a valid token, and proves its own before calling others."""
+
+    access: AccessControl
+    dht: object
+
+    @classmethod
+    async def replicate_guarded(cls, daemon_listen_maddr, access: AccessControl, dht) -> GuardedP2P:
+        self = await cls.replicate(daemon_listen_maddr)
+        return self.setup_guard(access, dht)
+
+    def setup_guard(self, access: AccessControl, dht=None) -> GuardedP2P:
+        """``dht`` (to read the revocation list from) may be None for a short-lived client."""
+        self.access, self.dht = access, dht
+        self._admitted: dict[tuple[str, PeerID], tuple[float, str]] = {}
+        self._trusted: dict[tuple[str, PeerID], float] = {}
+        self._pending: dict[tuple[str, PeerID], asyncio.Future] = {}
+        self._nonces = TimedStorage()
+        self._namespaces: set[str] = set()
+        self._revocations_read = 0.0
+        self._refreshing: asyncio.Task | None = None
+        self._logged: dict[tuple[PeerID, str], float] = {}
+        return self
+
+    # server side
+
+    async def add_protobuf_handler(
+        self, name, handler, input_protobuf_type, *, stream_input=False, stream_output=False, balanced=False
+    ) -> None:
+        namespace = _namespace(name)
+        if namespace is None:
+            return await super().add_protobuf_handler(
+                name,
+                handler,
+                input_protobuf_type,
+                stream_input=stream_input,
+                stream_output=stream_output,
+                balanced=balanced,
+            )
+        if namespace not in self._namespaces:
+            self._namespaces.add(namespace)
+            await super().add_protobuf_handler(
+                f"{namespace}::{HANDSHAKE}",
+                functools.partial(self._handshake, namespace),
+                messages().AccessRequest,
+            )
+        await super().add_protobuf_handler(
+            name,
+            self._guard(namespace, handler, stream_output),
+            input_protobuf_type,
+            stream_input=stream_input,
+            stream_output=stream_output,
+            balanced=balanced,
+        )
+
+    def _guard(self, namespace: str, handler, stream_output: bool):
+        if stream_output:
+
+            async def guarded_stream(request, context):
+                self._admit_or_raise(namespace, context.remote_id)
+                output = handler(request, context)
+                if isinstance(output, AsyncIterable):
+                    async for item in output:
+                        yield item
+                else:
+                    yield await output
+
+            return guarded_stream
+
+        async def guarded(request, context):
+            self._admit_or_raise(namespace, context.remote_id)
+            return await handler(request, context)
+
+        return guarded
+
+    def _admit_or_raise(self, namespace: str, peer: PeerID) -> None:
+        self._refresh_revocations_soon()
+        entry = self._admitted.get((namespace, peer))
+        reason = None
+        if entry is None:
+            reason = "it has not proven an access token"
+        elif entry[0] < time.monotonic():
+            reason = "its proof of access is out of date"
+        elif entry[1] in self.access.revoked:
+            reason = "its access token was revoked"
+        if reason is not None:
+            self._admitted.pop((namespace, peer), None)
+            self._log(peer, f"Refused a request from {peer} to {namespace}: {reason}")
+            raise PermissionError(f"access refused: {reason}")
+
+    async def _handshake(self, namespace: str, request, context):
+        m = messages()
+        self._refresh_revocations_soon()
+        reason, token = self._check_handshake(namespace, request, context)
+        if reason is not None:
+            self._log(context.remote_id, f"Refused peer {context.remote_id} in {namespace}: {reason}")
+            return m.AccessReply(granted=False, reason=reason)
+        ttl = min(SERVER_PROOF_TTL, float(token.expiration_time) - time.time())
+        self._admitted[(namespace, context.remote_id)] = (
+            time.monotonic() + ttl,
+            fingerprint(token.signature),
+        )
+        own = self.access.own()
+        payload = _handshake_payload(
+            b"reply", namespace, context.remote_id, context.local_id, request.time, request.nonce
+        )
+        return m.AccessReply(
+            granted=True,
+            token=own.proto.SerializeToString(),
+            nonce=request.nonce,
+            signature=own.key.sign(payload),
+        )
+
+    def _check_handshake(self, namespace: str, request, context) -> tuple[str | None, AccessToken | None]:
+        try:
+            token = AccessToken.FromString(request.token) if request.token else None
+        except Exception:
+            return "the access token is malformed", None
+        reason = self.access.refusal(token)
+        if reason is not None:
+            return reason, None
+        now = get_dht_time()
+        if abs(request.time - now) > MAX_CLOCK_SKEW:
+            return (
+                f"its request is over {MAX_CLOCK_SKEW:.0f} s old or ahead (replayed, or a wrong clock)",
+                None,
+            )
+        if len(request.nonce) < 8 or request.nonce in self._nonces:
+            return "its request was replayed", None
+        payload = _handshake_payload(
+            b"request", namespace, context.remote_id, context.local_id, request.time, request.nonce
+        )
+        if not RSAPublicKey.from_bytes(token.public_key).verify(payload, request.signature):
+            return "its request is not signed by the key of the token it shows", None
+        self._nonces.store(request.nonce, None, now + 3 * MAX_CLOCK_SKEW)
+        return None, token
+
+    def _refresh_revocations_soon(self) -> None:
+        if self.access.authority is not None or self._refreshing is not None or self.dht is None:
+            return
+        if time.monotonic() - self._revocations_read < REVOCATIONS_REFRESH:
+            return
+        self._revocations_read = time.monotonic()
+
+        async def refresh():
+            try:
+                found = await self.dht.get(self.access.revocations_key, latest=True, return_future=True)
+                if found is not None:
+                    self.access.accept_revocations(found.value)
+            except Exception as e:
+                logger.debug(f"Reading the revocation list failed: {e!r}")
+            finally:
+                self._refreshing = None
+
+        self._refreshing = asyncio.create_task(refresh())
+
+    def _log(self, peer: PeerID, message: str) -> None:
+        key = (peer, message.rsplit(":", 1)[-1])
+        if time.monotonic() - self._logged.get(key, -1e9) > 60:
+            self._logged[key] = time.monotonic()
+            logger.info(message)
+
+    # client side
+
+    async def call_protobuf_handler(self, peer_id, name, input, output_protobuf_type):
+        await self._prove_access(peer_id, name)
+        return await super().call_protobuf_handler(peer_id, name, input, output_protobuf_type)
+
+    async def iterate_protobuf_handler(self, peer_id, name, input, output_protobuf_type):
+        await self._prove_access(peer_id, name)
+        return await super().iterate_protobuf_handler(peer_id, name, input, output_protobuf_type)
+
+    async def _prove_access(self, peer: PeerID, handle_name: str) -> None:
+        namespace = _namespace(handle_name)
+        if namespace is None or handle_name.endswith(HANDSHAKE):
+            return
+        key = (namespace, peer)
+        if self._trusted.get(key, 0.0) > time.monotonic():
+            return
+        future = self._pending.get(key)
+        if future is None:
+            future = self._pending[key] = asyncio.ensure_future(self._handshake_with(peer, namespace))
+            future.add_done_callback(lambda _: self._pending.pop(key, None))
+        await asyncio.shield(future)
+
+    async def _handshake_with(self, peer: PeerID, namespace: str) -> None:
+        m = messages()
+        own = self.access.own()
+        request = m.AccessRequest(
+            token=own.proto.SerializeToString(), time=get_dht_time(), nonce=secrets.token_bytes(16)
+        )
+        payload = _handshake_payload(b"request", namespace, self.peer_id, peer, request.time, request.nonce)
+        request.signature = own.key.sign(payload)
+        reply = await asyncio.wait_for(
+            P2P.call_protobuf_handler(self, peer, f"{namespace}::{HANDSHAKE}", request, m.AccessReply), 30
+        )
+        if not reply.granted:
+            raise PermissionError(f"peer {peer} refused this peer's access token: {reply.reason}")
+        try:
+            token = AccessToken.FromString(reply.token)
+        except Exception:
+            token = None
+        reason = self.access.refusal(token)
+        if reason is not None:
+            raise PermissionError(f"peer {peer} has no valid access token ({reason})")
+        payload = _handshake_payload(b"reply", namespace, self.peer_id, peer, request.time, request.nonce)
+        if reply.nonce != request.nonce or not RSAPublicKey.from_bytes(token.public_key).verify(
+            payload, reply.signature
+        ):
+            raise PermissionError(
+                f"peer {peer} answered with a proof of access that does not match its token"
+            )
+        ttl = min(CLIENT_PROOF_TTL, float(token.expiration_time) - time.time())
+        self._trusted[(namespace, peer)] = time.monotonic() + ttl
+
+
+async def replicate_guarded(dht) -> GuardedP2P:
+    """``SwarmDHT.replicate_p2p`` of a private swarm: hivemind's, with a GuardedP2P (one per process)."""
+    import os
+
+    from hivemind.dht import DHT
+
+    if dht._p2p_replica is None or dht._origin_pid != os.getpid():
+        dht._origin_pid = os.getpid()
+        daemon_listen_maddr = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
+        dht._p2p_replica = await GuardedP2P.replicate_guarded(daemon_listen_maddr, dht.access, dht)
+    return dht._p2p_replica
+
+
+# --- refused peers: finding out why ---------------------------------------------------------------
+
+
+def peer_ids(maddrs: list[str]) -> list[str]:
+    return [m.split("/p2p/")[-1].split("/")[0] for m in maddrs if "/p2p/" in m]
+
+
+async def _ask(p2p: P2P, peer: str, token: bytes, timeout: float):
+    m = messages()
+    return await asyncio.wait_for(
+        p2p.call_protobuf_handler(
+            PeerID.from_base58(peer), CHECK_HANDLE, m.AccessRequest(token=token), m.AccessReply
+        ),
+        timeout,
+    )
+
+
+async def _own_access(dht, node, peers: list[str]) -> str | None:
+    """Runs in the DHT process: why this peer's token is refused (its own view, then the initial peers')."""
+    access: AccessControl = node.protocol.authorizer.access
+    reason = access.own_refusal()
+    if reason is not None:
+        return reason
+    token = access.own().proto.SerializeToString()
+    for peer in peers:
+        try:
+            reply = await _ask(node.p2p, peer, token, 10.0)
+        except Exception:
+            continue
+        return None if reply.granted else reply.reason
+    return None
+
+
+def probe_refusal(initial_peers: list[str], access: AccessControl | None, timeout: float = 5.0) -> str | None:
+    """After the DHT could not join: ask the initial peers, from a short-lived P2P of this process, whether
+    they refused this peer's token, and why. None when no peer answered (unreachable, or a public swarm)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    token = access.own().proto.SerializeToString() if access is not None else b""
+
+    async def probe() -> str | None:
+        p2p = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            nat_port_map=False,
+            auto_nat=False,
+            use_relay=False,
+            startup_timeout=timeout * 2,
+        )
+        try:
+            for maddr in initial_peers:
+                if "/p2p/" not in maddr:
+                    continue
+                peer = peer_ids([maddr])[0]
+                try:
+                    address = Multiaddr(maddr.split("/p2p/")[0])
+                    await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), [address]), timeout)
+                except Exception:
+                    continue
+                try:
+                    reply = await _ask(p2p, peer, token, timeout)
+                except Exception:
+                    if access is not None:
+                        return (
+                            "this peer has an access token, but the swarm at its initial peers does not "
+                            "check tokens (a public swarm, or another version): leave out --access-token"
+                        )
+                    continue
+                return None if reply.granted else reply.reason
+            return None
+        finally:
+            await p2p.shutdown()
+
+    try:
+        return asyncio.run(asyncio.wait_for(probe(), timeout * 4))
+    except Exception as e:
+        logger.debug(f"access probe failed: {e!r}")
+        return None
+
+
+class AccessWatcher(threading.Thread):
+    """Checks every few seconds that this peer's token is still accepted (not expired, not revoked). When it
+    is refused, it records why and sets ``stop``: the role ends with that one line. It warns once when the
+    token will expire within the hour (a renewed token file is picked up without a restart)."""
+
+    def __init__(self, dht, initial_peers: list[str], stop: threading.Event, period: float = 3.0) -> None:
+        super().__init__(daemon=True, name="access-watcher")
+        self.dht, self.peers, self.stop, self.period = dht, peer_ids(initial_peers), stop, period
+        self.refusal: str | None = None
+        self._warned = False
+
+    def run(self) -> None:
+        access: AccessControl = self.dht.access
+        while not self.stop.wait(self.period):
+            try:
+                reason = self.dht.run_coroutine(
+                    functools.partial(_own_access, peers=self.peers), return_future=True
+                ).result(timeout=30)
+            except Exception as e:
+                logger.debug(f"access check failed: {e!r}")
+                continue
+            if reason is not None:
+                self.refusal = f"the swarm refused this peer: {reason}"
+                logger.error(self.refusal)
+                self.stop.set()
+                return
+            own = access.own()
+            left = own.expiration - time.time()
+            if left < 3600 and not self._warned:
+                self._warned = True
+                logger.warning(
+                    f"Access token {own.name!r} expires at {iso(own.expiration)}: ask for a renewed token "
+                    f"and replace {access.token_path} with it (no restart needed)"
+                )
+            elif left >= 3600:
+                self._warned = False
+
+
+def access_for(run_id: str, access_token: str, authority_key: str) -> AccessControl | None:
+    """The access control of a peer from its options (None: a public swarm)."""
+    if access_token and authority_key:
+        raise UserError("give --authority-key (the monitor) or --access-token (other peers), not both")
+    if authority_key:
+        return AccessControl.for_authority(run_id, authority_key)
+    if access_token:
+        return AccessControl.for_token(run_id, access_token)
+    return None
+
+
+def refused_message(reason: str) -> str:
+    return reason if reason.startswith(NO_TOKEN[:16]) else f"the swarm refused this peer: {reason}"
+
+
+# --- wire messages --------------------------------------------------------------------------------
+
+
+@functools.cache
+def messages():
+    """The two protobuf messages of the access check and handshake, built at first use."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="cotrain_access.proto", package="cotrain", syntax="proto3")
+    req = fdp.message_type.add(name="AccessRequest")
+    for number, (name, kind) in enumerate(
+        [
+            ("token", f.TYPE_BYTES),
+            ("time", f.TYPE_DOUBLE),
+            ("nonce", f.TYPE_BYTES),
+            ("signature", f.TYPE_BYTES),
+        ],
+        1,
+    ):
+        req.field.add(name=name, number=number, type=kind, label=f.LABEL_OPTIONAL)
+    rep = fdp.message_type.add(name="AccessReply")
+    for number, (name, kind) in enumerate(
+        [
+            ("granted", f.TYPE_BOOL),
+            ("reason", f.TYPE_STRING),
+            ("token", f.TYPE_BYTES),
+            ("nonce", f.TYPE_BYTES),
+            ("signature", f.TYPE_BYTES),
+        ],
+        1,
+    ):
+        rep.field.add(name=name, number=number, type=kind, label=f.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+
+    class Messages:
+        AccessRequest = message_factory.GetMessageClass(pool.FindMessageTypeByName("cotrain.AccessRequest"))
+        AccessReply = message_factory.GetMessageClass(pool.FindMessageTypeByName("cotrain.AccessReply"))
+
+    return Messages

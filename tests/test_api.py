@@ -1,0 +1,154 @@
+"""cotrain.SwarmPeer, the API for training loops of one's own.
+
+Fast: importing cotrain stays cheap (the API loads on first use), and misuse fails before any network starts.
+Slow: examples/custom_loop.py, run as a user would, twice against a live `cotrain monitor`: the two peers
+average with each other (groups of 2), their loss falls, and the monitor logs their metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import LOCALHOST, REPO, Role, alive, cotrain_env, wait_until
+from cotrain.errors import UserError
+
+EXAMPLE = REPO / "examples" / "custom_loop.py"
+STEPS = 8
+
+
+def test_importing_cotrain_loads_neither_torch_nor_hivemind():
+    code = "import sys, cotrain; print(sorted({'torch', 'hivemind'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cotrain_env())
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+    code = "import cotrain; print(cotrain.SwarmPeer.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cotrain_env())
+    assert out.stdout.strip() == "cotrain.api", out.stderr
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"optimizer": "adam"}, "optimizer must be a function"),
+        ({"run_id": "a.b"}, "run_id 'a.b'"),
+        ({"target_batch_size": 0}, "target_batch_size must be positive"),
+        ({"grad_compression": "int3"}, "grad_compression must be fp16 or none"),
+        ({"scheduler": 3}, "scheduler must be a function"),
+    ],
+)
+def test_misuse_is_one_clear_error_before_the_network_starts(kwargs, message):
+    import cotrain
+
+    model = torch.nn.Linear(2, 2)
+    args = {
+        "optimizer": lambda params: torch.optim.SGD(params, lr=0.1),
+        "run_id": "api-test",
+        "target_batch_size": 8,
+        "host_maddrs": [LOCALHOST],
+        **kwargs,
+    }
+    if args["optimizer"] == "adam":
+        args["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)  # an instance, not a function
+    with pytest.raises(UserError, match=message):
+        cotrain.SwarmPeer(model, **args)
+
+
+class Example:
+    """examples/custom_loop.py started as a user would, in its own process group."""
+
+    def __init__(self, args: list[str], out: Path):
+        self.out = out
+        self.proc = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), *args],
+            stdout=open(out.with_suffix(".jsonl"), "w"),
+            stderr=open(out.with_suffix(".log"), "w"),
+            env=cotrain_env(),
+            start_new_session=True,
+        )
+
+    def events(self) -> list[dict]:
+        rows = []
+        for line in self.out.with_suffix(".jsonl").read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+        return rows
+
+    def steps(self) -> list[dict]:
+        return [e for e in self.events() if e.get("event") == "step"]
+
+    def tree(self) -> list[int]:
+        try:
+            return [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
+    run = ["--run-id", "api-test", "--host-maddrs", LOCALHOST]
+    monitor = Role(
+        ["monitor", *run, "--target-batch-size", "128", "--output-dir", str(tmp_path / "monitor")]
+        + ["--refresh-period", "0.5", "--dashboard-port", "-1", "--save-every", "0"],
+        tmp_path / "monitor.log",
+    )
+    peers: list[Example] = []
+    try:
+        peers_file = tmp_path / "monitor" / "initial_peers.txt"
+        wait_until(peers_file.exists, 90, what="the monitor's address")
+        initial = peers_file.read_text().split()
+        for seed in (1, 2):
+            # a target of 16 micro-batches: a peer that starts first takes a few seconds per step alone
+            args = [*run, "--initial-peers", *initial, "--steps", str(STEPS), "--seed", str(seed)]
+            args += ["--target-batch-size", "128"]
+            peers.append(Example(args, tmp_path / f"peer{seed}"))
+        wait_until(
+            lambda: all(p.steps() or p.proc.poll() is not None for p in peers),
+            150,
+            what="a first global step",
+        )
+        trees = [pid for peer in peers for pid in peer.tree()]  # the DHT, p2pd and averager processes too
+        assert len(trees) > 2
+        for peer in peers:
+            peer.proc.wait(timeout=150)
+        # hivemind's processes end within seconds of the script (shutdown() stops them in order)
+        wait_until(lambda: not alive(trees), 15, what="the example's processes to end")
+        for peer in peers:
+            log = peer.out.with_suffix(".log").read_text()
+            assert peer.proc.returncode == 0, log[-3000:]
+            events = peer.events()
+            assert events[0]["event"] == "ready" and events[-1] == {"event": "done", "step": STEPS}
+            steps = peer.steps()
+            assert any(s["group_size"] == 2 for s in steps), steps  # averaged with the other peer
+            losses = [s["loss"] for s in steps]
+            assert losses[-1] < losses[0] - 0.1, steps
+            assert "Traceback" not in log
+        rows = [
+            json.loads(line) for line in (tmp_path / "monitor" / "metrics.jsonl").read_text().splitlines()
+        ]
+        rows = [r for r in rows if r.get("loss") is not None]
+        assert rows and max(r["alive_peers"] for r in rows) == 2, rows
+        assert max(r["max_group_size"] for r in rows) == 2 and max(r["step"] for r in rows) >= STEPS - 1
+        assert rows[-1]["loss"] < rows[0]["loss"], rows
+    finally:
+        for peer in peers:
+            if peer.proc.poll() is None:
+                peer.kill()
+        monitor.stop()

@@ -1,0 +1,45 @@
+"""Churn, the short version of benchmarks/chaos.py: four trainers and a monitor on 127.0.0.1, a trainer killed
+like a vanishing machine (SIGKILL to its whole process tree) and replaced by a fresh one every 15 s."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, cotrain_env
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.mark.timeout(500)  # about 2 minutes on an idle machine; the limits are for a loaded one
+def test_the_swarm_trains_on_while_trainers_vanish_and_new_ones_join(demo_data, tmp_path):
+    summary = tmp_path / "summary.json"
+    driver = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--duration", "45", "--kill-every", "15",
+         "--trainers", "4", "--data", str(demo_data), "--out", str(tmp_path / "run"), "--json", str(summary),
+         "--startup-timeout", "180", "--settle", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cotrain_env(),
+    )  # fmt: skip
+    try:
+        output, _ = driver.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        driver.terminate()  # the driver stops every role in order, then exits
+        output, _ = driver.communicate(timeout=50)
+    assert summary.exists(), output[-5000:]
+    r = json.loads(summary.read_text())
+    assert r["kills"] >= 2, r
+    assert r["crashed_without_being_killed"] == [], r
+    assert r["unclean_exits"] == [], r
+    assert r["processes_left_behind"] == 0, r
+    assert r["global_steps_during_churn"] >= 2, r
+    assert r["loss_falls"], r
+    assert r["parameters_finite"] is True, r
+    assert r["replacements_that_took_a_step"] >= 1, r  # newcomers join and contribute under churn
+    assert r["max_group_size"] >= 2, r
+    assert r["monitor_rss_mib"]["max"] > 0, r
+    assert driver.returncode == 0, output[-3000:]
+    for log in (tmp_path / "run").glob("*.log"):
+        assert "Traceback" not in log.read_text(errors="replace"), log.name

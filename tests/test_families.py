@@ -1,0 +1,348 @@
+"""Model families from presets: every preset builds its family's model (full sizes checked on the meta
+device), `cotrain prepare --preset` makes the family's examples and tokenizer, optimizers and schedules
+by name, --init-from a pretrained folder, and (slow) two trainers of each family's CPU twin train together
+and the loss falls, then `cotrain export` writes a folder that the family's Auto class loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, LOCALHOST, WIKITEXT, Role, alive, wait_until
+from cotrain import cli
+from cotrain import config as cfg
+from cotrain.errors import UserError
+from cotrain.families import FAMILIES, tokenizer_type_for
+
+# the CPU-sized twin of each full-size preset
+TWINS = {
+    "albert-large-v2": "albert-tiny",
+    "albert-base-v2": "albert-tiny",
+    "bert-base": "bert-tiny",
+    "distilbert-base": "distilbert-tiny",
+    "roberta-base": "roberta-tiny",
+    "gpt2-small": "gpt2-tiny",
+}
+# published sizes (millions of parameters) with each family's standard vocabulary
+KNOWN_SIZES = {
+    "albert-large-v2": (17.7, 30000),
+    "albert-base-v2": (11.7, 30000),
+    "bert-base": (110.0, 30522),
+    "distilbert-base": (66.0, 30522),
+    "roberta-base": (125.0, 50265),
+    "gpt2-small": (124.0, 50257),
+}
+TOKENIZER_MODEL = {"unigram": "Unigram", "wordpiece": "WordPiece", "bpe": "BPE"}
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread (and the cores are shared with the peers of other tests)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    """The first ~300 KB of WikiText-2's validation file (real text in the wikitext-103 format)."""
+    path = tmp_path_factory.mktemp("corpus") / "wiki.txt"
+    text = WIKITEXT.read_text()
+    path.write_text(text[: text.find("\n = ", 300_000) + 1])
+    return path
+
+
+def test_every_preset_names_a_family_and_its_objective():
+    names = cfg.preset_names()
+    assert set(TWINS) | set(TWINS.values()) == set(names), names
+    for name in names:
+        run = cfg.resolve(name).run
+        assert FAMILIES[run.model_family].objective == run.objective, name
+        twin = cfg.resolve(TWINS.get(name, name)).run
+        assert twin.model_family == run.model_family, (name, twin.preset)
+    assert {cfg.resolve(n).run.model_family for n in names} == set(FAMILIES)
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_SIZES))
+def test_full_size_presets_have_the_published_parameter_counts(name):
+    from cotrain.models import build_model, parameter_count
+
+    known, vocab = KNOWN_SIZES[name]
+    pad = 1 if name.startswith("roberta") else 0
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = build_model(cfg.resolve(name).run, vocab_size=vocab, pad_token_id=pad)
+    assert type(model).__name__ == FAMILIES[model.config.model_type].model_class
+    millions = parameter_count(model) / 1e6
+    assert abs(millions - known) / known < 0.03, (name, millions, known)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(small_corpus, tmp_path_factory) -> dict:
+    from cotrain.data import train_tokenizer
+    from cotrain.data.corpus import read_wikitext
+
+    texts = list(read_wikitext(small_corpus))[:60]
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {kind: train_tokenizer(texts, kind, 600, root / kind) for kind in TOKENIZER_MODEL}
+
+
+def _batch(family: str, tokenizer) -> list[dict]:
+    """Two examples of the family's objective, made from real sentences."""
+    a, b = "the valkyria chronicles series is a tactical game .", "it was released in japan in 2011 ."
+    if family == "albert":
+        enc = tokenizer(a, b)
+        return [{**enc, "sentence_order_label": label} for label in (0, 1)]
+    if family == "gpt2":
+        ids = tokenizer(a + " " + b, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return [{"input_ids": ids}, {"input_ids": ids[::-1]}]
+    return [tokenizer(a), tokenizer(b)]
+
+
+@pytest.mark.parametrize("twin", sorted(set(TWINS.values())))
+def test_each_twin_builds_and_its_collator_and_loss_train_a_step(twin, tokenizers):
+    from cotrain.models import (
+        build_model,
+        collator_for_run,
+        forward_loss,
+        optimizer_factory,
+        parameter_count,
+        parameter_groups,
+    )
+
+    run = cfg.resolve(twin).run
+    family = FAMILIES[run.model_family]
+    tokenizer = tokenizers[tokenizer_type_for(run.model_family, run.objective)]
+    model = build_model(
+        run, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+    )
+    assert type(model).__name__ == family.model_class
+    assert model.get_input_embeddings().num_embeddings == len(tokenizer)  # the vocabulary is the tokenizer's
+    assert 0.5e6 < parameter_count(model) < 8e6, parameter_count(model)
+    batch = collator_for_run(run, tokenizer, seed=0)(_batch(run.model_family, tokenizer))
+    optimizer = optimizer_factory(run)(parameter_groups(model, run.weight_decay))
+    losses = []
+    for _ in range(3):  # the same batch three times: the loss must go down
+        loss = forward_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
+def test_whole_word_masking_is_a_run_option(tokenizers):
+    from cotrain.data import MlmCollator
+    from cotrain.models import collator_for_run
+
+    run = cfg.resolve("bert-tiny", overrides={"run": {"whole_word_mask": True}}).run
+    collator = collator_for_run(run, tokenizers["wordpiece"])
+    assert isinstance(collator, MlmCollator) and collator.whole_word_mask
+    assert not collator_for_run(cfg.resolve("bert-tiny").run, tokenizers["wordpiece"]).whole_word_mask
+
+
+def test_optimizers_and_schedules_by_name():
+    from torch_optimizer import Lamb
+
+    from cotrain.models import optimizer_factory, scheduler_factory
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    for preset, optimizer, schedule in (
+        ("albert-tiny", Lamb, "linear"),
+        ("gpt2-tiny", torch.optim.AdamW, "cosine"),
+    ):
+        run = cfg.resolve(preset, overrides={"run": {"warmup_steps": 10, "total_steps": 110}}).run
+        assert run.lr_scheduler == schedule
+        opt = optimizer_factory(run)(params)
+        assert isinstance(opt, optimizer)
+        sched = scheduler_factory(run)(opt)
+        lrs = []
+        for _ in range(111):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        peak = run.learning_rate
+        assert lrs[0] == 0 and lrs[5] == pytest.approx(peak / 2) and lrs[10] == pytest.approx(peak)
+        # half way through the decay both are at half the peak; a quarter in: 3/4 vs (1 + cos(pi/4)) / 2
+        assert lrs[60] == pytest.approx(peak / 2)
+        quarter = 0.75 if schedule == "linear" else (1 + math.cos(math.pi / 4)) / 2
+        assert lrs[35] == pytest.approx(peak * quarter) and lrs[110] == pytest.approx(0.0, abs=1e-12)
+    adamw = cfg.resolve(
+        "albert-tiny", overrides={"run": {"optimizer": "adamw", "lr_scheduler": "cosine"}}
+    ).run
+    assert isinstance(optimizer_factory(adamw)(params), torch.optim.AdamW)
+
+
+def test_bad_family_objective_or_schedule_is_one_clear_error(tmp_path):
+    cases = [
+        ({"model_family": "xlnet"}, "model_family must be one of albert, bert, distilbert, roberta, gpt2"),
+        ({"objective": "clm"}, "model_family bert trains objective 'mlm', not 'clm'"),
+        ({"lr_scheduler": "step"}, "lr_scheduler must be linear or cosine"),
+    ]
+    for override, message in cases:
+        with pytest.raises(cfg.ConfigError, match=re.escape(message)):
+            cfg.resolve("bert-tiny", overrides={"run": override})
+    from cotrain.models import build_model
+
+    with pytest.raises(UserError, match="hidden_sise"):
+        build_model(cfg.resolve("bert-tiny", overrides={"run": {"model": {"hidden_sise": 3}}}).run, 500)
+    with pytest.raises(UserError, match="takes sequences of up to 128 tokens"):
+        build_model(cfg.resolve("roberta-tiny", overrides={"run": {"max_seq_length": 256}}).run, 500, 1)
+
+
+@pytest.mark.parametrize(
+    "preset, objective, tokenizer",
+    [("roberta-tiny", "mlm", "BPE"), ("bert-tiny", "mlm", "WordPiece"), ("gpt2-tiny", "clm", "BPE")],
+)
+def test_prepare_follows_the_preset(preset, objective, tokenizer, small_corpus, tmp_path, capsys):
+    out = tmp_path / "data"
+    argv = ["prepare", "--preset", preset, "--text-files", str(small_corpus), "--output", str(out)]
+    assert cli.main([*argv, "--max-seq-length", "64", "--vocab-size", "500"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["objective"] == objective and manifest["num_examples"]["train"] > 100
+    assert json.loads((out / "tokenizer" / "tokenizer.json").read_text())["model"]["type"] == tokenizer
+    if preset == "gpt2-tiny":
+        assert manifest["mean_tokens_per_example"] == 64  # contiguous packed blocks
+
+
+def test_init_from_a_local_pretrained_folder(tmp_path, tokenizers):
+    from cotrain.models import build_model
+
+    run = cfg.resolve("bert-tiny", overrides={"run": {"model": {"num_hidden_layers": 1}}}).run
+    pretrained = build_model(run, vocab_size=500)
+    with torch.no_grad():
+        pretrained.bert.embeddings.word_embeddings.weight.mul_(3.0)  # not what a fresh init gives
+    pretrained.save_pretrained(tmp_path / "bert")
+    start = cfg.resolve("bert-tiny", overrides={"run": {"init_from": str(tmp_path / "bert")}}).run
+    model = build_model(start, vocab_size=500)
+    assert model.config.num_hidden_layers == 1  # the folder's architecture, not the preset's 4 layers
+    for (name, a), b in zip(pretrained.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    bigger = build_model(start, vocab_size=520)  # the tokenizer decides the vocabulary: resized
+    embeddings = bigger.get_input_embeddings().weight
+    assert embeddings.shape[0] == 520
+    assert torch.equal(embeddings[:500], pretrained.get_input_embeddings().weight)
+    gpt = cfg.resolve("gpt2-tiny", overrides={"run": {"init_from": str(tmp_path / "bert")}}).run
+    with pytest.raises(UserError, match="holds a bert model, but this run trains gpt2"):
+        build_model(gpt, vocab_size=500)
+    missing = cfg.resolve("bert-tiny", overrides={"run": {"init_from": str(tmp_path / "nothing")}}).run
+    with pytest.raises(UserError, match="no model folder there"):
+        build_model(missing, vocab_size=500)
+
+
+# --- two trainers of each family's CPU twin, as processes on 127.0.0.1 ---
+
+SLOW_STEPS = 6
+STEP_LINE = re.compile(r"step (\d+) \| loss ([\d.naninf]+) \| averaged with (\d+) peers")
+
+
+def trainer_steps(role: Role) -> list[tuple[int, float, int]]:
+    """(global step, mean loss, group size) from a trainer's per-step log lines."""
+    return [(int(s), float(loss), int(g)) for s, loss, g in STEP_LINE.findall(role.text())]
+
+
+@pytest.fixture(scope="module")
+def prepared(small_corpus, tmp_path_factory):
+    """`cotrain prepare --preset TWIN` once per (objective, tokenizer) pair, as a user runs it."""
+    root = tmp_path_factory.mktemp("prepared")
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(twin: str) -> Path:
+        run = cfg.resolve(twin).run
+        key = (run.objective, tokenizer_type_for(run.model_family, run.objective))
+        if key not in made:
+            out = root / twin
+            argv = ["prepare", "--preset", twin, "--text-files", str(small_corpus), "--output", str(out)]
+            assert cli.main([*argv, "--max-seq-length", "64", "--vocab-size", "1500"]) == 0
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # about 45 s on an idle machine; much more when the cores are shared
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_trainers_of_each_family_train_together_and_export(family, prepared, tmp_path):
+    import transformers
+    from transformers import AutoTokenizer
+
+    twin = next(t for t in sorted(set(TWINS.values())) if cfg.resolve(t).run.model_family == family)
+    data = prepared(twin)
+    common = ["--preset", twin, "--run-id", f"family-{family}", "--host-maddrs", LOCALHOST, *FAST]
+    common += ["--dataset-path", str(data), "--max-seq-length", "64", "--target-batch-size", "32"]
+    common += ["--per-device-train-batch-size", "8", "--statistics-expiration", "20"]
+    if family == "bert":  # the masked-LM option, in a real run
+        common += ["--whole-word-mask"]
+    roles: list[Role] = []
+    try:
+        first = Role(
+            ["train", *common, "--seed", "1", "--output-dir", str(tmp_path / "a"), "--save-steps", "2"],
+            tmp_path / "a.log",
+        )
+        roles.append(first)
+        found = wait_until(
+            lambda: re.search(r"join through this trainer: --initial-peers (.+)", first.text()),
+            240,
+            what="the first trainer's address",
+        )
+        initial = [a for a in found.group(1).split() if "/127.0.0.1/" in a]
+        second = Role(
+            [
+                "train",
+                *common,
+                "--seed",
+                "2",
+                "--output-dir",
+                str(tmp_path / "b"),
+                "--initial-peers",
+                *initial,
+            ],
+            tmp_path / "b.log",
+        )
+        roles.append(second)
+
+        def done() -> bool:
+            steps = [trainer_steps(r) for r in roles]
+            return all(len(s) >= 3 for s in steps) and max(s for s, _, _ in steps[0]) >= SLOW_STEPS
+
+        try:
+            wait_until(done, 300, what=f"{SLOW_STEPS} global steps")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{first.text()[-3000:]}\n{second.text()[-3000:]}") from None
+        a, b = trainer_steps(first), trainer_steps(second)
+        assert max(g for _, _, g in a + b) == 2, (a, b)  # the two averaged together
+        assert {s for s, _, _ in a} & {s for s, _, _ in b}, (a, b)  # and shared global steps
+        start = sum(loss for _, loss, _ in a[:2]) / 2  # from scratch
+        end = sum(loss for _, loss, _ in a[-2:] + b[-2:]) / 4
+        assert end < start, (family, a, b)
+        pids = [pid for r in roles for pid in r.tree()]
+        for role in roles:  # both at once, as when a user stops the swarm
+            role.proc.send_signal(signal.SIGTERM)
+        for role in roles:
+            role.proc.wait(timeout=40)
+            role.stop()
+            assert role.proc.returncode == 0, role.text()[-2000:]
+        assert wait_until(lambda: not alive(pids), 20, what="every process of both trainers to exit") is True
+    finally:
+        for role in roles:
+            if role.proc.poll() is None:
+                role.kill_all()
+    # export the first trainer's newest checkpoint: the family's Auto class loads it
+    out = tmp_path / "export"
+    assert cli.main(["export", str(tmp_path / "a" / "checkpoints"), str(out)]) == 0
+    auto = FAMILIES[family].auto_class
+    assert json.loads((out / "cotrain.json").read_text())["auto_class"] == auto
+    model = getattr(transformers, auto).from_pretrained(out)
+    assert type(model).__name__ == FAMILIES[family].model_class
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.get_input_embeddings().num_embeddings == len(tokenizer)
+    with torch.no_grad():
+        logits = model(**tokenizer("the game was released in japan .", return_tensors="pt")).logits
+    assert torch.isfinite(logits).all()

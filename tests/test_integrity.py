@@ -1,0 +1,315 @@
+"""Integrity of the swarm's records and of its training: forged or absurd records change nothing, a peer with
+NaN gradients keeps them to itself, and a peer whose swarm-wide config differs is refused before it averages.
+
+The live part runs one real swarm on 127.0.0.1 (a monitor, two trainers, one of them with a NaN gradient
+injected) and brings to it a forger (a DHT peer of this test process), a trainer with another learning rate
+and a trainer with a mistyped run id.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+
+import hivemind
+import pytest
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from conftest import FAST, LOCALHOST, Role, wait_until
+from cotrain.config import resolve
+from cotrain.roles.monitor import MAX_STEPS_AHEAD, aggregate, plausible
+from cotrain.roles.trainer import gradient_norm
+from cotrain.swarm.configrecord import (
+    ConfigMismatch,
+    ConfigRecord,
+    check_agreement,
+    config_key,
+    make_record,
+    read_configs,
+    text_hash,
+)
+from cotrain.swarm.records import LocalMetrics, make_validators, metrics_key, read_metrics
+
+RUN = "integrity-test"
+
+
+class SignsButChecksNothing(RSASignatureValidator):
+    """A forger's validator: it signs the records under its own key and lets every record through, so that
+    its forgeries leave its node and reach the others'."""
+
+    def validate(self, record) -> bool:
+        return True
+
+
+def metrics(**kw) -> LocalMetrics:
+    fields = dict(
+        step=3, samples_per_second=10.0, samples_accumulated=64, loss=16.0, mini_steps=8, group_size=2
+    )
+    return LocalMetrics(**{**fields, **kw})
+
+
+# ---- aggregates: implausible records are ignored
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"loss": math.nan},
+        {"loss": -5.0},
+        {"loss": math.inf},
+        {"samples_per_second": 1e12},
+        {"samples_per_second": math.nan},
+        {"samples_accumulated": -64},
+        {"step": -1},
+        {"step": 10**6},  # within the schema, but far ahead of every other peer
+        {"mini_steps": "many"},
+    ],
+)
+def test_aggregate_ignores_an_implausible_record_however_it_arrived(bad):
+    honest = {b"a": metrics(loss=16.0), b"b": metrics(loss=8.0, samples_per_second=5.0)}
+    # construct() skips validation: a record that got past the DHT's validators somehow
+    forged = LocalMetrics.construct(**{**metrics().dict(), **bad})
+    for extra in (forged, {**metrics().dict(), **bad}):
+        line = aggregate(3, {**honest, b"forger": extra})
+        expected = aggregate(3, honest)
+        assert {k: v for k, v in line.items() if k != "time"} == {
+            k: v for k, v in expected.items() if k != "time"
+        }
+        assert (
+            line["loss"] == pytest.approx(1.5)
+            and line["alive_peers"] == 2
+            and line["samples_per_second"] == 15
+        )
+    assert set(plausible({**honest, b"forger": forged})) == {b"a", b"b"}
+
+
+def test_steps_ahead_are_judged_against_the_other_peers():
+    near = metrics(step=3 + MAX_STEPS_AHEAD)
+    far = metrics(step=4 + MAX_STEPS_AHEAD)
+    assert set(plausible({b"a": metrics(), b"n": near})) == {b"a", b"n"}
+    assert set(plausible({b"a": metrics(), b"b": metrics(), b"f": far})) == {b"a", b"b"}
+    assert set(plausible({b"alone": far})) == {b"alone"}  # nothing to compare a lone peer with
+
+
+# ---- gradients: NaN or inf is seen in one reduction
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_gradient_norm_sees_nan_and_inf(max_norm):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    model(torch.randn(5, 4)).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    assert gradient_norm(model, max_norm) == pytest.approx(expected, rel=1e-5)
+    for poison in (math.nan, math.inf):
+        model[1].bias.grad[0] = poison
+        assert not math.isfinite(gradient_norm(model, max_norm))
+
+
+# ---- config records
+
+
+def run_config(**overrides):
+    return resolve(overrides={"run": {"preset": "albert-tiny", "run_id": RUN, **overrides}}).run
+
+
+def test_a_config_record_must_match_its_hash():
+    record = make_record(run_config(), "trainer")
+    assert record.hash == text_hash(record.config)
+    with pytest.raises(ValueError, match="hash does not match"):
+        ConfigRecord(**{**record.dict(), "config": record.config.replace("0.02", "0.2")})
+
+
+def test_a_differing_config_is_refused_naming_every_field():
+    swarm = {bytes([i]): make_record(run_config(), "trainer") for i in range(3)}
+    mine = make_record(run_config(learning_rate=0.05, target_batch_size=128), "trainer")
+    with pytest.raises(ConfigMismatch) as refused:
+        check_agreement(swarm, mine, RUN, b"me")
+    message = str(refused.value)
+    assert "\n" not in message and f"run {RUN!r}, 3 peers" in message
+    assert "learning_rate 0.05 != 0.02" in message and "target_batch_size 128 != 64" in message
+    check_agreement(swarm, make_record(run_config(), "trainer"), RUN, b"me")  # the same config joins
+    check_agreement({b"me": mine}, make_record(run_config(), "trainer"), RUN, b"me")  # its own old record
+    # a lone peer with another config does not outvote the swarm
+    odd = {b"odd": make_record(run_config(learning_rate=0.05), "trainer")}
+    with pytest.raises(ConfigMismatch, match="learning_rate 0.02 != 0.05"):
+        check_agreement(odd, make_record(run_config(), "trainer"), RUN, b"me")
+    check_agreement({**swarm, **odd}, make_record(run_config(), "trainer"), RUN, b"me")
+
+
+# ---- a live swarm
+
+
+def trainer_steps(role: Role) -> list[tuple[int, float, int]]:
+    """(step, mean loss, group size) from a trainer's per-step log lines."""
+    found = re.findall(r"step (\d+) \| loss (\S+) \| averaged with (\d+) peers", role.text())
+    return [(int(s), float(loss), int(g)) for s, loss, g in found]
+
+
+def rows(path) -> list[dict]:
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
+
+
+@pytest.fixture(scope="module")
+def swarm(demo_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("integrity")
+    common = ["--preset", "albert-tiny", "--run-id", RUN, "--host-maddrs", LOCALHOST, *FAST]
+    common += ["--target-batch-size", "32"]
+    roles: dict[str, Role] = {}
+    monitor_args = ["--output-dir", str(out / "monitor"), "--refresh-period", "0.5", "--dashboard-port", "-1"]
+    roles["monitor"] = Role(["monitor", *common, *monitor_args], out / "monitor.log")
+
+    def trainer(name: str, seed: int, *extra: str, env: dict | None = None) -> Role:
+        args = ["train", *common, "--initial-peers", *initial, "--dataset-path", str(demo_data)]
+        args += ["--seed", str(seed), "--per-device-train-batch-size", "8", "--output-dir", str(out / name)]
+        args += ["--statistics-expiration", "30", "--save-steps", "1", "--save-total-limit", "50", *extra]
+        roles[name] = Role(args, out / f"{name}.log", env=env)
+        return roles[name]
+
+    try:
+        peers_file = out / "monitor" / "initial_peers.txt"
+        wait_until(peers_file.exists, 240, what="the monitor's address")
+        initial = peers_file.read_text().split()
+        trainer("honest", 1)
+        trainer("poisoned", 2, env={"COTRAIN_DEBUG_NAN_AT_STEP": "2"})
+        trainer("other_lr", 3, "--learning-rate", "0.05")  # the preset's is 0.02
+        typo = [a if a != RUN else RUN + "-typo" for a in common]
+        roles["mistyped"] = Role(
+            ["train", *typo, "--initial-peers", *initial, "--dataset-path", str(demo_data), "--output-dir",
+             str(out / "mistyped")],
+            out / "mistyped.log",
+        )  # fmt: skip
+        # the peer of a mistyped run trains on its own: stop it once it has said so
+        warning = f"No peer of run '{RUN}-typo' was found through the initial peers, which carry the runs"
+        wait_until(lambda: warning in roles["mistyped"].text(), 300, what="the warning about the run id")
+        roles["mistyped"].signal_group(signal.SIGINT)
+        mistyped_rc = roles["mistyped"].proc.wait(timeout=60)
+
+        def both_past_the_poison() -> bool:
+            steps = [
+                max((s for s, _, _ in trainer_steps(roles[n])), default=0) for n in ("honest", "poisoned")
+            ]
+            saved = [len(list((out / n / "checkpoints").glob("step-0*4"))) for n in ("honest", "poisoned")]
+            return min(steps) >= 4 and min(saved) >= 1
+
+        wait_until(both_past_the_poison, 480, what="both trainers past global step 4, checkpoints saved")
+        yield {"out": out, "roles": roles, "initial": initial, "mistyped_rc": mistyped_rc}
+    finally:
+        for role in roles.values():
+            if role.proc.poll() is None:
+                role.kill_all()
+
+
+def finite_checkpoints(folder) -> list[int]:
+    """Steps of the checkpoints in ``folder`` whose weights are all finite (asserting that all are)."""
+    from safetensors.torch import load_file
+
+    steps = []
+    for ck in sorted((folder / "checkpoints").glob("step-*")):
+        weights = load_file(ck / "model.safetensors")
+        assert all(torch.isfinite(t).all() for t in weights.values()), f"non-finite weights in {ck}"
+        steps.append(int(ck.name.split("-")[1]))
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1100)
+def test_nan_gradients_stay_with_their_peer(swarm):
+    honest, poisoned = swarm["roles"]["honest"], swarm["roles"]["poisoned"]
+    assert "Fault injection: a NaN gradient" in poisoned.text(), poisoned.text()[-3000:]
+    assert "Non-finite loss or gradients on this micro-batch" in poisoned.text()
+    for role in (honest, poisoned):
+        steps = trainer_steps(role)
+        assert all(math.isfinite(loss) for _, loss, _ in steps), steps
+    # the two peers averaged after the injection: NaN sent to the swarm would have reached the honest one
+    assert any(g == 2 and s >= 2 for s, _, g in trainer_steps(honest)), trainer_steps(honest)
+    for name in ("honest", "poisoned"):
+        steps = finite_checkpoints(swarm["out"] / name)
+        assert max(steps) >= 4, (name, steps)
+    assert "Traceback" not in honest.text() + poisoned.text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_trainer_with_another_config_is_refused_before_averaging(swarm):
+    role = swarm["roles"]["other_lr"]
+    rc = role.proc.wait(timeout=150)
+    text = role.text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert rc != 0 and "Traceback" not in text, text
+    assert lines[-1].startswith(
+        f"cotrain train: error: this peer's config differs from the swarm's (run {RUN!r}"
+    ), text
+    assert "learning_rate 0.05 != 0.02" in lines[-1] and "target_batch_size" not in lines[-1]
+    assert "joined run" not in text  # refused before its optimizer (and averager) existed
+    assert not any(": error: " in line for line in lines[:-1]), text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_mistyped_run_id_is_named_with_the_runs_that_exist(swarm):
+    text = swarm["roles"]["mistyped"].text()
+    assert re.search(rf"which carry the runs '{RUN}' \(\d peers?\)", text), text
+    assert swarm["mistyped_rc"] == 0 and "Traceback" not in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_forger_changes_no_record_and_no_aggregate(swarm):
+    """A real DHT peer signs only its own records and validates nothing, so its forgeries reach the swarm's
+    nodes; they must refuse them. An honest reader (full validators) then sees the true records."""
+    forger_key = RSAPrivateKey()
+    forger = hivemind.DHT(
+        initial_peers=swarm["initial"],
+        host_maddrs=[LOCALHOST],
+        record_validators=[SignsButChecksNothing(forger_key)],
+        nat_port_map=False,
+        start=True,
+    )
+    validators, _ = make_validators(RUN)
+    reader = hivemind.DHT(
+        initial_peers=swarm["initial"],
+        host_maddrs=[LOCALHOST],
+        record_validators=validators,
+        nat_port_map=False,
+        client_mode=True,
+        start=True,
+    )
+    try:
+        own = RSASignatureValidator(forger_key).local_public_key
+        true_records = wait_until(lambda: read_metrics(reader, RUN), 60, what="the trainers' records")
+        victim, record = next(iter(true_records.items()))
+        victim_config = read_configs(reader, RUN)[victim]
+        expiration = get_dht_time() + 120
+        forged_config = make_record(run_config(learning_rate=0.5), "trainer")
+        forgeries = [
+            (metrics_key(RUN), victim, metrics(step=record.step, loss=0.0).dict()),  # another's subkey
+            (config_key(RUN), victim, forged_config.dict()),
+            (metrics_key(RUN), own, {**metrics().dict(), "samples_per_second": 1e12}),  # out of schema
+            (metrics_key(RUN), own, {**metrics().dict(), "loss": -1.0}),
+            (config_key(RUN), own, {**forged_config.dict(), "hash": "0" * 16}),  # hash not its content's
+        ]
+        for key, subkey, value in forgeries:
+            forger.store(key, value, expiration, subkey=subkey)
+        far_ahead = metrics(step=10**6).dict()  # within the schema: stored, but ignored by the monitor
+        forger.store(metrics_key(RUN), far_ahead, expiration, subkey=own)
+        assert read_metrics(reader, RUN).get(own) is not None
+        monitor_rows = swarm["out"] / "monitor" / "metrics.jsonl"
+        seen = len(rows(monitor_rows))
+        wait_until(lambda: len(rows(monitor_rows)) >= seen + 2, 120, what="two more monitor rows")
+        after = read_metrics(reader, RUN)
+        assert after[victim].loss > 0 and after[victim].step < 10**6
+        assert read_configs(reader, RUN)[victim].hash == victim_config.hash
+        assert own not in read_configs(reader, RUN)
+        for row in rows(monitor_rows):
+            assert row["step"] < 1000 and row["alive_peers"] <= 2, row
+            assert row["samples_per_second"] < 1e6 and (row["loss"] is None or row["loss"] >= 0), row
+    finally:
+        reader.shutdown()
+        forger.shutdown()

@@ -1,0 +1,209 @@
+"""Redundant first peers on 127.0.0.1, as one story told in order (each test checks one chapter):
+
+1. monitor A starts; monitor B joins it; two trainers start with both addresses (``--initial-peers A B``):
+   both monitors log the swarm's metrics and keep checkpoints of its state;
+2. A dies (SIGKILL of its whole process tree): the trainers keep taking global steps and B keeps logging them;
+3. a third trainer given only B's address joins, loads the swarm's state and averages with the others;
+4. a client given both addresses, the dead one first, still reads the swarm's state.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FAST, LOCALHOST, Role, alive, wait_until
+
+pytestmark = [pytest.mark.slow]
+
+RUN = "monitors-test"
+
+
+def read_rows(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def trainer_steps(role: Role) -> list[tuple[int, int]]:
+    """(global step, averaging group size) from a trainer's per-step log lines."""
+    out = []
+    for line in role.text().splitlines():
+        if "[INFO] step " in line and "averaged with" in line:
+            parts = line.split("|")
+            out.append((int(parts[0].split("step")[-1]), int(parts[2].split("with")[1].split()[0])))
+    return out
+
+
+def top(role: Role) -> int:
+    return max((s for s, _ in trainer_steps(role)), default=-1)
+
+
+def last_step(path) -> int:
+    return max((r["step"] for r in read_rows(path)), default=-1)
+
+
+@pytest.fixture(scope="module")
+def story(demo_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("monitors")
+    common = ["--preset", "albert-tiny", "--run-id", RUN, "--host-maddrs", LOCALHOST, *FAST]
+    roles: dict[str, Role] = {}
+
+    def monitor(name: str, *extra: str) -> list[str]:
+        roles[name] = Role(
+            [
+                "monitor",
+                *common,
+                "--output-dir",
+                str(out / name),
+                "--refresh-period",
+                "0.5",
+                "--dashboard-port",
+                "-1",
+                "--dataset-path",
+                str(demo_data),
+                "--save-every",
+                "3",
+                "--load-state-timeout",
+                "20",
+                *extra,
+            ],
+            out / f"{name}.log",
+        )
+        peers_file = out / name / "initial_peers.txt"
+        wait_until(peers_file.exists, 60, what=f"{name}'s address")
+        return peers_file.read_text().split()
+
+    def trainer(name: str, initial: list[str], seed: int) -> Role:
+        roles[name] = Role(
+            [
+                "train",
+                *common,
+                "--initial-peers",
+                *initial,
+                "--dataset-path",
+                str(demo_data),
+                "--seed",
+                str(seed),
+                "--per-device-train-batch-size",
+                "8",
+                "--statistics-expiration",
+                "20",
+                "--load-state-timeout",
+                "30",
+                "--output-dir",
+                str(out / name),
+            ],
+            out / f"{name}.log",
+        )
+        return roles[name]
+
+    try:
+        a = monitor("monitor_a")
+        b = monitor("monitor_b", "--initial-peers", *a)
+        trainer("trainer0", a + b, 1)
+        trainer("trainer1", a + b, 2)
+        yield {"out": out, "roles": roles, "a": a, "b": b, "trainer": trainer}
+    finally:
+        for role in roles.values():
+            if role.proc.poll() is None:
+                role.kill_all()
+
+
+@pytest.mark.timeout(240)
+def test_both_monitors_log_the_swarm_and_keep_checkpoints(story):
+    out = story["out"]
+
+    def both_see_two_trainers():
+        return all(
+            any(r["alive_peers"] == 2 and r["step"] >= 4 for r in read_rows(out / m / "metrics.jsonl"))
+            for m in ("monitor_a", "monitor_b")
+        )
+
+    wait_until(both_see_two_trainers, 180, what="both monitors to log 2 trainers past step 4")
+    for m in ("monitor_a", "monitor_b"):
+        wait_until(
+            lambda m=m: list((out / m / "checkpoints").glob("step-*")),
+            60,
+            what=f"a checkpoint from {m}",
+        )
+
+
+@pytest.mark.timeout(180)
+def test_trainers_keep_training_after_the_first_monitor_dies(story):
+    out, roles = story["out"], story["roles"]
+    pids = roles["monitor_a"].tree()
+    roles["monitor_a"].kill_all()  # SIGKILL of the supervisor, its worker and hivemind's processes
+    wait_until(lambda: not alive(pids), 15, what="monitor A's processes to die")
+    at_kill = {name: top(roles[name]) for name in ("trainer0", "trainer1")}
+    logged = last_step(out / "monitor_b" / "metrics.jsonl")
+    wait_until(
+        lambda: all(top(roles[name]) >= at_kill[name] + 2 for name in at_kill),
+        120,
+        what="both trainers to take 2 more global steps",
+    )
+    wait_until(
+        lambda: last_step(out / "monitor_b" / "metrics.jsonl") >= logged + 2,
+        30,
+        what="monitor B to log the new steps",
+    )
+    for name in ("trainer0", "trainer1"):
+        assert roles[name].proc.poll() is None, roles[name].text()[-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_joins_through_the_surviving_monitor(story):
+    out, roles = story["out"], story["roles"]
+    swarm_step = last_step(out / "monitor_b" / "metrics.jsonl")
+    late = story["trainer"]("trainer2", story["b"], 3)
+    text = wait_until(
+        lambda: "Starting from global step" in late.text() and late.text(),
+        90,
+        what="the third trainer to load the swarm's state",
+    )
+    start = int(text.split("Starting from global step")[1].split()[0])
+    assert start >= swarm_step - 1, text
+    steps = wait_until(
+        lambda: [(s, g) for s, g in trainer_steps(late) if g >= 2],
+        120,
+        what="the third trainer to average with another peer",
+    )
+    assert steps[0][0] > start, steps
+    others = {s for name in ("trainer0", "trainer1") for s, _ in trainer_steps(roles[name])}
+    assert {s for s, _ in trainer_steps(late)} & others, "the third trainer's steps are not the swarm's"
+    wait_until(
+        lambda: any(r["alive_peers"] == 3 for r in read_rows(out / "monitor_b" / "metrics.jsonl")),
+        60,
+        what="monitor B to count 3 trainers",
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_first_initial_peer_is_skipped(story, tmp_path):
+    role = Role(
+        [
+            "status",
+            "--preset",
+            "albert-tiny",
+            "--run-id",
+            RUN,
+            "--initial-peers",
+            *story["a"],
+            *story["b"],
+            "--host-maddrs",
+            LOCALHOST,
+            "--json",
+        ],
+        tmp_path / "status.log",
+    )
+    role.proc.wait(timeout=90)
+    text = role.text()
+    assert role.proc.returncode == 0, text
+    state = json.loads(text.strip().splitlines()[-1])
+    assert state["run_id"] == RUN and state["num_peers"] >= 2, state
+
+
+def test_no_traceback_in_logs(story):
+    for name, role in story["roles"].items():
+        assert "Traceback" not in role.text(), name

@@ -1,0 +1,157 @@
+"""notebooks/join.ipynb, executed headless with nbclient in this virtual environment's kernel against a live
+swarm on 127.0.0.1 (a monitor and one trainer on the CPU): only the values of its parameters cell change."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, LOCALHOST, REPO, Role, cotrain_env, wait_until
+
+pytestmark = [pytest.mark.slow]
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (the dev extra)")
+nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (the dev extra)")
+
+NOTEBOOK = REPO / "notebooks" / "join.ipynb"
+RUN = "notebook-test"
+
+
+def read_rows(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def set_parameters(cell, values: dict) -> None:
+    """Replace the value of each ``NAME = ...`` line of the parameters cell (every name must be there)."""
+    lines = cell.source.splitlines()
+    for name, value in values.items():
+        found = [i for i, line in enumerate(lines) if re.match(rf"{name} = ", line)]
+        assert len(found) == 1, f"the parameters cell has no single {name} line"
+        lines[found[0]] = f"{name} = {value!r}"
+    cell.source = "\n".join(lines)
+
+
+def cell_text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+
+
+def test_the_first_cell_holds_the_parameters():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    first = nb.cells[0]
+    assert first.cell_type == "code" and "parameters" in first.metadata.get("tags", [])
+    names = re.findall(r"^([A-Z_]+) = ", first.source, flags=re.M)
+    for name in ("INITIAL_PEERS", "RUN_ID", "DATASET", "INSTALL", "MAX_STEPS", "TIME_LIMIT_MINUTES"):
+        assert name in names, name
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "saved with outputs"
+
+
+@pytest.fixture(scope="module")
+def swarm(demo_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("notebook")
+    common = ["--preset", "albert-tiny", "--run-id", RUN, "--host-maddrs", LOCALHOST, *FAST]
+    roles: dict[str, Role] = {}
+    try:
+        roles["monitor"] = Role(
+            [
+                "monitor",
+                *common,
+                "--output-dir",
+                str(out / "monitor"),
+                "--refresh-period",
+                "0.5",
+                "--dashboard-port",
+                "-1",
+            ],
+            out / "monitor.log",
+        )
+        peers_file = out / "monitor" / "initial_peers.txt"
+        wait_until(peers_file.exists, 60, what="the monitor's address")
+        initial = peers_file.read_text().split()
+        roles["trainer"] = Role(
+            [
+                "train",
+                *common,
+                "--initial-peers",
+                *initial,
+                "--dataset-path",
+                str(demo_data),
+                "--seed",
+                "1",
+                "--per-device-train-batch-size",
+                "8",
+                "--statistics-expiration",
+                "20",
+                "--output-dir",
+                str(out / "trainer"),
+            ],
+            out / "trainer.log",
+        )
+        yield {"out": out, "initial": initial, "data": demo_data, "roles": roles}
+    finally:
+        for role in roles.values():
+            if role.proc.poll() is None:
+                role.kill_all()
+
+
+@pytest.mark.timeout(420)
+def test_the_notebook_joins_the_swarm_and_averages(swarm, tmp_path):
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+
+    prefix = tmp_path / "jupyter"  # a kernel of this virtual environment, whatever else is installed
+    subprocess.run(
+        [sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", "cotrain-test"],
+        check=True,
+        capture_output=True,
+    )
+    specs = KernelSpecManager(kernel_dirs=[str(prefix / "share" / "jupyter" / "kernels")])
+    metrics = swarm["out"] / "monitor" / "metrics.jsonl"
+    wait_until(lambda: read_rows(metrics), 120, what="the swarm's first global step")
+    max_steps = max(r["step"] for r in read_rows(metrics)) + 6
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    set_parameters(
+        nb.cells[0],
+        {
+            "INITIAL_PEERS": " ".join(swarm["initial"]),
+            "RUN_ID": RUN,
+            "PRESET": "albert-tiny",
+            "DATASET": str(swarm["data"]),
+            "INSTALL": "",
+            "MICRO_BATCH": 8,
+            "MAX_STEPS": max_steps,
+            "TIME_LIMIT_MINUTES": 5.0,
+            "REQUIRE_GPU": False,
+            "SEED": 7,
+            "EXTRA_ARGS": " ".join(FAST + ["--statistics-expiration", "20"]),
+        },
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    client = nbclient.NotebookClient(
+        nb,
+        km=AsyncKernelManager(kernel_name="cotrain-test", kernel_spec_manager=specs),
+        timeout=360,
+        resources={"metadata": {"path": str(work)}},
+    )
+    try:
+        client.execute(env=cotrain_env())
+    finally:
+        (tmp_path / "executed.ipynb").write_text(nbformat.writes(nb))  # for a look after a failure
+    texts = [cell_text(c) for c in nb.cells if c.cell_type == "code"]
+    assert any("Running on CPU, micro-batch 8" in t for t in texts), texts
+    assert any("open files limit:" in t for t in texts), texts
+    train = texts[-1]
+    assert "--client-mode" in train and f"Reached --max-steps {max_steps}" in train, train[-3000:]
+    groups = [int(m) for m in re.findall(r"\] step \d+ \| .*averaged with (\d+) peers", train)]
+    assert 2 in groups, train[-3000:]
+    assert "Left the swarm" in train and "Traceback" not in train
+    assert (work / "outputs").is_dir()  # the notebook's OUTPUT_DIR, relative to where it runs
+    assert any(r["client_peers"] >= 1 and r["alive_peers"] == 2 for r in read_rows(metrics))

@@ -1,0 +1,241 @@
+"""Per-peer network settings: ``--identity-path`` (a stable peer id) and ``--client-mode`` (no incoming
+connections). One swarm on 127.0.0.1 is shared by the live tests: a monitor and a trainer with identity
+files, and a trainer in client mode."""
+
+from __future__ import annotations
+
+import json
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, LOCALHOST, Role, cotrain_env, wait_until
+from cotrain.errors import UserError
+from cotrain.swarm.identity import ensure_identity
+
+RUN = "peers-test"
+
+
+def run_cotrain(*args: str, timeout: float = 150) -> tuple[int | None, str]:
+    """Exit code (None: still running after ``timeout`` s, then stopped) and output of a `cotrain` command."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cotrain", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cotrain_env(),
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGTERM)  # the supervisor stops its worker in order
+        out, _ = p.communicate(timeout=30)
+        return None, out
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def test_a_new_identity_is_private_and_stable(tmp_path):
+    path = tmp_path / "keys" / "peer.id"
+    first = ensure_identity(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ensure_identity(path) == first
+    assert sorted(p.name for p in path.parent.iterdir()) == ["peer.id"]  # no temporary file left
+
+
+@pytest.mark.parametrize("content", [b"", b"not a key at all", b"\x08\x00\x12\x05hello"])
+def test_a_corrupt_identity_is_one_clear_error(tmp_path, content):
+    path = tmp_path / "peer.id"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match="is not a private key"):
+        ensure_identity(path)
+    assert path.read_bytes() == content  # left as it was
+
+
+@pytest.mark.timeout(60)
+def test_a_corrupt_identity_stops_a_trainer_with_one_line(tmp_path):
+    path = tmp_path / "peer.id"
+    path.write_bytes(b"garbage")
+    rc, out = run_cotrain("train", "--host-maddrs", LOCALHOST, "--identity-path", str(path))
+    lines = error_lines(out)
+    assert rc != 0 and len(lines) == 1, out
+    assert lines[0].startswith("cotrain train: error: identity file") and "Traceback" not in out
+
+
+def peer_id_in_log(role: Role) -> str:
+    return role.text().split("Trainer ", 1)[1].split()[0]
+
+
+def trainer_groups(role: Role) -> list[tuple[int, int]]:
+    """(global step, averaging group size) from a trainer's per-step log lines."""
+    out = []
+    for line in role.text().splitlines():
+        if "[INFO] step " in line and "averaged with" in line:
+            parts = line.split("|")
+            out.append((int(parts[0].split("step")[-1]), int(parts[2].split("with")[1].split()[0])))
+    return out
+
+
+def read_rows(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def swarm(demo_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("peers")
+    common = ["--preset", "albert-tiny", "--run-id", RUN, "--host-maddrs", LOCALHOST, *FAST]
+    roles: dict[str, Role] = {}
+
+    def monitor(name: str) -> list[str]:
+        (out / "monitor" / "initial_peers.txt").unlink(missing_ok=True)
+        roles[name] = Role(
+            [
+                "monitor",
+                *common,
+                "--output-dir",
+                str(out / "monitor"),
+                "--refresh-period",
+                "0.5",
+                "--dashboard-port",
+                "-1",
+                "--identity-path",
+                str(out / "keys" / "monitor.id"),
+            ],
+            out / f"{name}.log",
+        )
+        peers_file = out / "monitor" / "initial_peers.txt"
+        wait_until(peers_file.exists, 60, what="the monitor's address")
+        return peers_file.read_text().split()
+
+    def trainer(name: str, initial: list[str], seed: int, *extra: str) -> Role:
+        roles[name] = Role(
+            [
+                "train",
+                *common,
+                "--initial-peers",
+                *initial,
+                "--dataset-path",
+                str(demo_data),
+                "--seed",
+                str(seed),
+                "--per-device-train-batch-size",
+                "8",
+                "--statistics-expiration",
+                "20",
+                "--output-dir",
+                str(out / name),
+                *extra,
+            ],
+            out / f"{name}.log",
+        )
+        return roles[name]
+
+    try:
+        initial = monitor("monitor")
+        trainer("server", initial, 1, "--identity-path", str(out / "keys" / "server.id"))
+        trainer("client", initial, 2, "--client-mode")
+        yield {
+            "out": out,
+            "roles": roles,
+            "initial": initial,
+            "data": demo_data,
+            "monitor": monitor,
+            "trainer": trainer,
+        }
+    finally:
+        for role in roles.values():
+            if role.proc.poll() is None:
+                role.kill_all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_client_mode_trainer_averages_with_a_normal_one(swarm):
+    roles, metrics = swarm["roles"], swarm["out"] / "monitor" / "metrics.jsonl"
+    for name in ("server", "client"):
+        wait_until(
+            lambda name=name: any(g == 2 for _, g in trainer_groups(roles[name])),
+            180,
+            what=f"the {name} trainer to average in a group of 2",
+        )
+    wait_until(
+        lambda: any(r["client_peers"] == 1 and r["alive_peers"] == 2 for r in read_rows(metrics)),
+        60,
+        what="the monitor to count one client among 2 trainers",
+    )
+    assert max(r["max_group_size"] for r in read_rows(metrics)) == 2
+
+
+@pytest.mark.slow
+def test_identity_files_are_created_private(swarm):
+    for name in ("monitor.id", "server.id"):
+        path = swarm["out"] / "keys" / name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
+    assert ensure_identity(swarm["out"] / "keys" / "server.id").to_base58() == peer_id_in_log(
+        swarm["roles"]["server"]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_second_peer_with_a_used_identity_is_refused(swarm):
+    rc, out = run_cotrain(
+        "train",
+        "--preset",
+        "albert-tiny",
+        "--run-id",
+        RUN,
+        "--host-maddrs",
+        LOCALHOST,
+        "--initial-peers",
+        *swarm["initial"],
+        "--identity-path",
+        str(swarm["out"] / "keys" / "server.id"),
+        "--dataset-path",
+        str(swarm["data"]),
+    )
+    lines = error_lines(out)
+    assert rc is not None, f"a second peer with a used identity started:\n{out[-3000:]}"
+    assert rc != 0 and len(lines) == 1, out
+    assert "is already used by a running peer" in lines[0] and "Traceback" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_restarted_trainer_keeps_its_peer_id(swarm):
+    roles, out = swarm["roles"], swarm["out"]
+    before = peer_id_in_log(roles["server"])
+    roles["server"].stop()
+    assert roles["server"].proc.returncode == 0, roles["server"].text()[-2000:]
+    again = swarm["trainer"](
+        "server_again", swarm["initial"], 1, "--identity-path", str(out / "keys" / "server.id")
+    )
+    wait_until(lambda: "Trainer " in again.text(), 120, what="the restarted trainer to join")
+    assert peer_id_in_log(again) == before
+    assert "already used by a running peer" not in again.text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_restarted_monitor_keeps_its_peer_id(swarm):
+    roles = swarm["roles"]
+    before = [a.split("/p2p/")[1] for a in swarm["initial"]]
+    roles["monitor"].stop()
+    assert roles["monitor"].proc.returncode == 0, roles["monitor"].text()[-2000:]
+    after = [a.split("/p2p/")[1] for a in swarm["monitor"]("monitor_again")]
+    assert set(after) == set(before) and len(set(before)) == 1, (before, after)
+
+
+@pytest.mark.slow
+def test_no_traceback_in_logs(swarm):
+    for name, role in swarm["roles"].items():
+        assert "Traceback" not in role.text(), name
