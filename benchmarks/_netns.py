@@ -39,7 +39,7 @@ TAG = "@@"  # marks the lines a peer process writes for the benchmark on its std
 
 def valid_netns_name(name: str) -> bool:
     """A name `ip netns` stores as a plain file in /run/netns: letters, digits, '_', '.', '-'; no path."""
-    return bool(_NAME.match(name)) and name not in (".", "..")
+    return bool(_NAME.fullmatch(name)) and name not in (".", "..")
 
 
 def allreduce_bound_s(n: int, message_bytes: float, rate_bits_per_s: float) -> float:
@@ -205,10 +205,18 @@ def install_exit_handlers(limit_s: float | None) -> None:
         signal.alarm(max(1, int(limit_s)))
 
 
+def die_with_parent() -> None:
+    """In a child before exec: a session of its own (the terminal's Ctrl+C reaches only the benchmark, which
+    stops its children in order), and SIGTERM when the benchmark itself dies, even by SIGKILL."""
+    import ctypes
+
+    os.setsid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_in_ns(net: Network, i: int, argv: list[str], **kwargs) -> subprocess.Popen:
-    """Start a process inside host i's namespace, in a process group of its own (so that the terminal's
-    Ctrl+C reaches only this script, which then stops its children in order)."""
-    return subprocess.Popen(net.exec_argv(i, argv), start_new_session=True, **kwargs)
+    """Start a process inside host i's namespace (see ``die_with_parent``)."""
+    return subprocess.Popen(net.exec_argv(i, argv), preexec_fn=die_with_parent, **kwargs)
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -227,38 +235,56 @@ def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
-def tcp_goodput_mbit(net: Network, src: int, dst: int, megabytes: int = 8, timeout: float = 60.0) -> float:
-    """Application-level throughput of one TCP flow from host src to host dst (Mbit/s of payload): the most
-    that any protocol can get out of the shaped link, TCP/IP and Ethernet headers taken off."""
+def tcp_goodput_mbit(net: Network, a: int, b: int, megabytes: int = 8, timeout: float = 60.0) -> float:
+    """Application-level throughput (Mbit/s of payload) of two TCP flows at once, a -> b and b -> a, as in an
+    all-reduce where every link carries data both ways: the most any protocol over TCP gets from the shaped
+    links, TCP/IP and Ethernet headers and the other flow's ACKs taken off. The mean of the two flows."""
     import sys
 
     port = 5201
-    server = (
-        "import socket,sys,time\n"
-        f"s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{net.address(dst)}',{port}))\n"
-        "s.listen(1);print('ready',flush=True);c,_=s.accept();n=0;t0=None\n"
-        "while True:\n"
-        " b=c.recv(1<<20)\n"
-        " if t0 is None:t0=time.perf_counter()\n"
-        " if not b:break\n"
-        " n+=len(b)\n"
-        "print(n*8/(time.perf_counter()-t0)/1e6,flush=True)\n"
-    )
-    client = (
-        "import socket\n"
-        f"s=socket.create_connection(('{net.address(dst)}',{port}));buf=bytes(1<<20)\n"
-        f"for _ in range({megabytes}):s.sendall(buf)\n"
-        "s.close()\n"
-    )
-    srv = start_in_ns(net, dst, [sys.executable, "-c", server], stdout=subprocess.PIPE, text=True)
+
+    def server(host: int) -> str:
+        return (
+            "import socket,time\n"
+            "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+            f"s.bind(('{net.address(host)}',{port}));s.listen(1);print('ready',flush=True)\n"
+            "c,_=s.accept();n=0;t0=None\n"
+            "while True:\n"
+            " b=c.recv(1<<20)\n"
+            " if t0 is None:t0=time.perf_counter()\n"
+            " if not b:break\n"
+            " n+=len(b)\n"
+            "print(n*8/(time.perf_counter()-t0)/1e6,flush=True)\n"
+        )
+
+    def client(host: int) -> str:
+        return (
+            "import socket\n"
+            f"s=socket.create_connection(('{net.address(host)}',{port}));buf=bytes(1<<20)\n"
+            f"for _ in range({megabytes}):s.sendall(buf)\n"
+            "s.close()\n"
+        )
+
+    servers = [start_in_ns(net, h, [sys.executable, "-c", server(h)], stdout=subprocess.PIPE, text=True)
+               for h in (a, b)]  # fmt: skip
+    clients = []
     try:
-        if srv.stdout.readline().strip() != "ready":
-            raise RuntimeError("TCP test server did not start")
-        subprocess.run(net.exec_argv(src, [sys.executable, "-c", client]), check=True, timeout=timeout)
-        out, _ = srv.communicate(timeout=timeout)
-        return float(out.strip().splitlines()[-1])
+        for srv in servers:
+            if srv.stdout.readline().strip() != "ready":
+                raise RuntimeError("TCP test server did not start")
+        clients = [
+            start_in_ns(net, src, [sys.executable, "-c", client(dst)]) for src, dst in ((a, b), (b, a))
+        ]
+        rates = []
+        for proc in clients:
+            proc.wait(timeout=timeout)
+        for srv in servers:
+            out, _ = srv.communicate(timeout=timeout)
+            rates.append(float(out.strip().splitlines()[-1]))
+        return sum(rates) / len(rates)
     finally:
-        stop_process(srv, grace=2)
+        for proc in [*clients, *servers]:
+            stop_process(proc, grace=2)
 
 
 class LinkCounters:
@@ -280,7 +306,7 @@ class LinkCounters:
         )
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", net.bridge_ns, sys.executable, "-c", code],
-            stdout=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
         )  # fmt: skip
         self.samples: list[tuple[float, list[tuple[int, int]]]] = []
 

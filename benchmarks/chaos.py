@@ -216,12 +216,12 @@ def final_parameters(folders: list[Path]) -> dict:
     return {"checkpoint": str(path), "checkpoint_step": int(meta["step"]), "parameters_finite": finite}
 
 
-def swarm_status(initial: list[str]) -> dict | None:
+def swarm_status(initial: list[str], timeout: float) -> dict | None:
     try:
         done = subprocess.run(
             [sys.executable, "-m", "cotrain", "status", "--run-id", RUN_ID, "--initial-peers", *initial,
              "--host-maddrs", LOCALHOST, "--json"],
-            capture_output=True, text=True, timeout=90, env=cotrain_env(),
+            capture_output=True, text=True, timeout=timeout, env=cotrain_env(),
         )  # fmt: skip
         return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> dict:
     peers: list[Peer] = []
     trainers: list[Peer] = []
     rss: list[tuple[float, float, float]] = []  # (seconds since churn start, tree MiB, worker MiB)
-    kills, deadline_hit = 0, False
+    kills = 0
     counter = iter(range(1, 10_000))
 
     def start_trainer(initial: list[str]) -> Peer:
@@ -272,8 +272,9 @@ def run(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     peers.append(monitor)
     metrics = out / "monitor" / "metrics.jsonl"
-    status = None
+    status, interrupted = None, None
     churn_start, churn_seconds = time.monotonic(), None
+    step_at_start = step_at_end = 0
     try:
         peers_file = out / "monitor" / "initial_peers.txt"
         wait_for(peers_file.exists, args.startup_timeout, "the monitor's address")
@@ -304,20 +305,20 @@ def run(args: argparse.Namespace) -> dict:
                 next_kill = now + args.kill_every * rng.uniform(0.8, 1.2)
             time.sleep(1.0)
         churn_seconds = time.monotonic() - churn_start
-        step_at_end = max(r["step"] for r in read_rows(metrics))
+        step_at_end = max((r["step"] for r in read_rows(metrics)), default=0)
         settle_end = time.monotonic() + args.settle  # no more kills: let the newest trainers take a step
         while (now := time.monotonic()) < settle_end and any(
             not read_rows(t.out / "metrics.jsonl") for t in trainers if not t.killed
         ):
             sample(now)
             time.sleep(1.0)
-        status = swarm_status(initial)
-    except (TimeoutError, KeyboardInterrupt):
-        deadline_hit = True
-        raise
+        status = swarm_status(initial, args.status_timeout)
+    except (TimeoutError, KeyboardInterrupt, RuntimeError) as e:  # still stop everything and report
+        interrupted = f"{type(e).__name__}: {e}"
     finally:
         if churn_seconds is None:
             churn_seconds = time.monotonic() - churn_start
+            step_at_end = max((r["step"] for r in read_rows(metrics)), default=0)
         crashed = [p.name for p in peers if p.crashed()]
         for p in peers:
             p.stop()
@@ -340,8 +341,6 @@ def run(args: argparse.Namespace) -> dict:
         unclean = [p.name for p in peers if not p.killed and p.proc.returncode not in (0, None)]
         for p in peers:
             p.close()
-        if deadline_hit:
-            print(f"logs: {out}", file=sys.stderr)
 
     rows = read_rows(metrics)
     last = {t.name: read_rows(t.out / "metrics.jsonl") for t in trainers}
@@ -349,6 +348,7 @@ def run(args: argparse.Namespace) -> dict:
     replacements = trainers[args.trainers :]
     result = {
         "event": "chaos_summary",
+        "interrupted": interrupted,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.machine()}",
         "load_average_start": [round(x, 2) for x in load_start],
@@ -386,7 +386,8 @@ def run(args: argparse.Namespace) -> dict:
         "out": str(out),
     }
     result["ok"] = bool(
-        not crashed
+        not interrupted
+        and not crashed
         and result["loss_falls"]
         and result["parameters_finite"]
         and not leftovers
@@ -429,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         help="at most this many seconds after the churn for the newest "
         "trainers to take their first step (no kills meanwhile)",
     )
+    parser.add_argument("--status-timeout", type=float, default=90.0, help="seconds for `cotrain status`")
     parser.add_argument(
         "--startup-timeout", type=float, default=240.0, help="seconds allowed until the first global step"
     )

@@ -42,6 +42,7 @@ def test_importing_cotrain_loads_neither_torch_nor_hivemind():
         ({"target_batch_size": 0}, "target_batch_size must be positive"),
         ({"grad_compression": "int3"}, "grad_compression must be fp16 or none"),
         ({"scheduler": 3}, "scheduler must be a function"),
+        ({"delay_everything": True}, "unknown setting 'delay_everything'"),
     ],
 )
 def test_misuse_is_one_clear_error_before_the_network_starts(kwargs, message):

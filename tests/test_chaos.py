@@ -20,7 +20,7 @@ def test_the_swarm_trains_on_while_trainers_vanish_and_new_ones_join(demo_data, 
     driver = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--duration", "45", "--kill-every", "15",
          "--trainers", "4", "--data", str(demo_data), "--out", str(tmp_path / "run"), "--json", str(summary),
-         "--startup-timeout", "180", "--settle", "120"],
+         "--startup-timeout", "180", "--settle", "120", "--status-timeout", "45"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cotrain_env(),
     )  # fmt: skip
     try:
@@ -30,6 +30,7 @@ def test_the_swarm_trains_on_while_trainers_vanish_and_new_ones_join(demo_data, 
         output, _ = driver.communicate(timeout=50)
     assert summary.exists(), output[-5000:]
     r = json.loads(summary.read_text())
+    assert r["interrupted"] is None, (r, output[-3000:])
     assert r["kills"] >= 2, r
     assert r["crashed_without_being_killed"] == [], r
     assert r["unclean_exits"] == [], r

@@ -72,7 +72,7 @@ def story(demo_data, tmp_path_factory):
             out / f"{name}.log",
         )
         peers_file = out / name / "initial_peers.txt"
-        wait_until(peers_file.exists, 60, what=f"{name}'s address")
+        wait_until(peers_file.exists, 120, what=f"{name}'s address")
         return peers_file.read_text().split()
 
     def trainer(name: str, initial: list[str], seed: int) -> Role:
@@ -89,7 +89,7 @@ def story(demo_data, tmp_path_factory):
                 "--per-device-train-batch-size",
                 "8",
                 "--statistics-expiration",
-                "20",
+                "60",
                 "--load-state-timeout",
                 "30",
                 "--output-dir",

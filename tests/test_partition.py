@@ -238,7 +238,7 @@ def hosts(network_guard):
         net.close()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)  # about 2 minutes on an idle machine; the limit is for a loaded one
 def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_data, tmp_path):
     for i in range(3):
         assert "tbf" in hosts.qdiscs(i) and f"{RATE_MBIT}Mbit" in hosts.qdiscs(i)
@@ -341,7 +341,8 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         assert victim.proc.poll() is None and victim.proc.pid == victim_pid, "the trainer must not restart"
         assert "cut off from the swarm" in text and "Back in the swarm" in text, text[-3000:]
         assert cut_off_at is not None and back_at is not None and cut_off_at < healed_at < back_at
-        assert alone_rows and min(r["alive_peers"] for r in alone_rows) == 1, alone_rows  # it was really gone
+        # once its last record expired (10 s), the monitor counted only the other trainer
+        assert all(r["alive_peers"] == 1 for r in alone_rows if r["time"] > cut_at + 12), alone_rows
         assert adopted_step >= step_at_heal, (adopted_step, step_at_heal)  # the swarm's current state
         assert after[0]["step"] > adopted_step
         assert victim_id in seen, (victim_id, state)

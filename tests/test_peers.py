@@ -5,6 +5,8 @@ files, and a trainer in client mode."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -12,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, cotrain_env, wait_until
+from conftest import FAST, LOCALHOST, REPO, Role, cotrain_env, wait_until
 from cotrain.errors import UserError
 from cotrain.swarm.identity import ensure_identity
 
@@ -69,6 +71,22 @@ def test_a_corrupt_identity_stops_a_trainer_with_one_line(tmp_path):
     assert lines[0].startswith("cotrain train: error: identity file") and "Traceback" not in out
 
 
+def test_the_deploy_guide_command_lines_parse():
+    """Every `cotrain ...` line of docs/deploy.md is accepted by the command line as it is."""
+    from cotrain import cli
+
+    text = (REPO / "docs" / "deploy.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith("cotrain "):
+                commands.append(shlex.split(line)[1:])
+    assert {argv[0] for argv in commands} >= {"prepare", "monitor", "train"}, commands
+    for argv in commands:
+        cli.parse(argv)  # an unknown flag or a bad value exits here
+
+
 def peer_id_in_log(role: Role) -> str:
     return role.text().split("Trainer ", 1)[1].split()[0]
 
@@ -113,7 +131,7 @@ def swarm(demo_data, tmp_path_factory):
             out / f"{name}.log",
         )
         peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 60, what="the monitor's address")
+        wait_until(peers_file.exists, 120, what="the monitor's address")
         return peers_file.read_text().split()
 
     def trainer(name: str, initial: list[str], seed: int, *extra: str) -> Role:
@@ -130,7 +148,7 @@ def swarm(demo_data, tmp_path_factory):
                 "--per-device-train-batch-size",
                 "8",
                 "--statistics-expiration",
-                "20",
+                "60",
                 "--output-dir",
                 str(out / name),
                 *extra,
@@ -158,18 +176,18 @@ def swarm(demo_data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_a_client_mode_trainer_averages_with_a_normal_one(swarm):
     roles, metrics = swarm["roles"], swarm["out"] / "monitor" / "metrics.jsonl"
     for name in ("server", "client"):
         wait_until(
             lambda name=name: any(g == 2 for _, g in trainer_groups(roles[name])),
-            180,
+            240,
             what=f"the {name} trainer to average in a group of 2",
         )
     wait_until(
         lambda: any(r["client_peers"] == 1 and r["alive_peers"] == 2 for r in read_rows(metrics)),
-        60,
+        120,
         what="the monitor to count one client among 2 trainers",
     )
     assert max(r["max_group_size"] for r in read_rows(metrics)) == 2

@@ -41,7 +41,7 @@ def test_unreachable_initial_peer_fails_fast_with_one_line():
         (["--initial-peers", "/ip4/nonsense"], "malformed initial peer"),
         (["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "lacks its /p2p/"),
         (["--preset", "albert-giant"], "unknown preset"),
-        (["--per-device-train-batch-size", "0"], "must be positive"),
+        (["--per-device-train-batch-size", "0"], "positive"),
         (["--dataset-path", "/nonexistent/data"], "/nonexistent/data"),
     ],
 )

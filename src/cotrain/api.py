@@ -24,6 +24,7 @@ hivemind requires the peer to be created in the main thread of its process, and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -58,7 +59,9 @@ class SwarmPeer:
     ``averaging_timeout``, ``grad_compression`` ("fp16" or "none"), ``load_state_timeout``,
     ``statistics_expiration``, ``startup_timeout``, ``bandwidth``, ``batch_size_lead``, ``nat_port_map``,
     ``use_ipfs``, ``verbose``. With ``load_state=False`` a newcomer keeps its own weights instead of
-    loading the swarm's."""
+    loading the swarm's. Any other setting of ``cotrain train``'s swarm side goes by its config name
+    (``cotrain.config.PeerConfig``), e.g. ``delay_optimizer_step=True``, ``offload_optimizer=True``,
+    ``target_group_size=16``."""
 
     def __init__(
         self,
@@ -87,6 +90,7 @@ class SwarmPeer:
         nat_port_map: bool = False,
         use_ipfs: bool = False,
         verbose: bool = False,
+        **settings: Any,
     ) -> None:
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(
@@ -106,6 +110,9 @@ class SwarmPeer:
             problems.append(f"grad_compression must be fp16 or none, got {grad_compression!r}")
         if matchmaking_time <= 0 or averaging_timeout <= 0 or load_state_timeout <= 0:
             problems.append("matchmaking_time, averaging_timeout and load_state_timeout must be positive")
+        known = {f.name for f in dataclasses.fields(PeerConfig)}
+        for name in sorted(set(settings) - known):
+            problems.append(f"unknown setting {name!r} (see cotrain.config.PeerConfig)")
         if problems:
             raise UserError("; ".join(problems))
         from cotrain.swarm.dht import create_dht, visible_maddrs
@@ -134,13 +141,17 @@ class SwarmPeer:
             bandwidth=bandwidth,
             batch_size_lead=batch_size_lead,
             verbose=verbose,
+            **settings,
         )
         self.dht = None
         self.opt = None
         self._closed = False
         self._loss_sum, self._mini_steps, self._contribution = 0.0, 0, 0
         validators, self._public_key = make_validators(run_id)
-        self.dht = create_dht(self.peer_config, validators)
+        from cotrain.swarm.auth import access_for  # access_token="FILE" joins a private swarm
+
+        access = access_for(run_id, self.peer_config.access_token, "")
+        self.dht = create_dht(self.peer_config, validators, access=access)
         try:
             if params is None:
                 params = [p for p in model.parameters() if p.requires_grad]

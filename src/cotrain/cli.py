@@ -16,7 +16,8 @@ from cotrain.errors import UserError
 
 DESCRIPTIONS = {
     "prepare": "Turn a corpus into training examples (and train a tokenizer when none is given).",
-    "train": "Join a swarm as a trainer: compute gradients locally and average them with peers.",
+    "train": "Join a swarm as a trainer: compute gradients locally and average them with peers (a trainer "
+    "whose run settings differ from the swarm's is refused, naming the differing fields).",
     "monitor": "Start the swarm's first peer: welcome others, aggregate and log the swarm's metrics.",
     "demo": "Run a whole swarm on this machine (a monitor and N trainers on 127.0.0.1) and report.",
     "config": "Show the resolved configuration of a preset (and an optional TOML file).",

@@ -79,13 +79,19 @@ def build_model(
     else:
         config = model_config(run, vocab_size, pad_token_id, bos_token_id, eos_token_id)
         model = getattr(transformers, family.model_class)(config)
-    if max_positions(model.config) < run.max_seq_length:
-        raise UserError(
-            f"the {family.name} model takes sequences of up to {max_positions(model.config)} tokens, "
-            f"shorter than max_seq_length {run.max_seq_length}; raise max_position_embeddings "
-            "(RoBERTa: max_seq_length + 2) or lower max_seq_length"
-        )
     return model
+
+
+def check_positions(model: torch.nn.Module, max_seq_length: int) -> None:
+    """UserError unless the model takes sequences of ``max_seq_length`` tokens (said before training, rather
+    than an index error in the middle of it)."""
+    longest = max_positions(model.config)
+    if longest < max_seq_length:
+        raise UserError(
+            f"the {model.config.model_type} model takes sequences of up to {longest} tokens, shorter than "
+            f"max_seq_length {max_seq_length}; raise max_position_embeddings (RoBERTa: max_seq_length + 2) "
+            "or lower max_seq_length"
+        )
 
 
 def _pretrained(run: RunConfig, family: Family, vocab_size: int) -> torch.nn.Module:

@@ -404,8 +404,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "--authority-key",
             default=DEFAULT_AUTHORITY_KEY,
             metavar="FILE",
-            help=f"the swarm's authority key; its registry is FILE's name with .tokens.json "
-            f"(default: {DEFAULT_AUTHORITY_KEY})",
+            help=f"the swarm's authority key (default: {DEFAULT_AUTHORITY_KEY}); the registry of issued "
+            f"tokens is kept next to it (authority.key: authority.tokens.json)",
         )
 
     q = actions.add_parser(
@@ -414,7 +414,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Sign an access token for one participant and write it to a file for them.",
     )
     q.add_argument("--name", required=True, help="who the token is for (shown in logs and `token list`)")
-    q.add_argument("--valid-days", type=float, default=30.0, help="days until it expires (default: 30)")
+    q.add_argument(
+        "--valid-days", type=float, default=30.0, metavar="DAYS", help="days until it expires (default: 30)"
+    )
     q.add_argument("--output", "-o", metavar="FILE", help="token file to write (default: NAME.token)")
     key_option(q)
     q = actions.add_parser(

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from cotrain.config import Config
 from cotrain.errors import UserError
-from cotrain.swarm.auth import access_for
+from cotrain.swarm.auth import AccessWatcher, access_for
 from cotrain.swarm.dht import create_dht
 from cotrain.swarm.records import MAX_PERPLEXITY, EvalMetrics, make_validators, publish_evaluation
 
@@ -42,6 +42,16 @@ def fixed_batches(data, collator, num_batches: int, batch_size: int) -> list[dic
     return [collator(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
 
 
+def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The columns of ``batch`` that a cotrain model family takes; any other model gets the whole batch."""
+    from cotrain import models
+
+    try:
+        return models.model_inputs(model, batch)
+    except (KeyError, AttributeError):
+        return batch
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]], objective: str) -> dict:
     """Held-out metrics of ``model`` on ``batches``.
@@ -58,7 +68,7 @@ def evaluate(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]],
     try:
         loss_sum, lm_sum, tokens, correct, sop_right, examples = 0.0, 0.0, 0, 0, 0, 0
         for batch in batches:
-            out = model(**batch)
+            out = model(**model_inputs(model, batch))
             loss_sum += float(out.loss)
             labels = batch["labels"]
             logits = out.prediction_logits if hasattr(out, "prediction_logits") else out.logits
@@ -98,7 +108,8 @@ class Evaluator:
         run, peer = self.config.run, self.config.peer
         if peer.torch_threads:
             torch.set_num_threads(peer.torch_threads)
-        from cotrain.data import ExampleStream, collator_for
+        from cotrain.data import ExampleStream
+        from cotrain.models import collator_for_run
 
         source = peer.dataset_url or peer.dataset_path
         if not source or (peer.dataset_url and peer.dataset_path):
@@ -115,14 +126,16 @@ class Evaluator:
                     f"but preset {run.preset} trains {run.objective!r}"
                 )
             tokenizer = data.tokenizer
-            collator = collator_for(
-                run.objective, tokenizer, mlm_probability=run.mlm_probability, seed=peer.seed
-            )
+            collator = collator_for_run(run, tokenizer, seed=peer.seed)
             batches = fixed_batches(data, collator, peer.eval_batches, peer.per_device_eval_batch_size)
         validators, public_key = make_validators(run.run_id)
         # a client: it only downloads state and writes its record, so it never needs to be reachable
         access = access_for(run.run_id, peer.access_token, "")  # a private swarm: the token file
         self.dht = create_dht(peer, validators, client_mode=True, access=access)
+        watcher = None  # a private swarm: stops with one line when its token is refused (expired, revoked)
+        if access is not None:
+            watcher = AccessWatcher(self.dht, peer.initial_peers, self.stop)
+            watcher.start()
         from cotrain.data import tokenizer_hash
         from cotrain.swarm.configrecord import join_check, make_record
         from cotrain.swarm.keeper import StateKeeper, served_epochs
@@ -150,6 +163,8 @@ class Evaluator:
             elif self._load():
                 self._evaluate(batches, tokenizer, public_key)
             self.stop.wait(max(0.0, peer.eval_every - (time.monotonic() - started)))
+        if watcher is not None and watcher.refusal:
+            raise UserError(watcher.refusal)
         return 0
 
     def _load(self) -> bool:

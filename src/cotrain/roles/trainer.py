@@ -19,6 +19,7 @@ from cotrain.errors import UserError
 from cotrain.hardware import Precision, auto_micro_batch, gpu_probe, pad_batch, parallel, resolve_devices
 from cotrain.models import (
     build_model,
+    check_positions,
     collator_for_run,
     forward_loss,
     optimizer_factory,
@@ -141,6 +142,7 @@ class Trainer:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
+        check_positions(model, run.max_seq_length)
         model.train()
         train_model = parallel(model, devices)  # several GPUs: DataParallel over them
         collator = collator_for_run(run, tokenizer, seed=peer.seed)
