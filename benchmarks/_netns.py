@@ -189,15 +189,26 @@ class TimeUp(Exception):
 
 
 def install_exit_handlers(limit_s: float | None) -> None:
-    """SIGTERM/SIGHUP -> KeyboardInterrupt, and a time limit -> TimeUp, both raised in the main thread so that
-    cleanup code runs."""
+    """Ctrl+C/SIGTERM/SIGHUP -> KeyboardInterrupt, and a time limit -> TimeUp, raised once in the main thread
+    so that cleanup code runs; later signals are ignored while it does."""
+
+    raised = []
 
     def interrupt(signum, frame):
+        if raised:  # cleanup is under way: a second signal (e.g. from a `timeout` wrapper) must not stop it
+            return
+        raised.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt(f"signal {signum}")
 
     def time_up(signum, frame):
+        if raised:
+            return
+        raised.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise TimeUp(f"time limit of {limit_s:.0f} s reached")
 
+    signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGHUP, interrupt)
     if limit_s:

@@ -5,6 +5,10 @@ validation file prepared with ``cotrain prepare`` (max length 128), by real swar
 ``cotrain monitor`` as the first peer and N ``cotrain train`` processes joining it, each with its own data
 seed, all stopping at ``--steps`` global steps (``--max-steps``). Every configuration runs with ``--seeds``
 different seeds (the peers' data order and masking; the model's initial weights are the same in every run).
+The configurations of a seed run side by side (``--parallel``), each peer with one torch thread; the timing
+settings ``--matchmaking-time`` and ``--averaging-timeout`` are raised from the preset's so that averaging
+rounds succeed on a loaded machine (they change when peers average, not what they compute). A swarm whose
+trainer stops before the last step (killed for memory, say) is run again once (``--retries``).
 
 Each trainer writes one line per global step to ``metrics.jsonl`` in its output folder: its mean loss over the
 micro-batches it contributed to that step and its cumulative contribution in samples. The swarm's curve is
@@ -13,7 +17,7 @@ of a run is its mean loss over the last quarter of the samples that every run re
 window for all). Reported: the gap between N peers and 1 peer (mean over seeds), beside the seed-to-seed
 spread of each configuration. A PNG of all curves goes to ``--plot`` (default docs/convergence.png).
 
-    python benchmarks/convergence.py [--peers 1 2 4] [--seeds 2] [--steps 24] [--quick]
+    python benchmarks/convergence.py [--peers 1 2 4] [--seeds 2] [--steps 20] [--quick]
 """
 
 from __future__ import annotations
@@ -147,94 +151,127 @@ def final_loss(curve: list[tuple[int, int, float]], lo: float, hi: float, points
     return float(np.interp(np.linspace(lo, hi, points), samples, loss).mean())
 
 
-def run_swarm(peers: int, seed: int, args, data: Path, root: Path) -> dict:
-    out = root / f"peers{peers}-seed{seed}"
-    out.mkdir(parents=True)
-    run_id = f"conv{peers}s{seed}"
-    common = ["--preset", PRESET, "--run-id", run_id, "--host-maddrs", LOCALHOST]
-    threads = 1  # as `cotrain demo` runs its peers; speed does not change what is measured here
-    swarm = Swarm(out)
-    started = time.monotonic()
-    try:
-        swarm.start(
+class SwarmRun:
+    """One configuration (N peers, one seed): a monitor, then N trainers joining it, until they reach the
+    last step or the run's time limit."""
+
+    def __init__(self, peers: int, seed: int, args, data: Path, root: Path, attempt: int = 0):
+        self.peers, self.seed, self.args, self.data, self.attempt = peers, seed, args, data, attempt
+        self.out = root / f"peers{peers}-seed{seed}" / f"attempt{attempt}"
+        self.out.mkdir(parents=True)
+        run_id = f"conv{peers}s{seed}a{attempt}"
+        # timing settings only (they do not change what is computed), generous so that averaging rounds
+        # succeed on a loaded machine
+        self.common = ["--preset", PRESET, "--run-id", run_id, "--host-maddrs", LOCALHOST,
+                       "--matchmaking-time", str(args.matchmaking_time),
+                       "--averaging-timeout", str(args.averaging_timeout)]  # fmt: skip
+        self.swarm = Swarm(self.out)
+        self.started = time.monotonic()
+        self.trainers_started = False
+        self.finished = False
+        self.last_print = 0.0
+        self.swarm.start(
             "monitor",
-            [
-                "monitor",
-                *common,
-                "--output-dir",
-                str(out / "monitor"),
-                "--refresh-period",
-                "1",
-                "--dashboard-port",
-                "-1",
-                "--torch-threads",
-                "1",
-            ],
+            ["monitor", *self.common, "--output-dir", str(self.out / "monitor"), "--refresh-period", "1",
+             "--dashboard-port", "-1", "--torch-threads", "1"],
             threads=1,
-        )
-        peers_file = out / "monitor" / "initial_peers.txt"
-        while not peers_file.exists():
-            if swarm.dead() or time.monotonic() - started > 180:
-                raise RuntimeError(f"the monitor did not start; see {out / 'monitor.log'}")
-            time.sleep(0.2)
-        initial = [a for a in peers_file.read_text().split() if "/127.0.0.1/" in a]
-        for i in range(peers):
-            swarm.start(
+        )  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        return f"{self.peers} peer{'s' if self.peers > 1 else ''}, seed {self.seed}"
+
+    def rows(self) -> list[list[dict]]:
+        return [read_jsonl(self.out / f"trainer{i}" / "metrics.jsonl") for i in range(self.peers)]
+
+    def poll(self) -> bool:
+        """Advance the run; True once it is over."""
+        if self.finished:
+            return True
+        elapsed = time.monotonic() - self.started
+        if not self.trainers_started:
+            peers_file = self.out / "monitor" / "initial_peers.txt"
+            if peers_file.exists():
+                self._start_trainers([a for a in peers_file.read_text().split() if "/127.0.0.1/" in a])
+            elif self.swarm.dead() or elapsed > 300:
+                raise RuntimeError(f"the monitor did not start; see {self.out / 'monitor.log'}")
+            return False
+        self.swarm.remember_tree()
+        steps = [max((r.get("step", 0) for r in rs), default=0) for rs in self.rows()]
+        if time.monotonic() - self.last_print > 30:
+            print(f"  {self.name}: steps {steps} after {elapsed:.0f} s", flush=True)
+            self.last_print = time.monotonic()
+        trainers_done = all(self.swarm.procs[f"trainer{i}"].poll() is not None for i in range(self.peers))
+        if self.swarm.procs["monitor"].poll() is not None:
+            raise RuntimeError(f"the monitor stopped; see {self.out / 'monitor.log'}")
+        if elapsed > self.args.run_limit:
+            print(f"  {self.name}: time limit reached at steps {steps}", flush=True)
+        elif min(steps) < self.args.steps and not trainers_done:
+            return False
+        self.finish()
+        return True
+
+    def _start_trainers(self, initial: list[str]) -> None:
+        for i in range(self.peers):
+            self.swarm.start(
                 f"trainer{i}",
-                [
-                    "train",
-                    *common,
-                    "--initial-peers",
-                    *initial,
-                    "--dataset-path",
-                    str(data),
-                    "--output-dir",
-                    str(out / f"trainer{i}"),
-                    "--seed",
-                    str(1000 * seed + i),
-                    "--max-steps",
-                    str(args.steps),
-                    "--torch-threads",
-                    str(threads),
-                    "--statistics-expiration",
-                    "30",
-                ],
-                threads=threads,
-            )
-        deadline = started + args.run_limit
-        last_print = 0.0
-        while True:
-            time.sleep(1.0)
-            swarm.remember_tree()
-            rows = [read_jsonl(out / f"trainer{i}" / "metrics.jsonl") for i in range(peers)]
-            steps = [max((r.get("step", 0) for r in rs), default=0) for rs in rows]
-            if time.monotonic() - last_print > 15:
-                print(
-                    f"  {peers} peer(s), seed {seed}: steps {steps} after {time.monotonic() - started:.0f} s",
-                    flush=True,
-                )
-                last_print = time.monotonic()
-            trainers_done = all(swarm.procs[f"trainer{i}"].poll() is not None for i in range(peers))
-            if min(steps) >= args.steps or trainers_done:
-                break
-            if swarm.procs["monitor"].poll() is not None:
-                raise RuntimeError(f"the monitor stopped; see {out / 'monitor.log'}")
-            if time.monotonic() > deadline:
-                print(f"  {peers} peer(s), seed {seed}: time limit reached at steps {steps}", flush=True)
-                break
-    finally:
-        swarm.stop()
-    rows = [read_jsonl(out / f"trainer{i}" / "metrics.jsonl") for i in range(peers)]
-    curve = swarm_curve(rows)
-    groups = [r.get("group_size", 1) for rs in rows for r in rs]
-    return {
-        "peers": peers,
-        "seed": seed,
-        "curve": curve,
-        "seconds": time.monotonic() - started,
-        "max_group": max(groups, default=1),
-        "mean_group": statistics.mean(groups) if groups else 1,
-    }
+                ["train", *self.common, "--initial-peers", *initial, "--dataset-path", str(self.data),
+                 "--output-dir", str(self.out / f"trainer{i}"), "--seed", str(1000 * self.seed + i),
+                 "--max-steps", str(self.args.steps), "--torch-threads", "1",
+                 "--statistics-expiration", "30"],
+                threads=1,
+            )  # fmt: skip
+        self.trainers_started = True
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.seconds = time.monotonic() - self.started
+            self.swarm.stop()
+
+    def result(self) -> dict:
+        rows = self.rows()
+        groups = [r.get("group_size", 1) for rs in rows for r in rs]
+        return {
+            "peers": self.peers,
+            "seed": self.seed,
+            "curve": swarm_curve(rows),
+            "seconds": self.seconds,
+            "max_group": max(groups, default=1),
+            "mean_group": statistics.mean(groups) if groups else 1,
+            "failed_rounds": sum(max((r.get("rounds_failed", 0) for r in rs), default=0) for rs in rows),
+            # every trainer reached the last step: none died (e.g. killed for memory) or lagged behind
+            "complete": all(max((r.get("step", 0) for r in rs), default=0) >= self.args.steps for rs in rows),
+        }
+
+
+def run_all(args, data: Path, root: Path) -> list[dict]:
+    """The configurations of a seed run side by side (``--parallel``), the seeds one after the other."""
+    results = []
+    for seed in range(args.seeds):
+        queue = list(args.peers)
+        active: list[SwarmRun] = []
+        try:
+            while queue or active:
+                while queue and len(active) < args.parallel:
+                    active.append(SwarmRun(queue.pop(0), seed, args, data, root))
+                time.sleep(1.0)
+                for run in [r for r in active if r.poll()]:
+                    active.remove(run)
+                    result = run.result()
+                    if not result["complete"] and run.attempt < args.retries:
+                        print(
+                            f"  {run.name}: a trainer stopped before the last step; running it again",
+                            flush=True,
+                        )
+                        active.append(SwarmRun(run.peers, seed, args, data, root, attempt=run.attempt + 1))
+                        continue
+                    print(f"  {run.name}: done in {run.seconds:.0f} s", flush=True)
+                    results.append(result)
+        finally:
+            for run in active:
+                run.finish()
+    return results
 
 
 def prepare(data: Path) -> None:
@@ -294,15 +331,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--seeds", type=int, default=2, help="runs per configuration, each with its own seed")
-    ap.add_argument("--steps", type=int, default=24, help="global steps per run (--max-steps)")
+    ap.add_argument("--steps", type=int, default=20, help="global steps per run (--max-steps)")
     ap.add_argument("--data", help="a dataset prepared from WikiText-2 valid (default: prepare one)")
     ap.add_argument("--plot", default=str(REPO / "docs" / "convergence.png"))
-    ap.add_argument("--run-limit", type=float, default=420.0, help="seconds allowed per swarm")
+    ap.add_argument("--parallel", type=int, default=3, help="swarms (configurations of a seed) run at once")
+    ap.add_argument("--matchmaking-time", type=float, default=5.0, help="seconds (a timing setting)")
+    ap.add_argument("--averaging-timeout", type=float, default=60.0, help="seconds (a timing setting)")
+    ap.add_argument("--run-limit", type=float, default=1200.0, help="seconds allowed per swarm")
     ap.add_argument("--limit", type=float, default=2400.0, help="stop everything after this many seconds")
+    ap.add_argument("--retries", type=int, default=1, help="runs again a swarm whose trainer stopped early")
+    ap.add_argument("--json", help="also write the runs (curves included) to this file")
+    ap.add_argument("--merge", nargs="+", help="report on runs saved with --json instead (later files win)")
     ap.add_argument("--quick", action="store_true", help="1 and 2 peers, 1 seed, 8 steps, no plot")
     args = ap.parse_args()
     if args.quick:
         args.peers, args.seeds, args.steps, args.plot = [1, 2], 1, 8, ""
+    if args.merge:
+        merged = {}
+        for name in args.merge:
+            for run in json.loads(Path(name).read_text()):
+                merged[run["peers"], run["seed"]] = run
+        return finish(sorted(merged.values(), key=lambda r: (r["seed"], r["peers"])), args)
     if not WIKITEXT.exists():
         sys.exit(f"{WIKITEXT} not found")
     install_exit_handlers(args.limit)
@@ -320,25 +369,29 @@ def main() -> None:
         if not args.data:
             print("preparing WikiText-2 valid with `cotrain prepare` (max length 128)", flush=True)
             prepare(data)
-        for seed in range(args.seeds):
-            for peers in args.peers:
-                runs.append(run_swarm(peers, seed, args, data, tmp))
+        runs = run_all(args, data, tmp)
     except (BaseException, TimeUp):
         print(f"logs kept in {tmp}", file=sys.stderr)
         raise
-    reached = min((r["curve"][-1][1] for r in runs if r["curve"]), default=0)
-    lo, hi = 0.75 * reached, reached
-    for r in runs:
-        r["final"] = final_loss(r["curve"], lo, hi)
-    report(runs, args, lo, hi)
-    if args.plot:
-        plot(runs, Path(args.plot), lo, hi)
-        print(f"plot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs))
+    finish(runs, args)
     shutil.rmtree(tmp, ignore_errors=True)
     load = os.getloadavg()
     print(
         f"took {time.time() - started:.0f} s; load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
+
+
+def finish(runs: list[dict], args) -> None:
+    reached = min((r["curve"][-1][1] for r in runs if r["curve"]), default=0)
+    lo, hi = 0.75 * reached, reached
+    for r in runs:
+        r["final"] = final_loss([tuple(c) for c in r["curve"]], lo, hi)
+    report(runs, args, lo, hi)
+    if args.plot:
+        plot(runs, Path(args.plot), lo, hi)
+        print(f"plot: {args.plot}")
 
 
 def report(runs: list[dict], args, lo: float, hi: float) -> None:
@@ -350,10 +403,10 @@ def report(runs: list[dict], args, lo: float, hi: float) -> None:
     print(f"final loss: mean over samples {lo:.0f}-{hi:.0f} (the last quarter every run reached)")
     print()
     print(
-        "| peers | global steps | group size (max) | final loss per seed | mean | gap vs 1 peer "
-        "| seed-to-seed spread |"
+        "| peers | global steps | averaging group (mean, max) | failed rounds | final loss per seed | mean "
+        "| gap vs 1 peer | seed-to-seed spread |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for peers in sorted(by_peers):
         rs = sorted(by_peers[peers], key=lambda r: r["seed"])
@@ -363,10 +416,15 @@ def report(runs: list[dict], args, lo: float, hi: float) -> None:
         spread = (max(finals) - min(finals)) / mean
         if peers != min(by_peers):
             worst = abs(gap) if math.isnan(gap) else max(worst, abs(gap))
-        steps = "/".join(str(r["curve"][-1][0]) if r["curve"] else "0" for r in rs)
+        steps = ", ".join(
+            (str(r["curve"][-1][0]) if r["curve"] else "0")
+            + ("" if r.get("complete", True) else " (a trainer died)")
+            for r in rs
+        )
+        group = f"{statistics.mean(r['mean_group'] for r in rs):.2f}, {max(r['max_group'] for r in rs)}"
         print(
-            f"| {peers} | {steps} | {max(r['max_group'] for r in rs)} | "
-            f"{', '.join(f'{f:.4f}' for f in finals)} | {mean:.4f} | **{gap:+.2%}** | {spread:.2%} |"
+            f"| {peers} | {steps} | {group} | {sum(r.get('failed_rounds', 0) for r in rs)} "
+            f"| {', '.join(f'{f:.4f}' for f in finals)} | {mean:.4f} | **{gap:+.2%}** | {spread:.2%} |"
         )
     print()
     met = worst <= GOAL  # False when a gap is NaN (a run did not reach the window)

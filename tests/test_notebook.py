@@ -72,7 +72,7 @@ def swarm(demo_data, tmp_path_factory):
             out / "monitor.log",
         )
         peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 120, what="the monitor's address")
+        wait_until(peers_file.exists, 240, what="the monitor's address")
         initial = peers_file.read_text().split()
         roles["trainer"] = Role(
             [

@@ -330,3 +330,36 @@ def dataclasses_replace(obj, **changes):
     import dataclasses
 
     return dataclasses.replace(obj, **changes)
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_stops_after_its_epochs(demo_data, tmp_path):
+    """--num-train-epochs: a lone trainer (its optimizer on the device: --no-offload-optimizer) stops by
+    itself after the asked fraction of a pass over its examples."""
+    role = Role(
+        [
+            "train",
+            "--preset",
+            "albert-tiny",
+            "--run-id",
+            "epochs",
+            "--host-maddrs",
+            LOCALHOST,
+            *FAST,
+            "--dataset-path",
+            str(demo_data),
+            "--num-train-epochs",
+            "0.05",
+            "--no-offload-optimizer",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        tmp_path / "trainer.log",
+    )
+    try:
+        rc = role.proc.wait(timeout=280)
+        text = role.text()
+    finally:
+        role.stop()
+    assert rc == 0, text[-2000:]
+    assert "Done 0.05 passes over this peer's data; stopping" in text and "Traceback" not in text

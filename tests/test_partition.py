@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.slow]
 SUBNET = "10.91.0"
 RATE_MBIT = 50
 CUT_SECONDS = 30
+EXPIRATION = 20  # seconds a trainer's metrics record stays valid at the monitor (less than the cut)
 RUN_ID = "partition-test"
 
 
@@ -130,13 +131,15 @@ class HostRole:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def stop(self, timeout: float = 20) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
+
+    def wait(self, timeout: float = 20) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
         self._log.close()
 
 
@@ -146,17 +149,20 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _first_time(role: HostRole, text: str) -> float | None:
-    """The time.time() of the first log line containing ``text`` (hivemind's log format starts with a
-    timestamp ``Mon DD HH:MM:SS.fff``)."""
+def _first_line(role: HostRole, text: str, after: float) -> tuple[float, str] | None:
+    """(time.time(), line) of the first log line after ``after`` that contains ``text`` (hivemind's log
+    format starts with a local timestamp ``Mon DD HH:MM:SS.fff``)."""
     for line in role.text().splitlines():
-        if text in line:
-            stamp = " ".join(line.split()[:3])
-            try:
-                t = time.strptime(f"{time.gmtime().tm_year} {stamp.split('.')[0]}", "%Y %b %d %H:%M:%S")
-                return time.mktime(t) + float("0." + stamp.split(".")[1][:3])
-            except (ValueError, IndexError):
-                return None
+        if text not in line:
+            continue
+        stamp = line.split()[:3]
+        try:
+            t = time.strptime(f"{time.localtime().tm_year} {' '.join(stamp)[:-4]}", "%Y %b %d %H:%M:%S")
+            when = time.mktime(t) + float("0." + stamp[2].split(".")[1])
+        except (ValueError, IndexError):
+            continue
+        if when > after:
+            return when, line
     return None
 
 
@@ -238,7 +244,7 @@ def hosts(network_guard):
         net.close()
 
 
-@pytest.mark.timeout(480)  # about 2 minutes on an idle machine; the limit is for a loaded one
+@pytest.mark.timeout(720)  # about 2 minutes on an idle machine; the limit is for a loaded one
 def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_data, tmp_path):
     for i in range(3):
         assert "tbf" in hosts.qdiscs(i) and f"{RATE_MBIT}Mbit" in hosts.qdiscs(i)
@@ -266,8 +272,8 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
                 hosts,
                 i,
                 ["train", *common, *listen(i), "--initial-peers", *initial, "--dataset-path", str(demo_data),
-                 "--seed", str(i), "--per-device-train-batch-size", "8", "--statistics-expiration", "10",
-                 "--output-dir", str(tmp_path / f"t{i}")],
+                 "--seed", str(i), "--per-device-train-batch-size", "8",
+                 "--statistics-expiration", str(EXPIRATION), "--output-dir", str(tmp_path / f"t{i}")],
                 tmp_path / f"trainer{i}.log",
             )  # fmt: skip
         victim = roles["trainer2"]
@@ -275,11 +281,9 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         monitor_rows = monitor_out / "metrics.jsonl"
 
         def together() -> bool:  # both trainers averaged with each other at least once
-            return any(r["group_size"] >= 2 for r in _rows(victim_rows)) and any(
-                r["alive_peers"] == 2 for r in _rows(monitor_rows)
-            )
+            return any(r["group_size"] >= 2 for r in _rows(victim_rows))
 
-        wait_until(together, 150, interval=1, what="the two trainers to average together")
+        wait_until(together, 240, interval=1, what="the two trainers to average together")
         victim_pid = victim.proc.pid
         victim_id = victim.text().split("Trainer ", 1)[1].split()[0]
 
@@ -291,19 +295,20 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         healed_at = time.time()
         hosts.set_link(2, up=True)
 
-        wait_until(lambda: "Adopted the swarm's state" in victim.text(), 90, interval=1,
-                   what="the cut-off trainer to re-join and load the swarm's state")  # fmt: skip
-
-        adopted_at = _first_time(victim, "Adopted the swarm's state")
-        assert adopted_at is not None
+        adopted_at, adopted_line = wait_until(
+            lambda: _first_line(victim, "Adopted the swarm's state", after=healed_at),
+            150,
+            interval=1,
+            what="the cut-off trainer to re-join and load the swarm's state",
+        )
 
         def contributes() -> list[dict]:
             return [r for r in _rows(victim_rows) if r["time"] > adopted_at and r["group_size"] >= 2]
 
-        after = wait_until(contributes, 90, interval=1, what="the trainer to average with the swarm again")
+        after = wait_until(contributes, 150, interval=1, what="the trainer to average with the swarm again")
         back_at_monitor = wait_until(
             lambda: [r for r in _rows(monitor_rows) if r["time"] > healed_at and r["alive_peers"] == 2],
-            60,
+            120,
             interval=1,
             what="the monitor to count the trainer again",
         )
@@ -317,9 +322,9 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         seen = {p["peer_id"]: p for p in state["peers"]}
 
         text = victim.text()
-        cut_off_at = _first_time(victim, "cut off from the swarm")
-        back_at = _first_time(victim, "Back in the swarm")
-        adopted_step = int(text.split("Adopted the swarm's state at global step")[1].split()[0])
+        cut_off_at, _ = _first_line(victim, "cut off from the swarm", after=cut_at) or (None, "")
+        back_at, _ = _first_line(victim, "Back in the swarm", after=cut_at) or (None, "")
+        adopted_step = int(adopted_line.split("Adopted the swarm's state at global step")[1].split()[0])
         summary = {
             "event": "partition_summary",
             "cut_seconds": CUT_SECONDS,
@@ -341,8 +346,9 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         assert victim.proc.poll() is None and victim.proc.pid == victim_pid, "the trainer must not restart"
         assert "cut off from the swarm" in text and "Back in the swarm" in text, text[-3000:]
         assert cut_off_at is not None and back_at is not None and cut_off_at < healed_at < back_at
-        # once its last record expired (10 s), the monitor counted only the other trainer
-        assert all(r["alive_peers"] == 1 for r in alone_rows if r["time"] > cut_at + 12), alone_rows
+        # once its last record expired, the monitor counted only the other trainer
+        late = [r for r in alone_rows if r["time"] > cut_at + EXPIRATION + 2]
+        assert all(r["alive_peers"] == 1 for r in late), alone_rows
         assert adopted_step >= step_at_heal, (adopted_step, step_at_heal)  # the swarm's current state
         assert after[0]["step"] > adopted_step
         assert victim_id in seen, (victim_id, state)
@@ -351,7 +357,15 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
             assert role.proc.poll() is None, f"{name} exited: {role.text()[-2000:]}"
             assert "Traceback" not in role.text(), name
     finally:
+        for role in roles.values():  # all at once, as when the machines shut down
+            role.terminate()
         for role in roles.values():
-            role.stop()
-    leftovers = {name: alive(hosts.pids(name)) for name in hosts.created}
-    assert not any(leftovers.values()), f"processes left in the namespaces: {leftovers}"
+            role.wait()
+
+    def leftovers() -> dict[str, list[int]]:
+        return {name: pids for name in hosts.created if (pids := alive(hosts.pids(name)))}
+
+    deadline = time.monotonic() + 15  # SIGKILLed processes take a moment to disappear on a loaded machine
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not leftovers(), f"processes left in the namespaces: {leftovers()}"

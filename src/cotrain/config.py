@@ -363,8 +363,8 @@ class PeerConfig:
         seed="--expected_drift_rate",
     )
     metadata_expiration: float = opt(
-        120.0,
-        "Seconds this peer's progress record stays valid in the DHT.",
+        60.0,
+        "Seconds this peer's progress record stays valid in the DHT (the original recipe used 120).",
         roles=("train",),
         seed="--metadata_expiration",
     )

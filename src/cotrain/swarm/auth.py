@@ -654,10 +654,7 @@ def probe_refusal(initial_peers: list[str], access: AccessControl | None, timeou
                     reply = await _ask(p2p, peer, token, timeout)
                 except Exception:
                     if access is not None:
-                        return (
-                            "this peer has an access token, but the swarm at its initial peers does not "
-                            "check tokens (a public swarm, or another version): leave out --access-token"
-                        )
+                        return PUBLIC_SWARM
                     continue
                 return None if reply.granted else reply.reason
             return None
@@ -720,8 +717,14 @@ def access_for(run_id: str, access_token: str, authority_key: str) -> AccessCont
     return None
 
 
+PUBLIC_SWARM = (
+    "this peer has an access token, but the swarm at its initial peers does not check tokens (a public "
+    "swarm, or another version): leave out --access-token"
+)
+
+
 def refused_message(reason: str) -> str:
-    return reason if reason.startswith(NO_TOKEN[:16]) else f"the swarm refused this peer: {reason}"
+    return reason if reason in (NO_TOKEN, PUBLIC_SWARM) else f"the swarm refused this peer: {reason}"
 
 
 # --- wire messages --------------------------------------------------------------------------------
