@@ -228,6 +228,16 @@ def swarm_status(initial: list[str], timeout: float) -> dict | None:
         return None
 
 
+def slope_per_minute(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, value) points, per minute."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return round(60 * sum((x - mx) * (y - my) for x, y in points) / var, 2) if var else None
+
+
 def loss_trend(rows: list[dict], k: int = 3) -> dict:
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     if len(losses) < 2 * k:
@@ -378,6 +388,7 @@ def run(args: argparse.Namespace) -> dict:
             "max": max((r[1] for r in rss), default=None),
             "end": rss[-1][1] if rss else None,
         },
+        "monitor_rss_growth_mib_per_min": slope_per_minute([(t, tree) for t, tree, _ in rss]),
         "monitor_worker_rss_mib": {
             "start": rss[0][2] if rss else None,
             "max": max((r[2] for r in rss), default=None),
@@ -409,7 +420,8 @@ def table(r: dict) -> str:
         ("loss (first -> last steps)", f"{r['loss_first']} -> {r['loss_last']} (must fall)"),
         ("final parameters finite", f"{r['parameters_finite']} (checkpoint of step {r['checkpoint_step']})"),
         ("processes left behind", f"{r['processes_left_behind']} (must be 0)"),
-        ("monitor RSS, tree (MiB)", rss.format(**r["monitor_rss_mib"])),
+        ("monitor RSS, tree (MiB)", rss.format(**r["monitor_rss_mib"])
+         + f", trend {r['monitor_rss_growth_mib_per_min']} MiB/min"),
         ("monitor RSS, worker (MiB)", rss.format(**r["monitor_worker_rss_mib"])),
         ("load average (1, 5, 15 min)", f"{r['load_average_start']} -> {r['load_average_end']}"),
     ]  # fmt: skip

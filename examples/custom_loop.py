@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import random
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -155,4 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from cotrain.errors import UserError
+
+    try:
+        raise SystemExit(main())
+    except UserError as e:  # an unreachable peer, a bad argument: one line, no traceback
+        print(f"custom_loop: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -102,7 +102,7 @@ class Example:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
     run = ["--run-id", "api-test", "--host-maddrs", LOCALHOST]
     monitor = Role(
@@ -113,7 +113,7 @@ def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
     peers: list[Example] = []
     try:
         peers_file = tmp_path / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 90, what="the monitor's address")
+        wait_until(peers_file.exists, 120, what="the monitor's address")
         initial = peers_file.read_text().split()
         for seed in (1, 2):
             # a target of 16 micro-batches: a peer that starts first takes a few seconds per step alone
@@ -122,13 +122,13 @@ def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
             peers.append(Example(args, tmp_path / f"peer{seed}"))
         wait_until(
             lambda: all(p.steps() or p.proc.poll() is not None for p in peers),
-            150,
+            200,
             what="a first global step",
         )
         trees = [pid for peer in peers for pid in peer.tree()]  # the DHT, p2pd and averager processes too
         assert len(trees) > 2
         for peer in peers:
-            peer.proc.wait(timeout=150)
+            peer.proc.wait(timeout=200)
         # hivemind's processes end within seconds of the script (shutdown() stops them in order)
         wait_until(lambda: not alive(trees), 15, what="the example's processes to end")
         for peer in peers:

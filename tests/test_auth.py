@@ -239,10 +239,10 @@ def test_a_token_that_expires_mid_run_is_refused_from_then_on(tmp_path):
     path = tmp_path / "short.token"
     path.write_bytes(authority.mint("short", PrivateKey(), time.time() + 3).to_json())
     access = AccessControl.for_token(RUN, str(path))
-    assert access.own_refusal() is None
+    server = AccessControl.for_authority(RUN, str(tmp_path / "authority.key"))
+    assert access.own_refusal() is None and server.refusal(access.own().proto) is None  # checked, remembered
     time.sleep(max(0.0, access.own().expiration - time.time()) + 0.5)
     assert "access token 'short' expired at" in access.own_refusal()
-    server = AccessControl.for_authority(RUN, str(tmp_path / "authority.key"))
     assert "expired at" in server.refusal(access.own().proto)
 
 

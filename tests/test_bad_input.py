@@ -30,6 +30,7 @@ DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGvMubipKpiSJAGyrUfBEqBNQZAuACmdnb8
 CK = "{ws}/checkpoints/step-000003"
 TRUNCATED = "{ws}/truncated/step-000005"
 TRAIN = ["train", "--preset", "albert-tiny", "--host-maddrs", LOCALHOST, "--output-dir", "{ws}/out"]
+STATUS = ["status", "--host-maddrs", LOCALHOST]
 
 # (what, command line, what the one line says, how it runs: "call" in this process or "process")
 CASES: list[tuple[str, list[str], str, str]] = [
@@ -70,14 +71,12 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "run.learning_rate: expected float, got str 'fast'",
         "call",
     ),
-    ("malformed multiaddr", [*TRAIN, "--initial-peers", "/ip4/nonsense"], "malformed initial peer", "call"),
-    ("old-style IP:PORT peer", [*TRAIN, "--initial-peers", "10.0.0.1:1337"], "old-style IP:PORT", "call"),
-    ("peer without /p2p/", [*TRAIN, "--initial-peers", "/ip4/10.0.0.1/tcp/5"], "lacks its /p2p/", "call"),
+    ("malformed multiaddr", [*STATUS, "--initial-peers", "/ip4/nonsense"], "malformed initial peer", "call"),
+    ("old-style IP:PORT peer", [*STATUS, "--initial-peers", "10.0.0.1:1337"], "old-style IP:PORT", "call"),
     ("missing dataset", [*TRAIN, "--dataset-path", "{ws}/no-data"], "no prepared dataset at", "call"),
-    ("corrupted checkpoint (JSON)", [*TRAIN, "--resume-from", CK], "checkpoint.json is corrupted", "call"),
     (
-        "corrupted checkpoint (weights)",
-        [*TRAIN, "--resume-from", TRUNCATED],
+        "export of a truncated checkpoint",
+        ["export", TRUNCATED, "{ws}/exported"],
         "model.safetensors is truncated or corrupted",
         "call",
     ),
@@ -131,6 +130,13 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ),
     ("demo with no peers", ["demo", "--peers", "0"], "demo peers and steps must be at least 1", "call"),
     ("no dataset given", [*TRAIN], "give one of --dataset-path", "process"),
+    ("peer without /p2p/", [*TRAIN, "--initial-peers", "/ip4/10.0.0.1/tcp/5"], "lacks its /p2p/", "process"),
+    (
+        "resume from a corrupted checkpoint",
+        [*TRAIN, "--resume-from", CK],
+        "checkpoint.json is corrupted",
+        "process",
+    ),
     (
         "unreachable initial peer",
         [*TRAIN, "--initial-peers", DEAD_PEER],
@@ -253,7 +259,7 @@ def call(argv: list[str]) -> tuple[int, str]:
     return rc, out.getvalue() + err.getvalue()
 
 
-def run_process(argv: list[str], cwd: Path, timeout: float = 150) -> tuple[int, str]:
+def run_process(argv: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str]:
     done = subprocess.run(
         [sys.executable, "-m", "cotrain", *argv],
         capture_output=True,
@@ -315,7 +321,7 @@ def process_workspace(tmp_path_factory, demo_data):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize(
     ("argv", "expected"), [pytest.param(*c[1:3], id=c[0]) for c in CASES if c[3] == "process"]
 )

@@ -179,7 +179,7 @@ async def _lose_every_link(dht, node) -> None:
         await node.p2p._client.disconnect(peer_id)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # seconds on an idle machine; the limit is for a loaded one
 def test_the_healer_brings_back_a_peer_that_lost_every_link():
     import threading
 
@@ -264,7 +264,7 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
             tmp_path / "monitor.log",
         )  # fmt: skip
         peers_file = monitor_out / "initial_peers.txt"
-        wait_until(peers_file.exists, 90, what="the monitor's address")
+        wait_until(peers_file.exists, 180, what="the monitor's address")
         initial = peers_file.read_text().split()
         assert initial and all(a.startswith(f"/ip4/{SUBNET}.1/") for a in initial), initial
         for i in (1, 2):

@@ -254,4 +254,4 @@ def test_a_restarted_monitor_keeps_its_peer_id(swarm):
 @pytest.mark.slow
 def test_no_traceback_in_logs(swarm):
     for name, role in swarm["roles"].items():
-        assert "Traceback" not in role.text(), name
+        assert "Traceback" not in role.log_path.read_text(errors="replace"), name  # stopped roles included

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import math
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -145,7 +146,9 @@ class SwarmPeer:
         )
         self.dht = None
         self.opt = None
+        self.healer = None
         self._closed = False
+        self._stop = threading.Event()
         self._loss_sum, self._mini_steps, self._contribution = 0.0, 0, 0
         validators, self._public_key = make_validators(run_id)
         from cotrain.swarm.auth import access_for  # access_token="FILE" joins a private swarm
@@ -170,6 +173,11 @@ class SwarmPeer:
             logger.info(f"Peer {self.dht.peer_id} joined run {run_id!r}; others join with {self.maddrs}")
             if load_state:
                 self._catch_up()
+            from cotrain.swarm.healing import SwarmHealer
+
+            # a peer cut off from the swarm for a while (a partition, a loaded machine) re-joins by itself
+            self.healer = SwarmHealer(self.dht, self.peer_config.initial_peers, self._stop, self.opt)
+            self.healer.start()
         except BaseException:
             self.shutdown()
             raise
@@ -216,6 +224,8 @@ class SwarmPeer:
         if batch_size is None and self.opt.batch_size_per_step is None:
             raise UserError("give step(batch_size=...) or SwarmPeer(batch_size_per_step=...)")
         samples = batch_size if batch_size is not None else self.opt.batch_size_per_step
+        if self.healer is not None and self.healer.resync.is_set():
+            self._adopt_swarm_state()
         if loss is not None and not math.isfinite(loss):
             logger.warning(
                 "Non-finite loss on this micro-batch: its gradients are dropped, not sent to the swarm"
@@ -282,6 +292,19 @@ class SwarmPeer:
         self._last_epoch = self.opt.local_epoch
         return self.opt.local_epoch > before
 
+    def _adopt_swarm_state(self) -> None:
+        """Back from being cut off: the swarm's state wins over what this peer did alone."""
+        from cotrain.swarm.healing import adopt_swarm_state
+
+        self.healer.resync.clear()
+        logger.info("Loading the swarm's current state after being cut off")
+        if adopt_swarm_state(
+            self.opt, self.run.run_id, self.peer_config.load_state_timeout, self._stop.is_set
+        ):
+            logger.info(f"Adopted the swarm's state at global step {self.opt.local_epoch}")
+        self._last_epoch = self.opt.local_epoch
+        self._loss_sum, self._mini_steps = 0.0, 0
+
     def _catch_up(self) -> None:
         """Load the swarm's state when others are already further along (as ``cotrain train`` does)."""
         from cotrain.swarm.keeper import served_epochs
@@ -306,6 +329,9 @@ class SwarmPeer:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
+        if self.healer is not None:
+            self.healer.close()
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()

@@ -132,24 +132,15 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, cfg.Config | None]:
 
 
 def check_local_paths(command: str, config: cfg.Config) -> None:
-    """What a role needs on this machine, checked before any process or network starts: well-formed
-    addresses, its dataset, the checkpoint to resume from and a writable output folder."""
-
-    from cotrain.swarm.dht import parse_maddrs
-
+    """What a role needs on this machine, checked before its processes start: its dataset folder and a
+    writable output folder. Only light checks: this process supervises the role for its whole run, so it
+    imports neither torch nor hivemind (addresses and a checkpoint to resume from are the worker's to
+    check, before it starts the network layer)."""
     peer = config.peer
-    parse_maddrs(peer.initial_peers, "initial peer")
-    parse_maddrs(peer.host_maddrs, "listen")
-    parse_maddrs(peer.announce_maddrs, "announce")
-    if command == "train":  # (no dataset at all is the trainer's to report, after an unreachable swarm)
-        if peer.resume_from:
-            from cotrain.checkpoints import verify
+    if command == "train" and peer.dataset_path and not peer.dataset_url:
+        from cotrain.data import read_manifest  # (no dataset at all: reported after an unreachable swarm)
 
-            verify(peer.resume_from)
-        if peer.dataset_path and not peer.dataset_url:
-            from cotrain.data import read_manifest
-
-            read_manifest(peer.dataset_path)
+        read_manifest(peer.dataset_path)
     check_writable(Path(peer.output_dir))
 
 

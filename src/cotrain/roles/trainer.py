@@ -101,6 +101,8 @@ class Trainer:
         run, peer = self.config.run, self.config.peer
         if peer.torch_threads:
             torch.set_num_threads(peer.torch_threads)
+        # a corrupted checkpoint to resume from is reported before anything starts
+        self.resume_meta = ck.verify(peer.resume_from) if peer.resume_from else None
         validators, public_key = make_validators(run.run_id)
         access = access_for(run.run_id, peer.access_token, "")
         self.dht = create_dht(peer, validators, access=access)  # first: an unreachable swarm comes first
@@ -354,7 +356,7 @@ class Trainer:
         --overwrite-output-dir. The swarm's state still wins when it is newer (see _catch_up)."""
         peer, opt = self.config.peer, self.opt
         if peer.resume_from:
-            path, meta = Path(peer.resume_from), ck.verify(peer.resume_from)
+            path, meta = Path(peer.resume_from), self.resume_meta or ck.verify(peer.resume_from)
         elif peer.overwrite_output_dir:
             return
         else:

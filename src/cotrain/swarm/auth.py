@@ -56,7 +56,8 @@ logger = logging.getLogger(__name__)
 CHECK_HANDLE = "cotrain.AccessCheck"  # answered by every full peer of a private swarm, token or not
 HANDSHAKE = "cotrain.AccessHandshake"  # per averager namespace: binds a peer id to a token
 MAX_CLOCK_SKEW = 60.0  # seconds between a request's time and the receiver's clock
-REVOCATIONS_REFRESH = 3.0  # seconds between reads of the revocation list (every process of every peer)
+REVOCATIONS_REFRESH = 5.0  # seconds between a peer's reads of the revocation list from the DHT
+LOCAL_REFRESH = 2.0  # seconds between an averager process's copies of its own DHT process's list
 REVOCATIONS_TTL = 3600.0  # seconds a published revocation list lives in the DHT (the monitor republishes it)
 REPUBLISH = 30.0  # seconds between the monitor's publications when nothing changed
 CLIENT_PROOF_TTL = 20.0  # seconds a peer trusts a handshake it made before making a new one
@@ -102,6 +103,7 @@ class AccessControl:
         self._own: Credential | None = None
         self._own_mtime = 0.0
         self._own_checked = 0.0
+        self._checked: dict[bytes, tuple[bytes, float]] = {}  # signature -> (token bytes, expiry), valid ones
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -156,8 +158,22 @@ class AccessControl:
         return self._revoked
 
     def refusal(self, token: AccessToken | None) -> str | None:
-        """Why ``token`` grants no access (one sentence), or None when it does."""
-        return check_token(token, self._authority_key, self.revoked)
+        """Why ``token`` grants no access (one sentence), or None when it does. A token seen before (the
+        same signature) skips the signature check; its expiry and revocation are checked every time."""
+        signature = token.signature if token is not None else b""
+        known = self._checked.get(signature)
+        if known is not None and known[0] == token.SerializeToString():
+            if fingerprint(signature) in self.revoked:
+                return f"access token {token.username!r} was revoked by the swarm's operator"
+            if known[1] <= time.time():
+                return f"access token {token.username!r} expired at {iso(known[1])}"
+            return None
+        reason = check_token(token, self._authority_key, self.revoked)
+        if reason is None:
+            if len(self._checked) > 1024:
+                self._checked.clear()
+            self._checked[signature] = (token.SerializeToString(), float(token.expiration_time))
+        return reason
 
     def _set_own(self, token: TokenFile, mtime: float) -> None:
         self._own = Credential(token.name, token.proto(), token.private_key, token.expiration)
@@ -221,6 +237,12 @@ class AccessControl:
         if newly:
             logger.debug(f"{len(newly)} more revoked access token(s)")
         return True
+
+    def merge_revocations(self, revoked: list[str], version: float) -> None:
+        """Take the list this peer's own DHT process checked and holds."""
+        if self.authority is None and version > self.revocations_version:
+            self._revoked = frozenset(revoked) | self._revoked
+            self.revocations_version = version
 
     def validators(self) -> list[RecordValidatorBase]:
         return [RevocationsValidator(self.revocations_key, self.authority_public_key)]
@@ -339,6 +361,12 @@ async def _revocations_loop(node, access: AccessControl) -> None:
         except Exception as e:
             logger.debug(f"Revocation list refresh failed: {e!r}")
         await asyncio.sleep(REVOCATIONS_REFRESH)
+
+
+async def _local_revocations(dht, node) -> tuple[list[str], float]:
+    """Runs in the DHT process: the revocation list it holds (checked when it was read from the DHT)."""
+    access: AccessControl = node.protocol.authorizer.access
+    return sorted(access.revoked), access.revocations_version
 
 
 # --- averaging and state download -----------------------------------------------------------------
@@ -503,15 +531,14 @@ class GuardedP2P(P2P):
     def _refresh_revocations_soon(self) -> None:
         if self.access.authority is not None or self._refreshing is not None or self.dht is None:
             return
-        if time.monotonic() - self._revocations_read < REVOCATIONS_REFRESH:
+        if time.monotonic() - self._revocations_read < LOCAL_REFRESH:
             return
         self._revocations_read = time.monotonic()
 
         async def refresh():
-            try:
-                found = await self.dht.get(self.access.revocations_key, latest=True, return_future=True)
-                if found is not None:
-                    self.access.accept_revocations(found.value)
+            try:  # the peer's DHT process keeps the list fresh: copy it (no network request, no signature)
+                revoked, version = await self.dht.run_coroutine(_local_revocations, return_future=True)
+                self.access.merge_revocations(revoked, version)
             except Exception as e:
                 logger.debug(f"Reading the revocation list failed: {e!r}")
             finally:
