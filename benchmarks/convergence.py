@@ -230,25 +230,42 @@ class SwarmRun:
             self.swarm.stop()
 
     def result(self) -> dict:
-        rows = self.rows()
-        groups = [r.get("group_size", 1) for rs in rows for r in rs]
-        return {
-            "peers": self.peers,
-            "seed": self.seed,
-            "curve": swarm_curve(rows),
-            "seconds": self.seconds,
-            "max_group": max(groups, default=1),
-            "mean_group": statistics.mean(groups) if groups else 1,
-            "failed_rounds": sum(max((r.get("rounds_failed", 0) for r in rs), default=0) for rs in rows),
-            # every trainer reached the last step: none died (e.g. killed for memory) or lagged behind
-            "complete": all(max((r.get("step", 0) for r in rs), default=0) >= self.args.steps for rs in rows),
-        }
+        return run_result(self.peers, self.seed, self.rows(), self.args.steps, self.seconds)
+
+
+def run_result(peers: int, seed: int, rows: list[list[dict]], steps: int, seconds: float = 0.0) -> dict:
+    groups = [r.get("group_size", 1) for rs in rows for r in rs]
+    return {
+        "peers": peers,
+        "seed": seed,
+        "curve": swarm_curve(rows),
+        "seconds": seconds,
+        "max_group": max(groups, default=1),
+        "mean_group": statistics.mean(groups) if groups else 1,
+        "failed_rounds": sum(max((r.get("rounds_failed", 0) for r in rs), default=0) for rs in rows),
+        # every trainer reached the last step: none died (e.g. killed for memory) or lagged behind
+        "complete": all(max((r.get("step", 0) for r in rs), default=0) >= steps for rs in rows),
+    }
+
+
+def collect(folders: list[str], steps: int) -> list[dict]:
+    """Runs from the folders of earlier (possibly interrupted) invocations: for each configuration and seed,
+    the last attempt whose trainers all reached the last step."""
+    found: dict[tuple[int, int], dict] = {}
+    for folder in folders:
+        for attempt in sorted(Path(folder).glob("peers*-seed*/attempt*")):
+            peers, seed = (int(x) for x in attempt.parent.name[len("peers") :].split("-seed"))
+            rows = [read_jsonl(t / "metrics.jsonl") for t in sorted(attempt.glob("trainer*")) if t.is_dir()]
+            result = run_result(peers, seed, rows, steps)
+            if len(rows) == peers and result["complete"]:
+                found[peers, seed] = result
+    return sorted(found.values(), key=lambda r: (r["seed"], r["peers"]))
 
 
 def run_all(args, data: Path, root: Path) -> list[dict]:
     """The configurations of a seed run side by side (``--parallel``), the seeds one after the other."""
     results = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         queue = list(args.peers)
         active: list[SwarmRun] = []
         try:
@@ -300,24 +317,23 @@ def plot(runs: list[dict], path: Path, lo: float, hi: float) -> None:
 
     colors = {1: "#222222", 2: "#2f6fde", 4: "#d9541e", 8: "#2a9d4b"}
     styles = ["-", "--", ":", "-."]
-    fig, ax = plt.subplots(figsize=(7.2, 4.2), dpi=110)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 4.2), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
     for run in runs:
         if not run["curve"]:
             continue
-        _, samples, loss = zip(*run["curve"], strict=True)
-        ax.plot(
-            samples,
-            loss,
-            styles[run["seed"] % len(styles)],
-            color=colors.get(run["peers"], "#888888"),
-            linewidth=1.4,
-            label=f"{run['peers']} peer{'s' if run['peers'] > 1 else ''}, seed {run['seed']}",
-        )
+        steps, samples, loss = zip(*run["curve"], strict=True)
+        style = dict(color=colors.get(run["peers"], "#888888"), linewidth=1.4)
+        label = f"{run['peers']} peer{'s' if run['peers'] > 1 else ''}, seed {run['seed']}"
+        ax.plot(samples, loss, styles[run["seed"] % len(styles)], label=label, **style)
+        ax2.plot(steps, loss, styles[run["seed"] % len(styles)], **style)
     ax.axvspan(lo, hi, color="#999999", alpha=0.15, label="window of the final loss")
     ax.set_xlabel("samples (swarm total)")
     ax.set_ylabel("training loss (MLM + SOP)")
-    ax.set_title(f"{PRESET} on WikiText-2 valid, global batch 64: 1 vs 2 vs 4 peers", fontsize=10)
-    ax.grid(alpha=0.3)
+    ax.set_title(f"{PRESET} on WikiText-2 valid, target batch 64: loss against samples", fontsize=9)
+    ax2.set_xlabel("global step")
+    ax2.set_title("the same runs against global steps", fontsize=9)
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -342,10 +358,14 @@ def main() -> None:
     ap.add_argument("--retries", type=int, default=1, help="runs again a swarm whose trainer stopped early")
     ap.add_argument("--json", help="also write the runs (curves included) to this file")
     ap.add_argument("--merge", nargs="+", help="report on runs saved with --json instead (later files win)")
+    ap.add_argument("--collect", nargs="+", help="report on the run folders of earlier invocations instead")
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed, first-seed + 1, ...")
     ap.add_argument("--quick", action="store_true", help="1 and 2 peers, 1 seed, 8 steps, no plot")
     args = ap.parse_args()
     if args.quick:
         args.peers, args.seeds, args.steps, args.plot = [1, 2], 1, 8, ""
+    if args.collect:
+        return finish(collect(args.collect, args.steps), args)
     if args.merge:
         merged = {}
         for name in args.merge:
@@ -403,10 +423,10 @@ def report(runs: list[dict], args, lo: float, hi: float) -> None:
     print(f"final loss: mean over samples {lo:.0f}-{hi:.0f} (the last quarter every run reached)")
     print()
     print(
-        "| peers | global steps | averaging group (mean, max) | failed rounds | final loss per seed | mean "
-        "| gap vs 1 peer | seed-to-seed spread |"
+        "| peers | global steps | samples per step | averaging group (mean, max) | failed rounds "
+        "| final loss per seed | mean | gap vs 1 peer | seed-to-seed spread |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for peers in sorted(by_peers):
         rs = sorted(by_peers[peers], key=lambda r: r["seed"])
@@ -422,8 +442,9 @@ def report(runs: list[dict], args, lo: float, hi: float) -> None:
             for r in rs
         )
         group = f"{statistics.mean(r['mean_group'] for r in rs):.2f}, {max(r['max_group'] for r in rs)}"
+        per_step = statistics.mean(r["curve"][-1][1] / r["curve"][-1][0] for r in rs if r["curve"])
         print(
-            f"| {peers} | {steps} | {group} | {sum(r.get('failed_rounds', 0) for r in rs)} "
+            f"| {peers} | {steps} | {per_step:.1f} | {group} | {sum(r.get('failed_rounds', 0) for r in rs)} "
             f"| {', '.join(f'{f:.4f}' for f in finals)} | {mean:.4f} | **{gap:+.2%}** | {spread:.2%} |"
         )
     print()

@@ -12,8 +12,6 @@ import pytest
 
 from conftest import FAST, LOCALHOST, REPO, Role, cotrain_env, wait_until
 
-pytestmark = [pytest.mark.slow]
-
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (the dev extra)")
 nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (the dev extra)")
 
@@ -100,6 +98,7 @@ def swarm(demo_data, tmp_path_factory):
                 role.kill_all()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_notebook_joins_the_swarm_and_averages(swarm, tmp_path):
     from jupyter_client.kernelspec import KernelSpecManager

@@ -209,14 +209,12 @@ def test_an_old_style_initial_peer_is_one_line_with_the_form_to_use(tmp_path):
             "albert-tiny",
             "--host-maddrs",
             "/ip4/127.0.0.1/tcp/0",
-            "--dataset-path",
-            str(tmp_path),
             "--output-dir",
             str(tmp_path),
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode != 0

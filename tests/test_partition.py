@@ -47,8 +47,10 @@ class Hosts:
     own, every link shaped to ``rate_mbit`` both ways. Names carry this process's pid: parallel runs never
     collide."""
 
+    PREFIX = "cotrain-part-"
+
     def __init__(self, n: int, rate_mbit: int):
-        self.tag = f"cotrain-part-{os.getpid()}"
+        self.tag = f"{self.PREFIX}{os.getpid()}"
         self.n, self.rate_mbit = n, rate_mbit
         self.created: list[str] = []
 
@@ -100,6 +102,17 @@ class Hosts:
     def pids(self, name: str) -> list[int]:
         out = _ip("netns", "pids", name, check=False).stdout
         return [int(x) for x in out.split() if x.isdigit()]
+
+    @classmethod
+    def remove_stale(cls) -> None:
+        """Delete namespaces left by an earlier run of this test whose process is gone (killed with -9)."""
+        for line in _ip("netns", "list", check=False).stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            pid = name[len(cls.PREFIX) :].split("-")[0]
+            if name.startswith(cls.PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                stale = cls(0, 0)
+                stale.created = [name]
+                stale.close()
 
     def close(self) -> None:
         """Kill whatever still runs inside the namespaces, then delete them (their veths go with them)."""
@@ -231,6 +244,7 @@ def hosts(network_guard):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
+    Hosts.remove_stale()
     net = Hosts(3, RATE_MBIT)
     try:
         try:
