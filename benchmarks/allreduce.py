@@ -213,11 +213,11 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
         links = _netns.LinkCounters(net)
         try:
             peers.start(0, [])
-            first = peers.receive(0, 120)["maddrs"][0]
+            first = peers.receive(0, 300)["maddrs"][0]
             for i in range(1, n):
                 peers.start(i, ["--initial-peer", first])
             for i in range(1, n):
-                peers.receive(i, 120)
+                peers.receive(i, 300)
             sampler.start()
             for dtype in args.dtypes:
                 numel = sum(_numel(s) for s in json.loads(shapes_file.read_text()))
@@ -225,7 +225,7 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
                 payload = 2 * (n - 1) / n * message  # what each peer must send, and receive
                 peers.send({"op": "phase", "dtype": dtype})
                 for i in range(n):
-                    peers.receive(i, 180)
+                    peers.receive(i, 300)
                 results: dict[str, list] = {arm: [] for arm in ARMS}
                 warmup = args.warmup if dtype == args.dtypes[0] else 0  # the processes are warm by then
                 for r in range(-warmup, args.rounds):

@@ -139,11 +139,11 @@ def run_mode(mode: str, args, logdir: Path) -> dict:
         marks: list[dict[int, dict]] = [{} for _ in range(args.peers)]
         try:
             peers.start(0, [])
-            first = peers.receive(0, 180)["maddrs"][0]
+            first = peers.receive(0, 300)["maddrs"][0]
             for i in range(1, args.peers):
                 peers.start(i, ["--initial-peer", first])
             for i in range(1, args.peers):
-                peers.receive(i, 180)
+                peers.receive(i, 300)
             for i in range(args.peers):
                 peers.receive(i, 300)  # ready
             peers.send({"op": "go"})
