@@ -58,7 +58,10 @@ class Swarm:
         self.tree: set[int] = set()
 
     def start(self, name: str, args: list[str], threads: int) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        # fewer malloc arenas: the same work in less memory, so that several swarms fit on a small machine
+        env = dict(
+            os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", MALLOC_ARENA_MAX="2"
+        )
         with open(self.out / f"{name}.log", "w") as log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "cotrain", *args],

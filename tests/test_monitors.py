@@ -111,7 +111,7 @@ def story(demo_data, tmp_path_factory):
                 role.kill_all()
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_both_monitors_log_the_swarm_and_keep_checkpoints(story):
     out = story["out"]
 
@@ -121,7 +121,7 @@ def test_both_monitors_log_the_swarm_and_keep_checkpoints(story):
             for m in ("monitor_a", "monitor_b")
         )
 
-    wait_until(both_see_two_trainers, 360, what="both monitors to log 2 trainers past step 4")
+    wait_until(both_see_two_trainers, 600, what="both monitors to log 2 trainers past step 4")
     for m in ("monitor_a", "monitor_b"):
         wait_until(
             lambda m=m: list((out / m / "checkpoints").glob("step-*")),
@@ -152,14 +152,14 @@ def test_trainers_keep_training_after_the_first_monitor_dies(story):
         assert roles[name].proc.poll() is None, roles[name].text()[-2000:]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_a_trainer_joins_through_the_surviving_monitor(story):
     out, roles = story["out"], story["roles"]
     swarm_step = last_step(out / "monitor_b" / "metrics.jsonl")
     late = story["trainer"]("trainer2", story["b"], 3)
     text = wait_until(
         lambda: "Starting from global step" in late.text() and late.text(),
-        180,
+        360,
         what="the third trainer to load the swarm's state",
     )
     start = int(text.split("Starting from global step")[1].split()[0])

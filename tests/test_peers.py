@@ -21,7 +21,7 @@ from cotrain.swarm.identity import ensure_identity
 RUN = "peers-test"
 
 
-def run_cotrain(*args: str, timeout: float = 150) -> tuple[int | None, str]:
+def run_cotrain(*args: str, timeout: float = 300) -> tuple[int | None, str]:
     """Exit code (None: still running after ``timeout`` s, then stopped) and output of a `cotrain` command."""
     p = subprocess.Popen(
         [sys.executable, "-m", "cotrain", *args],
@@ -204,7 +204,7 @@ def test_identity_files_are_created_private(swarm):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_a_second_peer_with_a_used_identity_is_refused(swarm):
     rc, out = run_cotrain(
         "train",
