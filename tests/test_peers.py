@@ -206,6 +206,8 @@ def test_identity_files_are_created_private(swarm):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_second_peer_with_a_used_identity_is_refused(swarm):
+    server = swarm["roles"]["server"]
+    wait_until(lambda: "Trainer " in server.text(), 300, what="the trainer to be online")
     rc, out = run_cotrain(
         "train",
         "--preset",
@@ -214,6 +216,7 @@ def test_a_second_peer_with_a_used_identity_is_refused(swarm):
         RUN,
         "--host-maddrs",
         LOCALHOST,
+        *FAST,
         "--initial-peers",
         *swarm["initial"],
         "--identity-path",
@@ -231,6 +234,7 @@ def test_a_second_peer_with_a_used_identity_is_refused(swarm):
 @pytest.mark.timeout(480)
 def test_a_restarted_trainer_keeps_its_peer_id(swarm):
     roles, out = swarm["roles"], swarm["out"]
+    wait_until(lambda: "Trainer " in roles["server"].text(), 300, what="the trainer to be online")
     before = peer_id_in_log(roles["server"])
     roles["server"].stop(timeout=60)
     again = swarm["trainer"](
