@@ -1,1 +1,3 @@
-"""The thin layer over hivemind: the DHT, signed records and the collaborative optimizer."""
+"""The swarm layer: hivemind's DHT, averaging and optimizer as cotrain's peers use them."""
+
+from cotrain.swarm import fixes as _fixes  # noqa: F401  (hivemind corrections, applied on import)
