@@ -426,8 +426,9 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
     from hivemind.proto import averaging_pb2, dht_pb2
     from hivemind.utils.multiaddr import Multiaddr
 
-    from cotrain.swarm.auth import HANDSHAKE, AccessControl, GuardedP2P, SwarmAuthorizer, messages
-    from cotrain.swarm.auth import _handshake_payload as payload
+    from cotrain.swarm.auth import HANDSHAKE, AccessControl, SwarmAuthorizer, messages
+    from cotrain.swarm.guard import GuardedP2P
+    from cotrain.swarm.guard import _handshake_payload as payload
 
     out = private_swarm["out"]
     monitor_addr = private_swarm["initial"][0]

@@ -43,6 +43,7 @@ def test_averager_shutdown_during_a_round_finalizes_runners_and_cancels_pending_
 
     from cotrain.swarm import fixes
 
+    fixes.apply()
     assert DecentralizedAverager._shutdown is fixes._shutdown
     finalized = []
 

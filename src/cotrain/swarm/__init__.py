@@ -1,3 +1,1 @@
-"""The swarm layer: hivemind's DHT, averaging and optimizer as cotrain's peers use them."""
-
-from cotrain.swarm import fixes as _fixes  # noqa: F401  (hivemind corrections, applied on import)
+"""The thin layer over hivemind: the DHT, signed records and the collaborative optimizer."""

@@ -102,7 +102,7 @@ class SwarmDHT(hivemind.DHT):
     async def replicate_p2p(self):
         if self.access is None:
             return await super().replicate_p2p()
-        from cotrain.swarm.auth import replicate_guarded
+        from cotrain.swarm.guard import replicate_guarded
 
         return await replicate_guarded(self)
 

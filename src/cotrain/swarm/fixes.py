@@ -1,4 +1,4 @@
-"""Corrections to hivemind 1.1.12 that cotrain's peers need, applied once when cotrain.swarm is imported.
+"""Corrections to hivemind 1.1.12 that cotrain's peers need; ``apply()`` installs them (idempotent).
 
 - ``DecentralizedAverager._shutdown`` calls ``finalize`` on the futures of its running all-reduce groups
   instead of on the runners they hold, so a peer stopped in the middle of an averaging round ended its
@@ -31,6 +31,3 @@ def apply() -> None:
     if DecentralizedAverager._shutdown is not _shutdown:
         DecentralizedAverager._shutdown = _shutdown
         logger.debug("hivemind averager shutdown replaced")
-
-
-apply()

@@ -26,6 +26,7 @@ from cotrain.config import Config
 from cotrain.data.tokenizer import tokenizer_hash
 from cotrain.errors import UserError
 from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
+from cotrain.swarm import fixes
 from cotrain.swarm.optimizer import request_timeout
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class StateKeeper:
         run, peer = config.run, config.peer
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
         self.model = build_model(run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        fixes.apply()
         self.averager = TrainingStateAverager(
             dht=dht,
             prefix=state_prefix(run.run_id),

@@ -10,6 +10,7 @@ import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, RoleAdaptiveCompression
 
 from cotrain.config import PeerConfig, RunConfig
+from cotrain.swarm import fixes
 from cotrain.swarm.averaging import gradient_averager_factory
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     rounds_failed: int = 0
 
     def __init__(self, **kwargs) -> None:
+        fixes.apply()
         super().__init__(**kwargs)
         # hivemind runs the optimizer step in a helper thread, where torch would start a second OpenMP team.
         # With more OpenMP threads than cores, libgomp stops spin-waiting in every team, so each barrier of
