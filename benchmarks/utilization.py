@@ -213,7 +213,7 @@ def print_table(rows: list[dict], args) -> None:
         f"simulated compute {args.step_time:.3f} s per micro-batch ({compute:.1f} s per global step)"
     )
     print()
-    print("| mode | utilization (mean, lowest peer) | in opt.step | s per global step | swarm samples/s "
+    print("| mode | utilization (mean, lowest peer) | in opt.step | s per global step | target / step s "
           "(ideal) | cores busy (machine / peers) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for r in rows:
