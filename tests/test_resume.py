@@ -121,10 +121,14 @@ def test_1_the_monitor_checkpoints_while_two_trainers_train(story):
     t2 = story["trainer"]("t2", initial, 2)
     root = story["checkpoints"]
     # three checkpoints: by the third one (~step 9) the loss has clearly fallen
-    wait_until(lambda: len(ck.list_checkpoints(root)) >= 3, 200, what="the monitor's third checkpoint")
+    wait_until(
+        lambda: len(ck.list_checkpoints(root)) >= 3 and ck.verify(ck.list_checkpoints(root)[-1])["step"] >= 9,
+        240,
+        what="the monitor's checkpoint of step 9",
+    )
     t1.kill_all()
     t2.kill_all()
-    first, second, path = ck.list_checkpoints(root)
+    *_, second, path = ck.list_checkpoints(root)
     meta = ck.verify(path)
     assert meta["step"] >= ck.verify(second)["step"] + 3 >= 9 and meta["source"] == "monitor"
     assert meta["config"]["run"]["run_id"] == RUN and meta["tokenizer_hash"]
