@@ -41,8 +41,11 @@ def setup_logging(verbose: bool) -> None:
 
 
 def run_role(argv: list[str]) -> int:
+    """Run one role; its error, if any, is the last line it prints: the role is shut down first, so that no
+    background thread or averager process logs after it."""
     command = argv[0] if argv else ""
     role = None
+    error: str | None = None
     try:
         ns, config = parse(argv)
         setup_logging(config.peer.verbose)
@@ -59,18 +62,20 @@ def run_role(argv: list[str]) -> int:
         try:
             return role.run()
         except UserError as e:
-            return fail(command, str(e))
+            error = str(e)
         except Exception as e:
             logging.getLogger("cotrain").exception(f"{command} failed: {e!r}")
             return 1
     except UserError as e:
-        return fail(command, str(e))
+        error = str(e)
     finally:
         if role is not None:
             try:
                 role.close()
             except Exception as e:
                 logging.getLogger("cotrain").debug(f"shutdown: {e!r}")
+    sys.stdout.flush()
+    return fail(command, error)
 
 
 if __name__ == "__main__":
