@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> dict:
         ):
             sample(now)
             time.sleep(1.0)
-        status = swarm_status(initial, args.status_timeout)
+        status = swarm_status(initial, args.status_timeout) if args.status_timeout > 0 else None
     except (TimeoutError, KeyboardInterrupt, RuntimeError) as e:  # still stop everything and report
         interrupted = f"{type(e).__name__}: {e}"
     finally:
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         help="at most this many seconds after the churn for the newest "
         "trainers to take their first step (no kills meanwhile)",
     )
-    parser.add_argument("--status-timeout", type=float, default=90.0, help="seconds for `cotrain status`")
+    parser.add_argument("--status-timeout", type=float, default=90.0, help="seconds for `cotrain status` (0: skip it)")
     parser.add_argument(
         "--startup-timeout", type=float, default=240.0, help="seconds allowed until the first global step"
     )
