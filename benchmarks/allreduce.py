@@ -168,7 +168,10 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group):
     (run_id "bench<dtype>")."""
     from cotrain.swarm.averaging import gradient_averager_factory
 
-    factory = gradient_averager_factory({"bandwidth": args.bandwidth} if args.bandwidth > 0 else {})
+    opts = {"bandwidth": args.bandwidth} if args.bandwidth > 0 else {}
+    if args.part_size > 0:
+        opts["part_size_bytes"] = int(args.part_size * 1024)
+    factory = gradient_averager_factory(opts)
     cls = timed(factory.func)
     return cls(
         dht=dht,
@@ -206,6 +209,8 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
             str(args.matchmaking_time),
             "--bandwidth",
             str(args.bandwidth),
+            "--part-size",
+            str(args.part_size),
         ]
         peers = Peers(net, worker, logdir / f"n{n}", cwd=REPO)
         peers.logdir.mkdir(parents=True, exist_ok=True)
@@ -374,6 +379,9 @@ def main() -> None:
     ap.add_argument("--matchmaking-time", type=float, default=5.0, help="as in the albert-large-v2 preset")
     ap.add_argument("--round-timeout", type=float, default=120.0)
     ap.add_argument("--bandwidth", type=float, default=0.0, help="cotrain's --bandwidth hint (0: none)")
+    ap.add_argument(
+        "--part-size", type=float, default=0.0, help="KiB per part in cotrain's arm (0: cotrain's own)"
+    )
     ap.add_argument("--limit", type=float, default=1800.0, help="stop everything after this many seconds")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--trace", help="append each round's timings and link byte counters to this JSONL file")

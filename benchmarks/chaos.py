@@ -442,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         help="at most this many seconds after the churn for the newest "
         "trainers to take their first step (no kills meanwhile)",
     )
-    parser.add_argument("--status-timeout", type=float, default=90.0, help="seconds for `cotrain status` (0: skip it)")
+    parser.add_argument(
+        "--status-timeout", type=float, default=90.0, help="seconds for `cotrain status` (0: skip it)"
+    )
     parser.add_argument(
         "--startup-timeout", type=float, default=240.0, help="seconds allowed until the first global step"
     )
