@@ -56,3 +56,33 @@ def test_describe_prints_the_step_progress_and_peers():
     text = describe(state)
     assert "run r: global step 7" in text and "16 of 64 samples (25%)" in text and "ETA 6 s" in text
     assert "...abcdefgh" in text and "320" in text
+
+
+def test_status_shows_each_evaluation_peers_latest_result_newest_first():
+    from cotrain.swarm.records import EvalMetrics
+    from cotrain.swarm.state import evaluation_rows
+
+    def record(step: float, loss: float, peer: str, **extra) -> EvalMetrics:
+        return EvalMetrics(
+            step=step, loss=loss, perplexity=2.0, lm_loss=0.7, examples=64, tokens=900, time=100.0 + step,
+            peer_id=peer, **extra,
+        )  # fmt: skip
+
+    rows = evaluation_rows(
+        {
+            b"a": record(3, 8.9, "12D3KooW" + "A" * 44),
+            b"b": record(5, 8.6, "12D3KooW" + "B" * 44, mlm_accuracy=0.25, sop_accuracy=0.5),
+        }
+    )
+    assert [r["step"] for r in rows] == [5, 3]
+    state = {
+        "run_id": "r", "global_step": 5, "num_peers": 0, "num_clients": 0, "samples_accumulated": 0,
+        "target_batch_size": 64, "samples_per_second": 0.0, "eta_seconds": None, "peers": [],
+        "evaluations": rows,
+    }  # fmt: skip
+    lines = describe(state).splitlines()
+    assert lines[-2] == (
+        "evaluation by ...BBBBBBBB at step 5: held-out loss 8.6000, perplexity 2.00, "
+        "masked-token accuracy 0.250, sentence-order accuracy 0.500 (64 examples)"
+    )
+    assert lines[-1].startswith("evaluation by ...AAAAAAAA at step 3: held-out loss 8.9000")

@@ -23,7 +23,7 @@ DESCRIPTIONS = {
     "config": "Show the resolved configuration of a preset (and an optional TOML file).",
     "eval": "Join a swarm as an evaluation peer: load its latest state every --eval-every seconds, publish "
     "held-out loss, perplexity and accuracy.",
-    "status": "Show a running swarm's state (step, peers, progress, throughput, ETA) and exit.",
+    "status": "Show a running swarm's state (step, peers, progress, throughput, ETA, evaluations) and exit.",
     "export": "Turn a checkpoint into a Hugging Face model folder (config, safetensors weights, tokenizer).",
     "token": "Private swarms: issue, revoke and list the access tokens that let participants join.",
 }

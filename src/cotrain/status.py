@@ -84,4 +84,14 @@ def describe(state: dict) -> str:
                 f"{p['short_id']:<14}{'client' if p.get('client_mode') else 'full':<8}{p['step']:>6}"
                 f"{p.get('samples_per_second', 0.0):>12.1f}{p['contribution']:>14}{p['seconds_ago']:>10.0f} s"
             )
+    for e in state.get("evaluations", []):  # newest first
+        accuracy = "".join(
+            f", {label} accuracy {e[name]:.3f}"
+            for name, label in (("mlm_accuracy", "masked-token"), ("sop_accuracy", "sentence-order"))
+            if e.get(name) is not None
+        )
+        lines.append(
+            f"evaluation by {e['short_id']} at step {e['step']}: held-out loss {e['loss']:.4f}, "
+            f"perplexity {e['perplexity']:.2f}{accuracy} ({e['examples']} examples)"
+        )
     return "\n".join(lines)

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from cotrain.swarm.records import LocalMetrics, read_metrics
+from cotrain.swarm.records import EvalMetrics, LocalMetrics, read_evaluations, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -111,5 +111,21 @@ def snapshot(
     }
 
 
+def evaluation_rows(evaluations: dict[bytes, EvalMetrics]) -> list[dict]:
+    """Each evaluation peer's latest result, newest step first (what ``cotrain status`` shows of them)."""
+    rows = []
+    for record in evaluations.values():
+        row = {"peer_id": record.peer_id, "short_id": short_id(record.peer_id)}
+        for name in ("step", "loss", "perplexity", "lm_loss", "mlm_accuracy", "sop_accuracy", "examples"):
+            row[name] = getattr(record, name)
+        row["time"] = record.time
+        rows.append(row)
+    rows.sort(key=lambda r: (-r["step"], -r["time"]))
+    return rows
+
+
 def read_snapshot(dht: Any, run_id: str, target_batch_size: int) -> dict:
-    return snapshot(run_id, target_batch_size, read_metrics(dht, run_id), read_progress(dht, run_id))
+    """The snapshot, with the latest result of every evaluation peer under ``evaluations``."""
+    state = snapshot(run_id, target_batch_size, read_metrics(dht, run_id), read_progress(dht, run_id))
+    state["evaluations"] = evaluation_rows(read_evaluations(dht, run_id))
+    return state
