@@ -108,8 +108,7 @@ class Role:
     """A `cotrain` role started as a user would start it: in its own process group, like a terminal job."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
-        if args[0] in ("train", "monitor"):
-            assert "--host-maddrs" in args and LOCALHOST in args, "test peers must listen on 127.0.0.1 only"
+        self.check_listen(args)
         self.args = args
         self.log_path = log
         self._log = open(log, "w")
@@ -121,6 +120,12 @@ class Role:
             start_new_session=True,
         )
         self.pid = self.proc.pid
+
+    @staticmethod
+    def check_listen(args: list[str]) -> None:
+        """Refuses a peer's command line that does not say explicitly to listen on 127.0.0.1."""
+        if args[0] in ("train", "monitor"):
+            assert "--host-maddrs" in args and LOCALHOST in args, "test peers must listen on 127.0.0.1 only"
 
     def tree(self) -> list[int]:
         """PIDs of the supervisor, its worker and everything in the worker's process group."""
@@ -183,6 +188,31 @@ def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "co
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def monitor_args(common: list[str], out_dir: Path, *extra: str, dashboard_port: str = "-1") -> list[str]:
+    """A `cotrain monitor` command line: ``common``, output to ``out_dir``, a refresh every 0.5 s and no
+    dashboard (unless ``dashboard_port`` says otherwise), then ``extra``."""
+    args = ["monitor", *common, "--output-dir", str(out_dir), "--refresh-period", "0.5"]
+    return [*args, "--dashboard-port", dashboard_port, *extra]
+
+
+def monitor_address(out_dir: Path, timeout: float, what: str = "the monitor's address") -> list[str]:
+    """The addresses a monitor writing to ``out_dir`` announces, once its ``initial_peers.txt`` exists."""
+    peers_file = out_dir / "initial_peers.txt"
+    wait_until(peers_file.exists, timeout, what=what)
+    return peers_file.read_text().split()
+
+
+def trainer_args(
+    common: list[str], initial: list[str], data: Path, seed: int, out_dir: Path, *extra: str
+) -> list[str]:
+    """A `cotrain train` command line: ``common``, joining through ``initial`` (none: alone), training on
+    ``data`` with ``seed`` in micro-batches of 8, output to ``out_dir``, then ``extra`` (a later option of the
+    same name wins)."""
+    args = ["train", *common, *(["--initial-peers", *initial] if initial else [])]
+    args += ["--dataset-path", str(data), "--seed", str(seed), "--per-device-train-batch-size", "8"]
+    return [*args, "--output-dir", str(out_dir), *extra]
 
 
 @pytest.fixture(scope="session")

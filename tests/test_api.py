@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import LOCALHOST, REPO, Role, alive, cotrain_env, wait_until
+from conftest import LOCALHOST, REPO, Role, alive, cotrain_env, monitor_address, monitor_args, wait_until
 from cotrain.errors import UserError
 
 EXAMPLE = REPO / "examples" / "custom_loop.py"
@@ -106,15 +106,12 @@ class Example:
 def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
     run = ["--run-id", "api-test", "--host-maddrs", LOCALHOST]
     monitor = Role(
-        ["monitor", *run, "--target-batch-size", "128", "--output-dir", str(tmp_path / "monitor")]
-        + ["--refresh-period", "0.5", "--dashboard-port", "-1", "--save-every", "0"],
+        monitor_args([*run, "--target-batch-size", "128"], tmp_path / "monitor", "--save-every", "0"),
         tmp_path / "monitor.log",
     )
     peers: list[Example] = []
     try:
-        peers_file = tmp_path / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 120, what="the monitor's address")
-        initial = peers_file.read_text().split()
+        initial = monitor_address(tmp_path / "monitor", 120)
         for seed in (1, 2):
             # a target of 16 micro-batches: a peer that starts first takes a few seconds per step alone
             args = [*run, "--initial-peers", *initial, "--steps", str(STEPS), "--seed", str(seed)]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, wait_until
+from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
 from cotrain.cli import main
 from cotrain.errors import UserError
 from cotrain.tokens import NO_TOKEN, Authority, PrivateKey, check_token, read_token_file, registry_path
@@ -278,50 +278,15 @@ def private_swarm(demo_data, tmp_path_factory):
         issue(out, name)
     assert main(["token", "revoke", "--name", "dave", "--authority-key", str(out / "authority.key")]) == 0
     common = ["--preset", "albert-tiny", "--run-id", RUN, "--host-maddrs", LOCALHOST, *FAST]
-    roles = {
-        "monitor": Role(
-            [
-                "monitor",
-                *common,
-                "--output-dir",
-                str(out / "monitor"),
-                "--refresh-period",
-                "0.5",
-                "--dashboard-port",
-                "-1",
-                "--authority-key",
-                str(out / "authority.key"),
-                "--dataset-path",
-                str(demo_data),
-                "--save-every",
-                "2",
-            ],
-            out / "monitor.log",
-        )
-    }
+    monitor_extra = ["--authority-key", str(out / "authority.key"), "--dataset-path", str(demo_data)]
+    monitor_extra += ["--save-every", "2"]
+    roles = {"monitor": Role(monitor_args(common, out / "monitor", *monitor_extra), out / "monitor.log")}
     try:
-        peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 180, what="the monitor's address")
-        initial = peers_file.read_text().split()
+        initial = monitor_address(out / "monitor", 180)
         for i, name in enumerate(("alice", "carol")):
+            token = ["--access-token", str(out / f"{name}.token")]
             roles[name] = Role(
-                [
-                    "train",
-                    *common,
-                    "--initial-peers",
-                    *initial,
-                    "--dataset-path",
-                    str(demo_data),
-                    "--seed",
-                    str(i + 1),
-                    "--per-device-train-batch-size",
-                    "8",
-                    "--output-dir",
-                    str(out / name),
-                    "--access-token",
-                    str(out / f"{name}.token"),
-                ],
-                out / f"{name}.log",
+                trainer_args(common, initial, demo_data, i + 1, out / name, *token), out / f"{name}.log"
             )
         swarm = {
             "out": out,

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, LOCALHOST, Role, alive, cotrain_env, wait_until
+from conftest import FAST, LOCALHOST, Role, alive, cotrain_env, monitor_address, monitor_args, wait_until
 from cotrain.config import resolve
 from cotrain.dashboard.view import SwarmView
 from cotrain.roles.evaluator import evaluate, fixed_batches
@@ -182,25 +182,9 @@ def test_an_eval_peer_measures_the_swarms_state(demo_data, tmp_path):
     roles: list[Role] = []
     try:
         roles.append(
-            Role(
-                [
-                    "monitor",
-                    *common,
-                    "--output-dir",
-                    str(tmp_path / "monitor"),
-                    "--refresh-period",
-                    "0.5",
-                    "--dashboard-port",
-                    "-1",
-                    "--save-every",
-                    "0",
-                ],
-                tmp_path / "monitor.log",
-            )
+            Role(monitor_args(common, tmp_path / "monitor", "--save-every", "0"), tmp_path / "monitor.log")
         )
-        peers_file = tmp_path / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 120, what="the monitor's address")
-        initial = peers_file.read_text().split()
+        initial = monitor_address(tmp_path / "monitor", 120)
         for seed in (1, 2):
             roles.append(
                 Role(
@@ -225,6 +209,16 @@ def test_an_eval_peer_measures_the_swarms_state(demo_data, tmp_path):
         wait_until(progressed, 360, interval=1, what="evaluations 3 global steps apart in the monitor's log")
         for role in roles:
             assert role.proc.poll() is None, role.text()
+        # `cotrain status` reads the evaluation records itself
+        status = Role(
+            ["status", "--run-id", RUN, "--initial-peers", *initial, "--host-maddrs", LOCALHOST, "--json"],
+            tmp_path / "status.log",
+        )
+        status.proc.wait(timeout=90)
+        assert status.proc.returncode == 0, status.text()
+        evaluations = json.loads(status.text().strip().splitlines()[-1])["evaluations"]
+        assert len(evaluations) == 1 and evaluations[0]["step"] >= min(r["step"] for r in eval_rows(metrics))
+        assert evaluations[0]["peer_id"] in evaluator.text() and evaluations[0]["loss"] > 0
         tree = evaluator.tree()  # its worker, DHT, p2pd and averager processes
         evaluator.stop()
         assert evaluator.proc.returncode == 0, (tmp_path / "eval.log").read_text()[-3000:]

@@ -20,7 +20,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from conftest import FAST, LOCALHOST, Role, wait_until
+from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
 from cotrain.config import resolve
 from cotrain.roles.monitor import MAX_STEPS_AHEAD, aggregate, plausible
 from cotrain.roles.trainer import gradient_norm
@@ -162,20 +162,16 @@ def swarm(demo_data, tmp_path_factory):
     common = ["--preset", "albert-tiny", "--run-id", RUN, "--host-maddrs", LOCALHOST, *FAST]
     common += ["--target-batch-size", "32"]
     roles: dict[str, Role] = {}
-    monitor_args = ["--output-dir", str(out / "monitor"), "--refresh-period", "0.5", "--dashboard-port", "-1"]
-    roles["monitor"] = Role(["monitor", *common, *monitor_args], out / "monitor.log")
+    roles["monitor"] = Role(monitor_args(common, out / "monitor"), out / "monitor.log")
 
     def trainer(name: str, seed: int, *extra: str, env: dict | None = None) -> Role:
-        args = ["train", *common, "--initial-peers", *initial, "--dataset-path", str(demo_data)]
-        args += ["--seed", str(seed), "--per-device-train-batch-size", "8", "--output-dir", str(out / name)]
-        args += ["--statistics-expiration", "30", "--save-steps", "1", "--save-total-limit", "50", *extra]
+        options = ["--statistics-expiration", "30", "--save-steps", "1", "--save-total-limit", "50", *extra]
+        args = trainer_args(common, initial, demo_data, seed, out / name, *options)
         roles[name] = Role(args, out / f"{name}.log", env=env)
         return roles[name]
 
     try:
-        peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 240, what="the monitor's address")
-        initial = peers_file.read_text().split()
+        initial = monitor_address(out / "monitor", 240)
         trainer("honest", 1)
         trainer("poisoned", 2, env={"COTRAIN_DEBUG_NAN_AT_STEP": "2"})
         trainer("other_lr", 3, "--learning-rate", "0.05")  # the preset's is 0.02

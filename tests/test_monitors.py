@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, alive, wait_until
+from conftest import FAST, LOCALHOST, Role, alive, monitor_address, monitor_args, trainer_args, wait_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -51,51 +51,14 @@ def story(demo_data, tmp_path_factory):
     roles: dict[str, Role] = {}
 
     def monitor(name: str, *extra: str) -> list[str]:
-        roles[name] = Role(
-            [
-                "monitor",
-                *common,
-                "--output-dir",
-                str(out / name),
-                "--refresh-period",
-                "0.5",
-                "--dashboard-port",
-                "-1",
-                "--dataset-path",
-                str(demo_data),
-                "--save-every",
-                "3",
-                "--load-state-timeout",
-                "20",
-                *extra,
-            ],
-            out / f"{name}.log",
-        )
-        peers_file = out / name / "initial_peers.txt"
-        wait_until(peers_file.exists, 240, what=f"{name}'s address")
-        return peers_file.read_text().split()
+        checkpoints = ["--dataset-path", str(demo_data), "--save-every", "3", "--load-state-timeout", "20"]
+        roles[name] = Role(monitor_args(common, out / name, *checkpoints, *extra), out / f"{name}.log")
+        return monitor_address(out / name, 240, what=f"{name}'s address")
 
     def trainer(name: str, initial: list[str], seed: int) -> Role:
+        timeouts = ["--statistics-expiration", "60", "--load-state-timeout", "30"]
         roles[name] = Role(
-            [
-                "train",
-                *common,
-                "--initial-peers",
-                *initial,
-                "--dataset-path",
-                str(demo_data),
-                "--seed",
-                str(seed),
-                "--per-device-train-batch-size",
-                "8",
-                "--statistics-expiration",
-                "60",
-                "--load-state-timeout",
-                "30",
-                "--output-dir",
-                str(out / name),
-            ],
-            out / f"{name}.log",
+            trainer_args(common, initial, demo_data, seed, out / name, *timeouts), out / f"{name}.log"
         )
         return roles[name]
 

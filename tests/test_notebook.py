@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import FAST, LOCALHOST, REPO, Role, cotrain_env, wait_until
+from conftest import FAST, LOCALHOST, REPO, Role, cotrain_env, monitor_address, monitor_args, trainer_args
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (the dev extra)")
 nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (the dev extra)")
@@ -58,39 +58,10 @@ def swarm(demo_data, tmp_path_factory):
     common = ["--preset", "albert-tiny", "--run-id", RUN, "--host-maddrs", LOCALHOST, *FAST, *SLOWER_STEPS]
     roles: dict[str, Role] = {}
     try:
-        roles["monitor"] = Role(
-            [
-                "monitor",
-                *common,
-                "--output-dir",
-                str(out / "monitor"),
-                "--refresh-period",
-                "0.5",
-                "--dashboard-port",
-                "-1",
-            ],
-            out / "monitor.log",
-        )
-        peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 240, what="the monitor's address")
-        initial = peers_file.read_text().split()
+        roles["monitor"] = Role(monitor_args(common, out / "monitor"), out / "monitor.log")
+        initial = monitor_address(out / "monitor", 240)
         roles["trainer"] = Role(
-            [
-                "train",
-                *common,
-                "--initial-peers",
-                *initial,
-                "--dataset-path",
-                str(demo_data),
-                "--seed",
-                "1",
-                "--per-device-train-batch-size",
-                "8",
-                "--statistics-expiration",
-                "60",
-                "--output-dir",
-                str(out / "trainer"),
-            ],
+            trainer_args(common, initial, demo_data, 1, out / "trainer", "--statistics-expiration", "60"),
             out / "trainer.log",
         )
         yield {"out": out, "initial": initial, "data": demo_data, "roles": roles}

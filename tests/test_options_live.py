@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, check_announced, cotrain_env, wait_until
+from conftest import FAST, LOCALHOST, Role, check_announced, monitor_address, monitor_args, wait_until
 from test_options import PEER, seed_commands
 
 pytestmark = [pytest.mark.slow]
@@ -45,23 +43,14 @@ class SeedRole(Role):
     """A role started from a seed command line: it listens where the line says (made 127.0.0.1 here), so the
     common helper's check for an explicit --host-maddrs is replaced by a check of the translated address."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
+    @staticmethod
+    def check_listen(args: list[str]) -> None:
         from cotrain import cli
         from cotrain.swarm.dht import parse_maddrs
 
         _, config = cli.parse(args)
         listen = parse_maddrs(config.peer.host_maddrs, "listen")
         assert listen and all(m.startswith("/ip4/127.0.0.1/") for m in listen), listen
-        self.args, self.log_path = args, log
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cotrain", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**cotrain_env(), **(env or {})},
-            start_new_session=True,
-        )
-        self.pid = self.proc.pid
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -90,151 +79,6 @@ def p2pd_args(role: Role) -> list[str]:
         if cmd and cmd[0].endswith("p2pd"):
             return cmd
     return []
-
-
-@pytest.fixture(scope="module")
-def swarm(demo_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("seedlines")
-    tiny = ["--preset", "albert-tiny", *FAST]
-    monitor_args = localized(
-        seed_line("monitor", "--dht_listen_on", "--experiment_prefix", "--wandb_project"),
-        {"[::]:*": "127.0.0.1:*", "NAME_YOUR_EXPERIMENT": RUN, "WANDB_PROJECT_HERE": "seed-lines-offline"},
-    )
-    roles: dict[str, Role] = {}
-    try:
-        roles["monitor"] = SeedRole(
-            [
-                *monitor_args,
-                *tiny,
-                "--output-dir",
-                str(out / "monitor"),
-                "--refresh-period",
-                "0.5",
-                "--dashboard-port",
-                "-1",
-            ],
-            out / "monitor.log",
-            env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
-        )
-        peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 180, what="the monitor's address")
-        initial = peers_file.read_text().split()
-        check_announced(initial)
-        trainer_args = localized(
-            seed_line("train", "--experiment_prefix", "--logging_first_step", "--logging_dir"),
-            {
-                "SAME_AS_IN_RUN_TRAINING_MONITOR": RUN,
-                PEER: initial[0],
-                "./outputs": str(out / "seed-trainer"),
-                "./logs": str(out / "seed-trainer-logs"),
-            },
-        )
-        roles["seed"] = SeedRole(
-            [
-                *trainer_args,
-                *tiny,
-                "--host_maddrs",
-                LOCALHOST,
-                "--dataset_path",
-                str(demo_data),
-                "--backup_every_steps",
-                "2",
-                "--statistics-expiration",
-                "30",
-            ],
-            out / "seed-trainer.log",
-            env={"COTRAIN_DEBUG_CORRUPT_PARAMS_AT_STEP": str(CORRUPT_AT)},
-        )
-        roles["bf16"] = Role(
-            [
-                "train",
-                *tiny,
-                "--run-id",
-                RUN,
-                "--initial-peers",
-                *initial,
-                "--host-maddrs",
-                LOCALHOST,
-                "--dataset-path",
-                str(demo_data),
-                "--seed",
-                "7",
-                "--bf16",
-                "--per-device-train-batch-size",
-                "auto",
-                "--dataloader-num-workers",
-                "1",
-                "--no-use-relay",
-                "--output-dir",
-                str(out / "bf16"),
-                "--statistics-expiration",
-                "30",
-            ],
-            out / "bf16.log",
-        )
-        metrics = out / "monitor" / "metrics.jsonl"
-
-        def done():
-            rows = read_rows(metrics)
-            seed_rows = read_rows(out / "seed-trainer" / "metrics.jsonl")
-            return (
-                rows
-                and max(r["step"] for r in rows) >= STEPS
-                and any(r["step"] > CORRUPT_AT + 1 for r in seed_rows)
-                and len(step_lines(roles["bf16"].text())) >= 3
-            )
-
-        wait_until(done, 600, interval=1.0, what=f"{STEPS} global steps")
-        yield {"out": out, "roles": roles, "metrics": metrics}
-    finally:
-        for role in roles.values():
-            if role.proc.poll() is None:
-                role.kill_all()
-
-
-@pytest.mark.timeout(900)
-def test_the_seed_command_lines_train_a_swarm(swarm):
-    rows = [r for r in read_rows(swarm["metrics"]) if r["loss"] is not None]
-    assert max(r["step"] for r in rows) >= STEPS and max(r["alive_peers"] for r in rows) == 2, rows
-    monitor = swarm["roles"]["monitor"].text()
-    assert f"Monitor of run {RUN!r} is up" in monitor
-    seed = swarm["roles"]["seed"].text()
-    assert "Traceback" not in seed and "Traceback" not in monitor
-    # --logging_steps 100 with --logging_first_step: exactly the first global step is logged
-    assert len(step_lines(seed)) == 1, step_lines(seed)
-    # --logging_dir: TensorBoard event files of the logged step
-    assert list((swarm["out"] / "seed-trainer-logs").glob("events.out.tfevents.*"))
-
-
-def test_a_peer_with_nan_parameters_restores_its_backup_and_keeps_contributing(swarm):
-    seed = swarm["roles"]["seed"].text()
-    assert f"filled a parameter with NaN at global step {CORRUPT_AT}" in seed
-    restored = [line for line in seed.splitlines() if "restored the backup of global step" in line]
-    assert len(restored) == 1, seed[-3000:]
-    backup_step = int(restored[0].rsplit(" ", 1)[1])
-    assert CORRUPT_AT - 2 <= backup_step <= CORRUPT_AT, restored  # --backup_every_steps 2
-    rows = read_rows(swarm["out"] / "seed-trainer" / "metrics.jsonl")
-    after = [r for r in rows if r["step"] > CORRUPT_AT]
-    assert after and all(r["loss"] is not None and math.isfinite(r["loss"]) for r in after), rows
-    assert any(r["group_size"] == 2 for r in after), after  # still averaging with its peer
-    # the swarm's model stayed finite: the other trainer's losses and the monitor's aggregate
-    assert all(math.isfinite(loss) for _, loss, _ in step_lines(swarm["roles"]["bf16"].text()))
-    assert all(math.isfinite(r["loss"]) for r in read_rows(swarm["metrics"]) if r["loss"] is not None)
-
-
-def test_a_bf16_trainer_with_an_automatic_micro_batch_averages_with_its_peer(swarm):
-    text = swarm["roles"]["bf16"].text()
-    assert "--per-device-train-batch-size auto: 4 per micro-batch x 2 accumulated" in text, text[-2000:]
-    assert "micro-batch 4 x 2 on cpu in bf16" in text
-    assert "Loading micro-batches with 1 DataLoader worker processes" in text
-    steps = step_lines(text)
-    assert max(group for _, _, group in steps) == 2, steps
-    assert all(math.isfinite(loss) for _, loss, _ in steps)
-
-
-def test_the_relay_switch_reaches_p2pd(swarm):
-    assert "-relay=0" in p2pd_args(swarm["roles"]["bf16"])  # --no-use-relay
-    assert "-relay=1" in p2pd_args(swarm["roles"]["seed"])  # the default
 
 
 @pytest.mark.timeout(240)
@@ -363,3 +207,137 @@ def test_a_trainer_stops_after_its_epochs(demo_data, tmp_path):
         role.stop()
     assert rc == 0, text[-2000:]
     assert "Done 0.05 passes over this peer's data; stopping" in text and "Traceback" not in text
+
+
+@pytest.fixture(scope="module")
+def swarm(demo_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("seedlines")
+    tiny = ["--preset", "albert-tiny", *FAST]
+    seed_monitor = localized(
+        seed_line("monitor", "--dht_listen_on", "--experiment_prefix", "--wandb_project"),
+        {"[::]:*": "127.0.0.1:*", "NAME_YOUR_EXPERIMENT": RUN, "WANDB_PROJECT_HERE": "seed-lines-offline"},
+    )
+    roles: dict[str, Role] = {}
+    try:
+        roles["monitor"] = SeedRole(
+            monitor_args([*seed_monitor[1:], *tiny], out / "monitor"),  # [1:]: the line without its role
+            out / "monitor.log",
+            env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        )
+        initial = monitor_address(out / "monitor", 180)
+        check_announced(initial)
+        seed_trainer = localized(
+            seed_line("train", "--experiment_prefix", "--logging_first_step", "--logging_dir"),
+            {
+                "SAME_AS_IN_RUN_TRAINING_MONITOR": RUN,
+                PEER: initial[0],
+                "./outputs": str(out / "seed-trainer"),
+                "./logs": str(out / "seed-trainer-logs"),
+            },
+        )
+        roles["seed"] = SeedRole(
+            [
+                *seed_trainer,
+                *tiny,
+                "--host_maddrs",
+                LOCALHOST,
+                "--dataset_path",
+                str(demo_data),
+                "--backup_every_steps",
+                "2",
+                "--statistics-expiration",
+                "30",
+            ],
+            out / "seed-trainer.log",
+            env={"COTRAIN_DEBUG_CORRUPT_PARAMS_AT_STEP": str(CORRUPT_AT)},
+        )
+        roles["bf16"] = Role(
+            [
+                "train",
+                *tiny,
+                "--run-id",
+                RUN,
+                "--initial-peers",
+                *initial,
+                "--host-maddrs",
+                LOCALHOST,
+                "--dataset-path",
+                str(demo_data),
+                "--seed",
+                "7",
+                "--bf16",
+                "--per-device-train-batch-size",
+                "auto",
+                "--dataloader-num-workers",
+                "1",
+                "--no-use-relay",
+                "--output-dir",
+                str(out / "bf16"),
+                "--statistics-expiration",
+                "30",
+            ],
+            out / "bf16.log",
+        )
+        metrics = out / "monitor" / "metrics.jsonl"
+
+        def done():
+            rows = read_rows(metrics)
+            seed_rows = read_rows(out / "seed-trainer" / "metrics.jsonl")
+            return (
+                rows
+                and max(r["step"] for r in rows) >= STEPS
+                and any(r["step"] > CORRUPT_AT + 1 for r in seed_rows)
+                and len(step_lines(roles["bf16"].text())) >= 3
+            )
+
+        wait_until(done, 600, interval=1.0, what=f"{STEPS} global steps")
+        yield {"out": out, "roles": roles, "metrics": metrics}
+    finally:
+        for role in roles.values():
+            if role.proc.poll() is None:
+                role.kill_all()
+
+
+@pytest.mark.timeout(900)
+def test_the_seed_command_lines_train_a_swarm(swarm):
+    rows = [r for r in read_rows(swarm["metrics"]) if r["loss"] is not None]
+    assert max(r["step"] for r in rows) >= STEPS and max(r["alive_peers"] for r in rows) == 2, rows
+    monitor = swarm["roles"]["monitor"].text()
+    assert f"Monitor of run {RUN!r} is up" in monitor
+    seed = swarm["roles"]["seed"].text()
+    assert "Traceback" not in seed and "Traceback" not in monitor
+    # --logging_steps 100 with --logging_first_step: exactly the first global step is logged
+    assert len(step_lines(seed)) == 1, step_lines(seed)
+    # --logging_dir: TensorBoard event files of the logged step
+    assert list((swarm["out"] / "seed-trainer-logs").glob("events.out.tfevents.*"))
+
+
+def test_a_peer_with_nan_parameters_restores_its_backup_and_keeps_contributing(swarm):
+    seed = swarm["roles"]["seed"].text()
+    assert f"filled a parameter with NaN at global step {CORRUPT_AT}" in seed
+    restored = [line for line in seed.splitlines() if "restored the backup of global step" in line]
+    assert len(restored) == 1, seed[-3000:]
+    backup_step = int(restored[0].rsplit(" ", 1)[1])
+    assert CORRUPT_AT - 2 <= backup_step <= CORRUPT_AT, restored  # --backup_every_steps 2
+    rows = read_rows(swarm["out"] / "seed-trainer" / "metrics.jsonl")
+    after = [r for r in rows if r["step"] > CORRUPT_AT]
+    assert after and all(r["loss"] is not None and math.isfinite(r["loss"]) for r in after), rows
+    assert any(r["group_size"] == 2 for r in after), after  # still averaging with its peer
+    # the swarm's model stayed finite: the other trainer's losses and the monitor's aggregate
+    assert all(math.isfinite(loss) for _, loss, _ in step_lines(swarm["roles"]["bf16"].text()))
+    assert all(math.isfinite(r["loss"]) for r in read_rows(swarm["metrics"]) if r["loss"] is not None)
+
+
+def test_a_bf16_trainer_with_an_automatic_micro_batch_averages_with_its_peer(swarm):
+    text = swarm["roles"]["bf16"].text()
+    assert "--per-device-train-batch-size auto: 4 per micro-batch x 2 accumulated" in text, text[-2000:]
+    assert "micro-batch 4 x 2 on cpu in bf16" in text
+    assert "Loading micro-batches with 1 DataLoader worker processes" in text
+    steps = step_lines(text)
+    assert max(group for _, _, group in steps) == 2, steps
+    assert all(math.isfinite(loss) for _, loss, _ in steps)
+
+
+def test_the_relay_switch_reaches_p2pd(swarm):
+    assert "-relay=0" in p2pd_args(swarm["roles"]["bf16"])  # --no-use-relay
+    assert "-relay=1" in p2pd_args(swarm["roles"]["seed"])  # the default

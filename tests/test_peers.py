@@ -14,7 +14,17 @@ import sys
 
 import pytest
 
-from conftest import FAST, LOCALHOST, REPO, Role, cotrain_env, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    REPO,
+    Role,
+    cotrain_env,
+    monitor_address,
+    monitor_args,
+    trainer_args,
+    wait_until,
+)
 from cotrain.errors import UserError
 from cotrain.swarm.identity import ensure_identity
 
@@ -115,46 +125,13 @@ def swarm(demo_data, tmp_path_factory):
 
     def monitor(name: str) -> list[str]:
         (out / "monitor" / "initial_peers.txt").unlink(missing_ok=True)
-        roles[name] = Role(
-            [
-                "monitor",
-                *common,
-                "--output-dir",
-                str(out / "monitor"),
-                "--refresh-period",
-                "0.5",
-                "--dashboard-port",
-                "-1",
-                "--identity-path",
-                str(out / "keys" / "monitor.id"),
-            ],
-            out / f"{name}.log",
-        )
-        peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 240, what="the monitor's address")
-        return peers_file.read_text().split()
+        identity = ["--identity-path", str(out / "keys" / "monitor.id")]
+        roles[name] = Role(monitor_args(common, out / "monitor", *identity), out / f"{name}.log")
+        return monitor_address(out / "monitor", 240)
 
     def trainer(name: str, initial: list[str], seed: int, *extra: str) -> Role:
-        roles[name] = Role(
-            [
-                "train",
-                *common,
-                "--initial-peers",
-                *initial,
-                "--dataset-path",
-                str(demo_data),
-                "--seed",
-                str(seed),
-                "--per-device-train-batch-size",
-                "8",
-                "--statistics-expiration",
-                "60",
-                "--output-dir",
-                str(out / name),
-                *extra,
-            ],
-            out / f"{name}.log",
-        )
+        args = trainer_args(common, initial, demo_data, seed, out / name, "--statistics-expiration", "60")
+        roles[name] = Role([*args, *extra], out / f"{name}.log")
         return roles[name]
 
     try:

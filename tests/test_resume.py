@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from conftest import FAST, LOCALHOST, Role, wait_until
+from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
 from cotrain import checkpoints as ck
 
 pytestmark = [pytest.mark.slow]
@@ -57,46 +57,22 @@ def story(demo_data, tmp_path_factory):
     roles: dict[str, Role] = {}
 
     def monitor(name: str, *extra: str, env: dict | None = None) -> Role:
-        args = [
-            "monitor",
-            *common,
-            "--output-dir",
-            str(out / "monitor"),
-            "--refresh-period",
-            "0.5",
-            "--dashboard-port",
-            "-1",
-            "--dataset-path",
-            str(demo_data),
-            "--save-every",
-            "3",
-            "--load-state-timeout",
-            "20",
-            *extra,
-        ]
+        checkpoints = ["--dataset-path", str(demo_data), "--save-every", "3", "--load-state-timeout", "20"]
+        args = monitor_args(common, out / "monitor", *checkpoints, *extra)
         (out / "monitor" / "initial_peers.txt").unlink(missing_ok=True)  # the previous monitor's address
         roles[name] = Role(args, out / f"{name}.log", env=env)
         return roles[name]
 
     def trainer(name: str, initial: list[str], seed: int, *extra: str, env: dict | None = None) -> Role:
-        args = ["train", *common, "--dataset-path", str(demo_data), "--seed", str(seed)]
-        args += [
-            "--per-device-train-batch-size",
-            "8",
-            "--output-dir",
-            str(out / name),
-            "--load-state-timeout",
-            "30",
-        ]
-        if initial:
-            args += ["--initial-peers", *initial]
-        roles[name] = Role([*args, *extra], out / f"{name}.log", env=env)
+        # empty ``initial``: the trainer starts alone
+        options = ["--load-state-timeout", "30", *extra]
+        roles[name] = Role(
+            trainer_args(common, initial, demo_data, seed, out / name, *options), out / f"{name}.log", env=env
+        )
         return roles[name]
 
     def initial_peers() -> list[str]:
-        peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 60, what="the monitor's address")
-        return peers_file.read_text().split()
+        return monitor_address(out / "monitor", 60)
 
     try:
         yield {

@@ -15,7 +15,18 @@ import urllib.request
 
 import pytest
 
-from conftest import FAST, LOCALHOST, REPO, Role, alive, check_announced, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    REPO,
+    Role,
+    alive,
+    check_announced,
+    monitor_address,
+    monitor_args,
+    trainer_args,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow]
 
@@ -45,43 +56,17 @@ def trainer_steps(role: Role) -> list[tuple[int, float, int]]:
 def swarm(demo_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("swarm")
     common = ["--preset", "albert-tiny", "--run-id", "swarm-test", "--host-maddrs", LOCALHOST, *FAST]
-    monitor = Role(
-        [
-            "monitor",
-            *common,
-            "--output-dir",
-            str(out / "monitor"),
-            "--refresh-period",
-            "0.5",
-            "--dashboard-port",
-            "0",
-        ],
-        out / "monitor.log",
-    )
+    # a dashboard on a free port: a test below reads it
+    monitor = Role(monitor_args(common, out / "monitor", dashboard_port="0"), out / "monitor.log")
     roles = {"monitor": monitor}
     try:
-        peers_file = out / "monitor" / "initial_peers.txt"
-        wait_until(peers_file.exists, 60, what="the monitor's address")
-        initial = peers_file.read_text().split()
+        initial = monitor_address(out / "monitor", 60)
         check_announced(initial)
         for i in range(2):
             roles[f"trainer{i}"] = Role(
-                [
-                    "train",
-                    *common,
-                    "--initial-peers",
-                    *initial,
-                    "--dataset-path",
-                    str(demo_data),
-                    "--seed",
-                    str(i + 1),
-                    "--per-device-train-batch-size",
-                    "8",
-                    "--output-dir",
-                    str(out / f"t{i}"),
-                    "--statistics-expiration",
-                    "20",
-                ],
+                trainer_args(
+                    common, initial, demo_data, i + 1, out / f"t{i}", "--statistics-expiration", "20"
+                ),
                 out / f"trainer{i}.log",
             )
         metrics = out / "monitor" / "metrics.jsonl"
