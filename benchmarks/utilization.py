@@ -59,9 +59,9 @@ def peer_main(args: argparse.Namespace) -> None:
     import torch
 
     from cotrain.config import resolve
-    from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
+    from cotrain.models import build_model
     from cotrain.swarm.dht import create_dht, visible_maddrs
-    from cotrain.swarm.optimizer import build_optimizer
+    from cotrain.swarm.optimizer import build_model_optimizer
     from cotrain.swarm.records import make_validators
 
     torch.set_num_threads(1)
@@ -88,15 +88,7 @@ def peer_main(args: argparse.Namespace) -> None:
     say(maddrs=visible_maddrs(dht))
     model = build_model(run, vocab_size=30000)
     samples = peer.per_device_train_batch_size * peer.gradient_accumulation_steps
-    opt = build_optimizer(
-        dht,
-        run,
-        peer,
-        parameter_groups(model, run.weight_decay),
-        optimizer_factory(run),
-        scheduler_factory(run),
-        batch_size_per_step=samples,
-    )
+    opt = build_model_optimizer(dht, run, peer, model, batch_size_per_step=samples)
     gen = torch.Generator().manual_seed(args.index)
     for p in model.parameters():  # gradients as a backward pass would leave them (kept: no zero_grad)
         p.grad = torch.randn(p.shape, generator=gen) * 1e-4

@@ -88,9 +88,8 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
     import torch
 
     from cotrain import config as cfg
-    from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
     from cotrain.swarm.dht import create_dht, visible_maddrs
-    from cotrain.swarm.optimizer import build_optimizer
+    from cotrain.swarm.optimizer import build_model_optimizer
 
     config = cfg.resolve(
         "albert-tiny",
@@ -115,15 +114,7 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
         dht = create_dht(dataclasses_replace(peer, initial_peers=initial), [])
-        opt = build_optimizer(
-            dht,
-            run,
-            peer,
-            parameter_groups(model, run.weight_decay),
-            optimizer_factory(run),
-            scheduler_factory(run),
-            batch_size_per_step=8,
-        )
+        opt = build_model_optimizer(dht, run, peer, model, batch_size_per_step=8)
         made.append((opt, dht))
         return model, opt, dht
 

@@ -22,9 +22,6 @@ from cotrain.models import (
     check_positions,
     collator_for_run,
     forward_loss,
-    optimizer_factory,
-    parameter_groups,
-    scheduler_factory,
 )
 from cotrain.progressbar import StepProgress
 from cotrain.sinks.jsonl import JsonlSink
@@ -34,7 +31,7 @@ from cotrain.swarm.configrecord import ConfigPublisher, agree_and_publish
 from cotrain.swarm.dht import create_dht, visible_maddrs
 from cotrain.swarm.healing import SwarmHealer, adopt_swarm_state
 from cotrain.swarm.keeper import served_epochs
-from cotrain.swarm.optimizer import SwarmOptimizer, build_optimizer
+from cotrain.swarm.optimizer import SwarmOptimizer, build_model_optimizer
 from cotrain.swarm.records import LocalMetrics, make_validators, publish_metrics
 
 logger = logging.getLogger(__name__)
@@ -152,15 +149,7 @@ class Trainer:
             self._choose_micro_batch(model, data, collator, devices[0], precision)
         micro = peer.per_device_train_batch_size * len(devices)
         step_samples = micro * peer.gradient_accumulation_steps
-        self.opt = opt = build_optimizer(
-            self.dht,
-            run,
-            peer,
-            parameter_groups(model, run.weight_decay),
-            optimizer_factory(run),
-            scheduler_factory(run),
-            batch_size_per_step=step_samples,
-        )
+        self.opt = opt = build_model_optimizer(self.dht, run, peer, model, batch_size_per_step=step_samples)
         opt.should_stop = self.stop.is_set
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(

@@ -120,6 +120,19 @@ def build_optimizer(
 LOAD_STATE_COMPRESSION = NoCompression()
 
 
+def build_model_optimizer(
+    dht: hivemind.DHT, run: RunConfig, peer: PeerConfig, model: torch.nn.Module, batch_size_per_step: int
+) -> SwarmOptimizer:
+    """A trainer's optimizer for ``model``: the run's optimizer and schedule by name, no weight decay on
+    biases and LayerNorm weights."""
+    from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
+
+    groups = parameter_groups(model, run.weight_decay)
+    return build_optimizer(
+        dht, run, peer, groups, optimizer_factory(run), scheduler_factory(run), batch_size_per_step
+    )
+
+
 def gradient_compression(run: RunConfig) -> CompressionBase:
     """Gradients averaged in fp16 with --grad-compression fp16 (the default)."""
     return Float16Compression() if run.grad_compression == "fp16" else NoCompression()
