@@ -87,60 +87,57 @@ def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
     return validators, signature_validator.local_public_key
 
 
-def read_metrics(dht: Any, run_id: str) -> dict[bytes, LocalMetrics]:
-    """The latest valid record of every peer (records that fail the schema are dropped with a debug line)."""
-    found = dht.get(metrics_key(run_id), latest=True)
+def read_records(dht: Any, key: str, schema: type[BaseModel], what: str) -> dict[bytes, Any]:
+    """The latest entry under each subkey of ``key``, parsed with ``schema``. Entries that fail it (records of
+    another version, garbage) are dropped with a debug line: a reader never crashes on them."""
+    found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return {}
     out = {}
     for subkey, entry in found.value.items():
+        if entry is None or entry.value is None:
+            continue
         try:
-            out[subkey] = LocalMetrics.parse_obj(entry.value)
-        except Exception as e:  # a record another version wrote, or garbage: never crash the reader
-            logger.debug(f"ignoring malformed metrics record: {e}")
+            out[subkey] = schema.parse_obj(entry.value)
+        except Exception as e:
+            logger.debug(f"ignoring malformed {what} record: {e}")
     return out
+
+
+def store_record(dht: Any, key: str, public_key: bytes, record: BaseModel, expiration: float) -> None:
+    """Store ``record`` under this peer's subkey (its public key: only it can write there), valid for
+    ``expiration`` seconds; does not wait for the store to complete."""
+    from hivemind.utils import get_dht_time
+
+    dht.store(
+        key=key,
+        subkey=public_key,
+        value=record.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )
+
+
+def read_metrics(dht: Any, run_id: str) -> dict[bytes, LocalMetrics]:
+    """The latest valid metrics record of every trainer."""
+    return read_records(dht, metrics_key(run_id), LocalMetrics, "metrics")
 
 
 def publish_metrics(
     dht: Any, run_id: str, public_key: bytes, metrics: LocalMetrics, expiration: float
 ) -> None:
-    from hivemind.utils import get_dht_time
-
-    dht.store(
-        key=metrics_key(run_id),
-        subkey=public_key,
-        value=metrics.dict(),
-        expiration_time=get_dht_time() + expiration,
-        return_future=True,
-    )
+    store_record(dht, metrics_key(run_id), public_key, metrics, expiration)
 
 
 def read_evaluations(dht: Any, run_id: str) -> dict[bytes, EvalMetrics]:
-    """The latest valid evaluation record of every evaluation peer (malformed ones dropped)."""
-    found = dht.get(eval_key(run_id), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    out = {}
-    for subkey, entry in found.value.items():
-        try:
-            out[subkey] = EvalMetrics.parse_obj(entry.value)
-        except Exception as e:
-            logger.debug(f"ignoring malformed evaluation record: {e}")
-    return out
+    """The latest valid evaluation record of every evaluation peer."""
+    return read_records(dht, eval_key(run_id), EvalMetrics, "evaluation")
 
 
 def publish_evaluation(
     dht: Any, run_id: str, public_key: bytes, metrics: EvalMetrics, expiration: float
 ) -> None:
-    from hivemind.utils import get_dht_time
-
-    dht.store(
-        key=eval_key(run_id),
-        subkey=public_key,
-        value=metrics.dict(),
-        expiration_time=get_dht_time() + expiration,
-        return_future=True,
-    )
+    store_record(dht, eval_key(run_id), public_key, metrics, expiration)
 
 
 def now() -> float:

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from cotrain.swarm.records import EvalMetrics, LocalMetrics, read_evaluations, read_metrics
+from cotrain.swarm.records import EvalMetrics, LocalMetrics, read_evaluations, read_metrics, read_records
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +25,7 @@ def read_progress(dht: Any, run_id: str) -> dict[bytes, Any]:
     """Every peer's latest hivemind ``LocalTrainingProgress`` (malformed entries dropped)."""
     from hivemind.optim.progress_tracker import LocalTrainingProgress
 
-    found = dht.get(progress_key(run_id), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    out = {}
-    for subkey, entry in found.value.items():
-        if entry is None or entry.value is None:
-            continue
-        try:
-            out[subkey] = LocalTrainingProgress.parse_obj(entry.value)
-        except Exception as e:
-            logger.debug(f"ignoring malformed progress record: {e}")
-    return out
+    return read_records(dht, progress_key(run_id), LocalTrainingProgress, "progress")
 
 
 def _peer_name(raw: bytes) -> str:
