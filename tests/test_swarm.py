@@ -122,15 +122,21 @@ def test_monitor_logs_each_step_and_loss_falls(swarm):
 
 
 def test_samples_per_step_match_the_target(swarm):
-    """Each global step consumes about target_batch_size samples across the swarm: 1.0-1.5x on average
-    (peers finish the micro-batch in flight, and on a loaded machine notice the step a micro-batch late:
-    each extra micro-batch of 8 per peer is +25% of 64; single steps are noisy because records are read
-    at slightly different times)."""
-    rows = [r for r in read_rows(swarm["metrics"]) if r["alive_peers"] == 2]
-    assert len(rows) >= 3, rows
-    first, last = rows[0], rows[-1]
-    per_step = (last["samples"] - first["samples"]) / (last["step"] - first["step"])
-    assert 1.0 * 64 <= per_step <= 1.5 * 64, rows
+    """Each global step consumes about target_batch_size samples across the swarm, measured from each
+    trainer's own per-step log (its cumulative contribution) over the steps both logged: 0.9-1.5x on average
+    (peers finish the micro-batch in flight, and on a loaded machine notice the step a micro-batch late: each
+    extra micro-batch of 8 per peer is +25% of 64; hivemind may also start a step when its estimate of the
+    swarm's samples, extrapolated from the peers' throughput, reaches the target slightly before the samples
+    do)."""
+    logs = [
+        {r["step"]: r["contribution"] for r in read_rows(swarm["out"] / f"t{i}" / "metrics.jsonl")}
+        for i in range(2)
+    ]
+    common = sorted(set(logs[0]) & set(logs[1]))
+    assert len(common) >= 3, logs
+    first, last = common[0], common[-1]
+    per_step = sum(log[last] - log[first] for log in logs) / (last - first)
+    assert 0.9 * 64 <= per_step <= 1.5 * 64, (per_step, logs)
 
 
 def trainer_ids(swarm) -> set[str]:
