@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -188,6 +189,21 @@ def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "co
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON lines of a file another process appends to; none while it does not exist, and a last line
+    still being written is left for the next read."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def saw_peers(rows: list[dict], n: int) -> bool:
+    """Whether a monitor's training rows ever counted ``n`` (or more) alive peers at once."""
+    return any(r.get("alive_peers", 0) >= n for r in rows if r.get("kind") != "eval")
 
 
 def monitor_args(common: list[str], out_dir: Path, *extra: str, dashboard_port: str = "-1") -> list[str]:

@@ -17,7 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    Role,
+    monitor_address,
+    monitor_args,
+    read_rows,
+    saw_peers,
+    trainer_args,
+    wait_until,
+)
 from cotrain.cli import main
 from cotrain.errors import UserError
 from cotrain.tokens import NO_TOKEN, Authority, PrivateKey, check_token, read_token_file, registry_path
@@ -261,10 +271,7 @@ def test_monitor_and_peer_options_exclude_each_other(tmp_path):
 
 
 def metric_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("kind") != "eval" and "step" in r]
+    return [r for r in read_rows(path) if r.get("kind") != "eval" and "step" in r]
 
 
 def swarm_step(swarm) -> int:
@@ -298,8 +305,10 @@ def private_swarm(demo_data, tmp_path_factory):
         }
 
         def trained_together():
-            return swarm_step(swarm) >= 2 and all(
-                "averaged with 2 peers" in roles[n].text() for n in ("alice", "carol")
+            return (
+                swarm_step(swarm) >= 2
+                and saw_peers(metric_rows(swarm["metrics"]), 2)
+                and all("averaged with 2 peers" in roles[n].text() for n in ("alice", "carol"))
             )
 
         wait_until(trained_together, 360, what="two trainers with tokens averaging in the private swarm")

@@ -13,17 +13,21 @@ import json
 
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, alive, monitor_address, monitor_args, trainer_args, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    Role,
+    alive,
+    monitor_address,
+    monitor_args,
+    read_rows,
+    trainer_args,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow]
 
 RUN = "monitors-test"
-
-
-def read_rows(path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def trainer_steps(role: Role) -> list[tuple[int, int]]:

@@ -3,14 +3,23 @@ swarm on 127.0.0.1 (a monitor and one trainer on the CPU): only the values of it
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import FAST, LOCALHOST, REPO, Role, cotrain_env, monitor_address, monitor_args, trainer_args
+from conftest import (
+    FAST,
+    LOCALHOST,
+    REPO,
+    Role,
+    cotrain_env,
+    monitor_address,
+    monitor_args,
+    read_rows,
+    trainer_args,
+)
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (the dev extra)")
 nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (the dev extra)")
@@ -19,12 +28,6 @@ NOTEBOOK = REPO / "notebooks" / "join.ipynb"
 SLOWER_STEPS = ["--target-batch-size", "128"]  # global steps of a few seconds, not one
 RUN = "notebook-test"
 MAX_STEPS = 10  # the global step at which the notebook's trainer stops
-
-
-def read_rows(path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def set_parameters(cell, values: dict) -> None:

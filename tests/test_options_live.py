@@ -9,14 +9,22 @@ trainer in bf16 with an automatic micro-batch.
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, check_announced, monitor_address, monitor_args, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    Role,
+    check_announced,
+    monitor_address,
+    monitor_args,
+    read_rows,
+    saw_peers,
+    wait_until,
+)
 from test_options import PEER, seed_commands
 
 pytestmark = [pytest.mark.slow]
@@ -51,12 +59,6 @@ class SeedRole(Role):
         _, config = cli.parse(args)
         listen = parse_maddrs(config.peer.host_maddrs, "listen")
         assert listen and all(m.startswith("/ip4/127.0.0.1/") for m in listen), listen
-
-
-def read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def step_lines(text: str) -> list[tuple[int, float, int]]:
@@ -277,6 +279,7 @@ def swarm(demo_data, tmp_path_factory):
             return (
                 rows
                 and max(r["step"] for r in rows) >= STEPS
+                and saw_peers(rows, 2)
                 and any(r["step"] > CORRUPT_AT + 1 for r in seed_rows)
                 and len(step_lines(roles["bf16"].text())) >= 3
             )

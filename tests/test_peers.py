@@ -4,7 +4,6 @@ files, and a trainer in client mode."""
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import signal
@@ -22,6 +21,7 @@ from conftest import (
     cotrain_env,
     monitor_address,
     monitor_args,
+    read_rows,
     trainer_args,
     wait_until,
 )
@@ -109,12 +109,6 @@ def trainer_groups(role: Role) -> list[tuple[int, int]]:
             parts = line.split("|")
             out.append((int(parts[0].split("step")[-1]), int(parts[2].split("with")[1].split()[0])))
     return out
-
-
-def read_rows(path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")

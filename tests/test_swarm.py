@@ -24,6 +24,8 @@ from conftest import (
     check_announced,
     monitor_address,
     monitor_args,
+    read_rows,
+    saw_peers,
     trainer_args,
     wait_until,
 )
@@ -31,12 +33,6 @@ from conftest import (
 pytestmark = [pytest.mark.slow]
 
 STEPS = 6
-
-
-def read_rows(path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def trainer_steps(role: Role) -> list[tuple[int, float, int]]:
@@ -76,6 +72,7 @@ def swarm(demo_data, tmp_path_factory):
             return (
                 rows
                 and max(r["step"] for r in rows) >= STEPS
+                and saw_peers(rows, 2)
                 and all(len(trainer_steps(roles[f"trainer{i}"])) >= 3 for i in range(2))
             )
 

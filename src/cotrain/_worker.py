@@ -11,29 +11,14 @@ from cotrain.errors import UserError
 from cotrain.procs import StopSignals
 
 
-class OneLineErrors(logging.Filter):
-    """hivemind logs expected network failures (a peer left, no group found) and some of its own races
-    (through asyncio's logger) with full tracebacks; show them as one line unless --verbose."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.name.startswith(("hivemind", "asyncio")):
-            exc = record.exc_info[1]
-            record.msg = (
-                f"{record.getMessage()} ({type(exc).__name__}: {exc})" if exc else record.getMessage()
-            )
-            record.args = None
-            record.exc_info = None
-            record.exc_text = None
-        return True
-
-
 def setup_logging(verbose: bool) -> None:
-    from hivemind.utils.logging import get_logger, use_hivemind_log_handler
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    from cotrain.swarm.logs import one_line_errors
 
     use_hivemind_log_handler("in_root_logger")
     if not verbose:
-        for handler in get_logger().handlers:
-            handler.addFilter(OneLineErrors())
+        one_line_errors()
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
     for noisy in ("urllib3", "filelock", "datasets", "torch"):

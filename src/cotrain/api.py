@@ -117,6 +117,7 @@ class SwarmPeer:
         if problems:
             raise UserError("; ".join(problems))
         from cotrain.swarm.dht import create_dht, visible_maddrs
+        from cotrain.swarm.logs import one_line_errors
         from cotrain.swarm.optimizer import build_optimizer
         from cotrain.swarm.records import make_validators
 
@@ -150,6 +151,8 @@ class SwarmPeer:
         self._closed = False
         self._stop = threading.Event()
         self._loss_sum, self._mini_steps, self._contribution = 0.0, 0, 0
+        if not verbose:  # hivemind's expected network failures (a peer left, no group) as one line each
+            one_line_errors()
         validators, self._public_key = make_validators(run_id)
         from cotrain.swarm.auth import access_for  # access_token="FILE" joins a private swarm
 
