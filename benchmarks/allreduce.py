@@ -171,6 +171,8 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group):
     opts = {"bandwidth": args.bandwidth} if args.bandwidth > 0 else {}
     if args.part_size > 0:
         opts["part_size_bytes"] = int(args.part_size * 1024)
+    if args.read_ahead > 0:
+        opts["read_ahead"] = args.read_ahead
     factory = gradient_averager_factory(opts)
     cls = timed(factory.func)
     return cls(
@@ -211,6 +213,8 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
             str(args.bandwidth),
             "--part-size",
             str(args.part_size),
+            "--read-ahead",
+            str(args.read_ahead),
         ]
         peers = Peers(net, worker, logdir / f"n{n}", cwd=REPO)
         peers.logdir.mkdir(parents=True, exist_ok=True)
@@ -381,6 +385,9 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=0.0, help="cotrain's --bandwidth hint (0: none)")
     ap.add_argument(
         "--part-size", type=float, default=0.0, help="KiB per part in cotrain's arm (0: cotrain's own)"
+    )
+    ap.add_argument(
+        "--read-ahead", type=int, default=0, help="parts read ahead per stream, cotrain's arm (0: its own)"
     )
     ap.add_argument("--limit", type=float, default=1800.0, help="stop everything after this many seconds")
     ap.add_argument("--json", help="also write the rows to this file")

@@ -11,9 +11,25 @@ from collections.abc import Callable
 
 from hivemind.optim.grad_averager import GradientAverager
 
+# Parts of its tensors that an all-reduce reads ahead from each stream (hivemind's default: 1). A reducer
+# returns a part's average only once every sender's copy of it has arrived, and it reads a sender's next
+# part only after that; with one part of read-ahead a sender that is a moment behind holds up the streams
+# of all the others to that reducer, and their links idle. See docs/benchmarks.md (all-reduce).
+READ_AHEAD_PARTS = 1
+
 
 class SwarmGradientAverager(GradientAverager):
-    """hivemind's GradientAverager, as cotrain's trainers run it."""
+    """hivemind's GradientAverager, as cotrain's trainers run it: ``read_ahead`` parts of each all-reduce
+    stream are received, decoded and held while the reducer waits for the other senders."""
+
+    def __init__(self, *args, read_ahead: int = READ_AHEAD_PARTS, start: bool = False, **kwargs) -> None:
+        if read_ahead < 1:
+            raise ValueError(f"read_ahead must be at least 1, got {read_ahead}")
+        super().__init__(*args, start=False, **kwargs)
+        # handed by hivemind's averager to each AllReduceRunner, and by it to its TensorPartContainer
+        self.allreduce_kwargs["prefetch"] = read_ahead
+        if start:  # the averager's process starts with these settings in place
+            self.run_in_background(await_ready=True)
 
 
 def gradient_averager_factory(averager_opts: dict | None = None) -> Callable[..., SwarmGradientAverager]:
