@@ -270,7 +270,8 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
                             + (f"round {r}: " if r >= 0 else "warm-up: ")
                             + (
                                 f"{res['seconds']:.2f} s, group {res['group']}, cores {res['machine']:.2f}, "
-                                f"uplinks busy {res['busy']:.0%}, bytes sent / payload {res['overhead']:.3f}"
+                                f"uplinks busy {res['busy']:.0%}, sent / payload {res['overhead']:.3f}, "
+                                f"error {res['err']:.0e}"
                                 if res["ok"]
                                 else f"failed ({res['why']})"
                             ),
@@ -391,6 +392,7 @@ def main() -> None:
     )
     ap.add_argument("--limit", type=float, default=1800.0, help="stop everything after this many seconds")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--logs", help="keep the peers' logs in this folder")
     ap.add_argument("--trace", help="append each round's timings and link byte counters to this JSONL file")
     ap.add_argument("--quick", action="store_true", help="2 and 4 peers, fp16, 1 round per arm")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
@@ -418,7 +420,8 @@ def main() -> None:
         flush=True,
     )
     rows = []
-    tmp = Path(tempfile.mkdtemp(prefix="cotrain-allreduce-"))
+    tmp = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="cotrain-allreduce-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     try:
         shapes_file = tmp / "shapes.json"
         shapes_file.write_text(json.dumps(albert_large_shapes()))
@@ -428,7 +431,8 @@ def main() -> None:
     except BaseException:
         print(f"peers' logs kept in {tmp}", file=sys.stderr)
         raise
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not args.logs:
+        shutil.rmtree(tmp, ignore_errors=True)
     load = os.getloadavg()
     print_table(rows)
     print(
