@@ -7,6 +7,9 @@
   namespace, ``v<i>`` on the bridge;
 - a ``tbf`` qdisc at ``rate_mbit`` on both ends of every veth: ``eth0`` limits what the host sends (its
   upload), ``v<i>`` what it receives (its download). The kernel has no ``netem``: no added latency or loss.
+- TCP congestion control in every host's namespace: ``congestion`` if given (``cubic``, ``bbr``, ``reno``:
+  ``/proc/sys/net/ipv4/tcp_available_congestion_control``), else what a new namespace inherits from the
+  machine; ``congestion_control()`` says which.
 
 Nothing is created in the machine's own namespace and the addresses exist only inside these namespaces.
 ``close()`` (also on exit from ``with``) kills every process still running inside them and deletes them;
@@ -119,6 +122,7 @@ class Network:
     rate_mbit: float
     burst_bytes: int = 64 * 1024
     queue_ms: int = 50
+    congestion: str = ""
     tag: str = field(default_factory=lambda: f"{PREFIX}-{os.getpid()}")
     created: list[str] = field(default_factory=list)
 
@@ -173,9 +177,24 @@ class Network:
             _run("ip", "-n", br, "link", "set", f"v{i}", "master", "br0", "up")
             _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            if self.congestion:
+                _run(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "sysctl",
+                    "-qw",
+                    f"net.ipv4.tcp_congestion_control={self.congestion}",
+                )
             if self.rate_mbit > 0:
                 self.shape(ns, "eth0", self.rate_mbit)
                 self.shape(br, f"v{i}", self.rate_mbit)
+
+    def congestion_control(self) -> str:
+        """The TCP congestion control of the hosts' namespaces."""
+        argv = self.exec_argv(0, ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"])
+        return _run(*argv).stdout.strip()
 
     def close(self) -> None:
         """Kill everything still running in the namespaces, then delete them (their veths go with them)."""

@@ -197,7 +197,8 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group):
 
 def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> list[dict]:
     rows = []
-    with _netns.Network(n, rate) as net:
+    with _netns.Network(n, rate, congestion=args.congestion_control) as net:
+        print(f"n={n}: {rate:g} Mbit/s links, TCP congestion control {net.congestion_control()}", flush=True)
         goodput = _netns.tcp_goodput_mbit(net, 0, 1, megabytes=max(8, int(rate / 8 * 3)))
         worker = [
             sys.executable,
@@ -393,6 +394,11 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=1800.0, help="stop everything after this many seconds")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--logs", help="keep the peers' logs in this folder")
+    ap.add_argument(
+        "--congestion-control",
+        default="",
+        help="TCP congestion control in the namespaces (default: the machine's)",
+    )
     ap.add_argument("--trace", help="append each round's timings and link byte counters to this JSONL file")
     ap.add_argument("--quick", action="store_true", help="2 and 4 peers, fp16, 1 round per arm")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)

@@ -62,4 +62,4 @@ def test_two_averagers_reading_ahead_average_exactly():
 
 def test_read_ahead_below_one_is_refused():
     with pytest.raises(ValueError, match="read_ahead must be at least 1"):
-        SwarmGradientAverager([torch.nn.Parameter(torch.zeros(4))], dht=None, prefix="x", read_ahead=0)
+        gradient_averager_factory({"read_ahead": 0})

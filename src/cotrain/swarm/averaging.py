@@ -23,8 +23,6 @@ class SwarmGradientAverager(GradientAverager):
     stream are received, decoded and held while the reducer waits for the other senders."""
 
     def __init__(self, *args, read_ahead: int = READ_AHEAD_PARTS, start: bool = False, **kwargs) -> None:
-        if read_ahead < 1:
-            raise ValueError(f"read_ahead must be at least 1, got {read_ahead}")
         super().__init__(*args, start=False, **kwargs)
         # handed by hivemind's averager to each AllReduceRunner, and by it to its TensorPartContainer
         self.allreduce_kwargs["prefetch"] = read_ahead
@@ -34,5 +32,8 @@ class SwarmGradientAverager(GradientAverager):
 
 def gradient_averager_factory(averager_opts: dict | None = None) -> Callable[..., SwarmGradientAverager]:
     """The ``grad_averager_factory`` for hivemind.Optimizer: the peer's averager options (group size,
-    request timeout, bandwidth) on top of the arguments hivemind.Optimizer passes itself."""
-    return functools.partial(SwarmGradientAverager, **(averager_opts or {}))
+    request timeout, bandwidth, ``read_ahead``) on top of the arguments hivemind.Optimizer passes itself."""
+    opts = dict(averager_opts or {})
+    if opts.get("read_ahead", READ_AHEAD_PARTS) < 1:
+        raise ValueError(f"read_ahead must be at least 1, got {opts['read_ahead']}")
+    return functools.partial(SwarmGradientAverager, **opts)

@@ -24,6 +24,7 @@ from cotrain.errors import UserError
 logger = logging.getLogger(__name__)
 
 TAKEN_CHECK_SECONDS = 15.0  # bound on asking the swarm whether this identity is already online
+TAKEN_CHECK_ATTEMPTS = 3  # lookups that may come back "not found" before the identity counts as free
 
 
 def peer_id_of(data: bytes):
@@ -94,10 +95,23 @@ async def _is_online(peer_id, initial_peers: list[str], startup_timeout: float =
         auto_nat=False,
         startup_timeout=startup_timeout,
     )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TAKEN_CHECK_SECONDS
     try:
-        await asyncio.wait_for(probe._client.connect(peer_id, []), TAKEN_CHECK_SECONDS)
-        return True
-    except (ControlFailure, asyncio.TimeoutError):
+        # a probe that asks before it is connected to an initial peer finds nobody: on a loaded machine the
+        # connection comes late, so wait for it, and ask again when the answer comes back fast and empty
+        while not await probe.list_peers() and loop.time() < deadline:
+            await asyncio.sleep(0.2)
+        for attempt in range(TAKEN_CHECK_ATTEMPTS):
+            try:
+                await asyncio.wait_for(probe._client.connect(peer_id, []), max(0.1, deadline - loop.time()))
+                return True
+            except asyncio.TimeoutError:
+                return False
+            except ControlFailure:
+                if attempt + 1 == TAKEN_CHECK_ATTEMPTS or loop.time() + 0.5 >= deadline:
+                    return False
+                await asyncio.sleep(0.5)
         return False
     finally:
         await probe.shutdown()
