@@ -7,9 +7,9 @@
   namespace, ``v<i>`` on the bridge;
 - a ``tbf`` qdisc at ``rate_mbit`` on both ends of every veth: ``eth0`` limits what the host sends (its
   upload), ``v<i>`` what it receives (its download). The kernel has no ``netem``: no added latency or loss.
-- TCP congestion control in every host's namespace: ``congestion`` if given (``cubic``, ``bbr``, ``reno``:
-  ``/proc/sys/net/ipv4/tcp_available_congestion_control``), else what a new namespace inherits from the
-  machine; ``congestion_control()`` says which.
+- TCP congestion control in every host's namespace: ``congestion`` if given (one of the machine's
+  ``net.ipv4.tcp_allowed_congestion_control``: a namespace may set no other), else what a new namespace
+  inherits from the machine; ``congestion_control()`` says which.
 
 Nothing is created in the machine's own namespace and the addresses exist only inside these namespaces.
 ``close()`` (also on exit from ``with``) kills every process still running inside them and deletes them;

@@ -18,7 +18,17 @@ import psutil
 import pytest
 import torch
 
-from conftest import LOCALHOST, REPO, Role, alive, cotrain_env, monitor_address, monitor_args, wait_until
+from conftest import (
+    LOCALHOST,
+    REPO,
+    Role,
+    alive,
+    cotrain_env,
+    monitor_address,
+    monitor_args,
+    read_rows,
+    wait_until,
+)
 from cotrain.errors import UserError
 
 EXAMPLE = REPO / "examples" / "custom_loop.py"
@@ -138,10 +148,7 @@ def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
             losses = [s["loss"] for s in steps]
             assert losses[-1] < losses[0] - 0.1, steps
             assert "Traceback" not in log
-        rows = [
-            json.loads(line) for line in (tmp_path / "monitor" / "metrics.jsonl").read_text().splitlines()
-        ]
-        rows = [r for r in rows if r.get("loss") is not None]
+        rows = [r for r in read_rows(tmp_path / "monitor" / "metrics.jsonl") if r.get("loss") is not None]
         assert rows and max(r["alive_peers"] for r in rows) == 2, rows
         assert max(r["max_group_size"] for r in rows) == 2 and max(r["step"] for r in rows) >= STEPS - 1
         assert rows[-1]["loss"] < rows[0]["loss"], rows

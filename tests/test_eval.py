@@ -18,7 +18,17 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, LOCALHOST, Role, alive, cotrain_env, monitor_address, monitor_args, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    Role,
+    alive,
+    cotrain_env,
+    monitor_address,
+    monitor_args,
+    read_rows,
+    wait_until,
+)
 from cotrain.config import resolve
 from cotrain.dashboard.view import SwarmView
 from cotrain.roles.evaluator import evaluate, fixed_batches
@@ -158,15 +168,7 @@ def test_eval_command_line(tmp_path):
 
 
 def eval_rows(path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return [r for r in rows if r.get("kind") == "eval"]
+    return [r for r in read_rows(path) if r.get("kind") == "eval"]
 
 
 @pytest.mark.slow
@@ -244,7 +246,7 @@ def test_an_eval_peer_measures_the_swarms_state(demo_data, tmp_path):
         model, _ = ck.build_from_checkpoint(path, ck.verify(path))
         assert direct_loss(model, batches) == pytest.approx(row["eval_loss"], rel=1e-4, abs=1e-5)
     # the training rows are there beside them, and the eval peer is no trainer: two peers report training
-    training = [json.loads(line) for line in metrics.read_text().splitlines() if '"kind"' not in line]
+    training = [r for r in read_rows(metrics) if "kind" not in r]
     assert training and max(r["alive_peers"] for r in training) == 2
     log = (tmp_path / "eval.log").read_text()
     assert "eval step" in log and "Traceback" not in log

@@ -8,7 +8,6 @@ and a trainer with a mistyped run id.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import signal
@@ -20,7 +19,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
+from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, read_rows, trainer_args, wait_until
 from cotrain.config import resolve
 from cotrain.roles.monitor import MAX_STEPS_AHEAD, aggregate, plausible
 from cotrain.roles.trainer import gradient_norm
@@ -148,12 +147,6 @@ def trainer_steps(role: Role) -> list[tuple[int, float, int]]:
     """(step, mean loss, group size) from a trainer's per-step log lines."""
     found = re.findall(r"step (\d+) \| loss (\S+) \| averaged with (\d+) peers", role.text())
     return [(int(s), float(loss), int(g)) for s, loss, g in found]
-
-
-def rows(path) -> list[dict]:
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    )
 
 
 @pytest.fixture(scope="module")
@@ -302,13 +295,13 @@ def test_a_forger_changes_no_record_and_no_aggregate(swarm):
         forger.store(metrics_key(RUN), far_ahead, expiration, subkey=own)
         assert read_metrics(reader, RUN).get(own) is not None
         monitor_rows = swarm["out"] / "monitor" / "metrics.jsonl"
-        seen = len(rows(monitor_rows))
-        wait_until(lambda: len(rows(monitor_rows)) >= seen + 2, 120, what="two more monitor rows")
+        seen = len(read_rows(monitor_rows))
+        wait_until(lambda: len(read_rows(monitor_rows)) >= seen + 2, 120, what="two more monitor rows")
         after = read_metrics(reader, RUN)
         assert after[victim].loss > 0 and after[victim].step < 10**6
         assert read_configs(reader, RUN)[victim].hash == victim_config.hash
         assert own not in read_configs(reader, RUN)
-        for row in rows(monitor_rows):
+        for row in read_rows(monitor_rows):
             assert row["step"] < 1000 and row["alive_peers"] <= 2, row
             assert row["samples_per_second"] < 1e6 and (row["loss"] is None or row["loss"] >= 0), row
     finally:

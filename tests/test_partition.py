@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LOCALHOST, alive, cotrain_env, wait_until
+from conftest import FAST, LOCALHOST, alive, cotrain_env, read_rows, wait_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -154,12 +154,6 @@ class HostRole:
         except subprocess.TimeoutExpired:
             pass
         self._log.close()
-
-
-def _rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _first_line(role: HostRole, text: str, after: float) -> tuple[float, str] | None:
@@ -295,7 +289,7 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         monitor_rows = monitor_out / "metrics.jsonl"
 
         def together() -> bool:  # both trainers averaged with each other at least once
-            return any(r["group_size"] >= 2 for r in _rows(victim_rows))
+            return any(r["group_size"] >= 2 for r in read_rows(victim_rows))
 
         wait_until(together, 240, interval=1, what="the two trainers to average together")
         victim_pid = victim.proc.pid
@@ -304,8 +298,8 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         cut_at = time.time()
         hosts.set_link(2, up=False)
         time.sleep(CUT_SECONDS)
-        step_at_heal = max(r["step"] for r in _rows(monitor_rows))
-        alone_rows = [r for r in _rows(monitor_rows) if r["time"] > cut_at]
+        step_at_heal = max(r["step"] for r in read_rows(monitor_rows))
+        alone_rows = [r for r in read_rows(monitor_rows) if r["time"] > cut_at]
         healed_at = time.time()
         hosts.set_link(2, up=True)
 
@@ -317,11 +311,11 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         )
 
         def contributes() -> list[dict]:
-            return [r for r in _rows(victim_rows) if r["time"] > adopted_at and r["group_size"] >= 2]
+            return [r for r in read_rows(victim_rows) if r["time"] > adopted_at and r["group_size"] >= 2]
 
         after = wait_until(contributes, 150, interval=1, what="the trainer to average with the swarm again")
         back_at_monitor = wait_until(
-            lambda: [r for r in _rows(monitor_rows) if r["time"] > healed_at and r["alive_peers"] == 2],
+            lambda: [r for r in read_rows(monitor_rows) if r["time"] > healed_at and r["alive_peers"] == 2],
             120,
             interval=1,
             what="the monitor to count the trainer again",
