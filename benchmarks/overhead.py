@@ -20,6 +20,13 @@ difference, "other load", is work by other programs, which on 2 cores decides th
 idle machine before each run and runs a pair again when other load showed up during it (``--retries``).
 
     python benchmarks/overhead.py [--repeats 3] [--steps 10] [--threads 2] [-- EXTRA COTRAIN TRAIN FLAGS]
+
+On a GPU, the same comparison for a real model in mixed precision (both arms autocast, fp16 with loss
+scaling; the plain loop keeps LAMB on the GPU, the peer steps hivemind's offloaded LAMB on the CPU as in a
+swarm):
+
+    python benchmarks/overhead.py --preset albert-large-v2 --device cuda --precision bf16 \
+        --micro-batch 32 --accumulation 4 --steps 5 --warmup-steps 1 --threads 8 --dataset-path DATA
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -155,14 +163,33 @@ def window(start: CpuSnapshot, end: CpuSnapshot, samples: int, loss: float) -> W
 # --------------------------------------------------------------------------------------------------- the arms
 
 
-def prepare(out_dir: Path, text_file: str | None) -> None:
+ARTICLE_TITLE = re.compile(r"^ = [^=].* = $")
+HEADING = re.compile(r"^ =( =)* .* =( =)* $")
+
+
+def join_articles(text_file: str, out_file: Path) -> Path:
+    """A WikiText file with each article's paragraphs joined into one line (headings left out): WikiText-2's
+    paragraphs average about 200 tokens, whole articles fill examples of 512, the large presets' length."""
+    articles: list[list[str]] = [[]]
+    for line in Path(text_file).read_text(encoding="utf-8").splitlines():
+        if ARTICLE_TITLE.match(line):
+            articles.append([])
+        elif line.strip() and not HEADING.match(line):
+            articles[-1].append(line.strip())
+    out_file.write_text("\n\n".join(" ".join(a) for a in articles if a) + "\n", encoding="utf-8")
+    return out_file
+
+
+def prepare(out_dir: Path, text_file: str | None, max_length: int, whole_articles: bool = False) -> None:
     from cotrain.data import prepare_from_source
 
+    if text_file and whole_articles:
+        text_file = str(join_articles(text_file, out_dir.parent / "articles.txt"))
     prepare_from_source(
         demo=text_file is None,
         text_files=[text_file] if text_file else None,
         out_dir=str(out_dir),
-        max_length=128,
+        max_length=max_length,
         seed=0,
         tokenizer_path=None,
         vocab_size=8000,
@@ -170,13 +197,25 @@ def prepare(out_dir: Path, text_file: str | None) -> None:
     )
 
 
+def run_config(args: argparse.Namespace):
+    """The run settings both arms use: the preset's, with --target-batch-size when given."""
+    from cotrain.config import resolve
+
+    overrides = {"run": {"target_batch_size": args.target_batch_size}} if args.target_batch_size else None
+    return resolve(preset=args.preset, overrides=overrides).run
+
+
 def plain_worker(args: argparse.Namespace) -> None:
-    """The baseline loop (runs in a subprocess); prints TIMING_STARTS after warm-up, then one JSON line."""
+    """The baseline loop (runs in a subprocess); prints TIMING_STARTS after warm-up, then one JSON line.
+
+    It does what `cotrain train` does for each optimizer.step call (--accumulation micro-batches under
+    autocast, loss scaling in fp16, unscale, clip, skip a non-finite step) with none of the swarm: the
+    gradients are accumulated on the training device and LAMB steps there once per target batch."""
     import torch
     from hivemind.optim.state_averager import initialize_optimizer_state_
 
-    from cotrain.config import resolve
     from cotrain.data import AlbertCollator, ExampleStream
+    from cotrain.hardware import Precision
     from cotrain.models import (
         build_model,
         forward_loss,
@@ -184,16 +223,19 @@ def plain_worker(args: argparse.Namespace) -> None:
         parameter_groups,
         scheduler_factory,
     )
-    from cotrain.roles.trainer import batches
+    from cotrain.roles.trainer import batches, gradient_norm
 
     torch.set_num_threads(args.threads)
-    run = resolve(preset="albert-tiny").run
-    micro = args.micro_batch
-    per_update = run.target_batch_size // micro
-    assert per_update * micro == run.target_batch_size, "target batch size must be a multiple of micro-batch"
+    run = run_config(args)
+    device = torch.device(args.device)
+    precision = Precision(device, fp16=args.precision == "fp16", bf16=args.precision == "bf16")
+    micro, accumulation = args.micro_batch, args.accumulation
+    per_update = run.target_batch_size // (micro * accumulation)
+    if per_update * micro * accumulation != run.target_batch_size:
+        raise SystemExit("the target batch size must be a multiple of --micro-batch x --accumulation")
     data = ExampleStream(args.dataset_path, seed=args.seed)  # what `cotrain train` reads, in its order
     model = build_model(run, vocab_size=len(data.tokenizer), pad_token_id=data.tokenizer.pad_token_id)
-    model.train()
+    model.to(device).train()
     opt = optimizer_factory(run)(parameter_groups(model, run.weight_decay))
     # hivemind.Optimizer starts its optimizer's statistics with one zero-gradient step (LAMB's step count then
     # starts at 1, which changes its bias correction): do the same, so that both arms compute the same thing
@@ -205,25 +247,36 @@ def plain_worker(args: argparse.Namespace) -> None:
     stream = batches(data, micro, collator, args.seed)
 
     def global_step() -> float:
-        loss_sum = 0.0
+        loss_sum, steps = 0.0, 0
         for _ in range(per_update):
-            loss = forward_loss(model, next(stream))
-            loss.backward()
-            loss_sum += loss.item()
-            torch.nn.utils.clip_grad_norm_(params, run.max_grad_norm)
-            with torch.no_grad():
-                for acc, p in zip(accumulators, params, strict=True):
-                    acc.add_(p.grad)
+            step_loss = 0.0
+            for _ in range(accumulation):
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+                with precision.autocast():
+                    loss = forward_loss(model, batch)
+                loss = loss.float() / accumulation
+                precision.backward(loss)
+                step_loss += loss.item()
+            precision.unscale(model)
+            grad_norm = gradient_norm(model, run.max_grad_norm)
+            precision.update()
+            if math.isfinite(step_loss) and math.isfinite(
+                grad_norm
+            ):  # fp16 overflow: skipped, as cotrain does
+                with torch.no_grad():
+                    for acc, p in zip(accumulators, params, strict=True):
+                        acc.add_(p.grad)
+                loss_sum, steps = loss_sum + step_loss, steps + 1
             opt.zero_grad()
         with torch.no_grad():
             for acc, p in zip(accumulators, params, strict=True):
-                p.grad = acc.div_(per_update)
+                p.grad = acc.div_(max(steps, 1))
         opt.step()
         scheduler.step()
         for acc, p in zip(accumulators, params, strict=True):
             p.grad = None
             acc.zero_()
-        return loss_sum / per_update
+        return loss_sum / max(steps, 1)
 
     for _ in range(args.warmup_steps):
         global_step()
@@ -238,6 +291,8 @@ def run_plain(args: argparse.Namespace, dataset: Path) -> Window:
     cmd = [sys.executable, __file__, "--plain-worker", "--dataset-path", str(dataset)]
     cmd += ["--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps)]
     cmd += ["--threads", str(args.threads), "--micro-batch", str(args.micro_batch)]
+    cmd += ["--preset", args.preset, "--device", args.device, "--precision", args.precision]
+    cmd += ["--accumulation", str(args.accumulation), "--target-batch-size", str(args.target_batch_size)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     start = result = None
     for line in proc.stdout:
@@ -258,7 +313,7 @@ def cotrain_command(args: argparse.Namespace, dataset: Path, output_dir: Path, r
         "cotrain",
         "train",
         "--preset",
-        "albert-tiny",
+        args.preset,
         "--run-id",
         run_id,
         "--host-maddrs",
@@ -273,6 +328,12 @@ def cotrain_command(args: argparse.Namespace, dataset: Path, output_dir: Path, r
         str(args.micro_batch),
         "--max-steps",
         str(args.steps),
+        "--gradient-accumulation-steps",
+        str(args.accumulation),
+        "--devices",
+        args.device,
+        *([f"--{args.precision}"] if args.precision != "fp32" else []),
+        *(["--target-batch-size", str(args.target_batch_size)] if args.target_batch_size else []),
         *args.cotrain_args,
     ]
 
@@ -328,6 +389,15 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB, {platform.platform()}"
 
 
+def device_name(device: str) -> str:
+    import torch
+
+    if not device.startswith("cuda"):
+        return "the CPU"
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}"
+
+
 def print_report(args: argparse.Namespace, rows: list[tuple[Window, Window]], seconds: float) -> float:
     """Print the table (Markdown) and what each process of the lone peer used; return the median ratio."""
     now = datetime.datetime.now().astimezone()
@@ -335,8 +405,9 @@ def print_report(args: argparse.Namespace, rows: list[tuple[Window, Window]], se
     print(f"machine: {machine()}")
     print(f"date: {now:%Y-%m-%d %H:%M %Z}; python {platform.python_version()}")
     print(
-        f"tiny ALBERT, micro-batch {args.micro_batch}, {args.threads} torch threads, "
-        f"global steps {args.warmup_steps + 1}..{args.steps} timed in each run"
+        f"{args.preset} ({run_config(args).target_batch_size} samples per global step), {args.precision} on "
+        f"{device_name(args.device)}, micro-batch {args.micro_batch} x {args.accumulation} accumulated, "
+        f"{args.threads} torch threads, global steps {args.warmup_steps + 1}..{args.steps} timed in each run"
     )
     print()
     print(
@@ -377,6 +448,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads in both arms")
     parser.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch in both arms")
     parser.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches per optimizer.step (both arms)"
+    )
+    parser.add_argument("--preset", default="albert-tiny", help="the model and run settings (both arms)")
+    parser.add_argument(
+        "--target-batch-size", type=int, default=0, help="samples per global step (default: the preset's)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both arms)")
+    parser.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32", help="both arms")
+    parser.add_argument(
         "--quiet-wait", type=float, default=20.0, help="seconds to wait for an idle machine before each run"
     )
     parser.add_argument(
@@ -385,6 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--dataset-path", help="a prepared dataset (default: the demo corpus, prepared here)")
     parser.add_argument("--text-file", help="prepare this text file (e.g. WikiText-2), not the demo corpus")
+    parser.add_argument(
+        "--whole-articles",
+        action="store_true",
+        help="with --text-file (WikiText): one document per article rather than per paragraph, so that "
+        "examples fill the preset's sequence length",
+    )
     parser.add_argument("--plain-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("cotrain_args", nargs="*", help="extra flags for `cotrain train` (after --)")
     args = parser.parse_args(argv)
@@ -400,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset = Path(args.dataset_path) if args.dataset_path else Path(tmp) / "data"
         if not args.dataset_path:
             print(f"preparing {args.text_file or 'the demo corpus'} ...", flush=True)
-            prepare(dataset, args.text_file)
+            prepare(dataset, args.text_file, run_config(args).max_seq_length, args.whole_articles)
         retries = args.retries
         while len(rows) < args.repeats:
             r = len(rows) + 1
