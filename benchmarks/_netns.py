@@ -317,6 +317,93 @@ def tcp_goodput_mbit(net: Network, a: int, b: int, megabytes: int = 8, timeout: 
             stop_process(proc, grace=2)
 
 
+EXCHANGE_PEER = """
+import socket, sys, threading, time
+me, addrs, size, port = int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind((addrs[me], port))
+server.listen(len(addrs))
+print("listening", flush=True)
+inbound, ends = [], []
+def accept():
+    for _ in range(len(addrs) - 1):
+        inbound.append(server.accept()[0])
+acceptor = threading.Thread(target=accept)
+acceptor.start()
+sys.stdin.readline()  # every peer listens: connect
+outbound = [socket.create_connection((a, port)) for j, a in enumerate(addrs) if j != me]
+acceptor.join()
+print("connected", flush=True)
+at = float(sys.stdin.readline())
+time.sleep(max(0.0, at - time.time()))
+def send(conn):
+    block, left = memoryview(bytes(1 << 20)), size
+    while left > 0:
+        conn.sendall(block[: min(left, len(block))])
+        left -= min(left, len(block))
+    conn.shutdown(socket.SHUT_WR)
+def receive(conn):
+    got = 0
+    while chunk := conn.recv(1 << 20):
+        got += len(chunk)
+    ends.append((time.time(), got))
+threads = [threading.Thread(target=send, args=(c,)) for c in outbound]
+threads += [threading.Thread(target=receive, args=(c,)) for c in inbound]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(max(t for t, _ in ends), sum(g for _, g in ends), flush=True)
+"""
+
+
+def tcp_exchange_s(net: Network, bytes_per_flow: int, port: int = 5202, timeout: float = 300.0) -> float:
+    """Seconds for every host to send ``bytes_per_flow`` to every other host over plain TCP, all flows at once
+    (n - 1 out and n - 1 in per host, connections opened beforehand), until the last byte has arrived: the
+    all-reduce's traffic with nothing between the flows (no framing, encryption, multiplexing or waiting for
+    other peers' parts). With 2 x message / n per flow each host moves 2(n-1)/n x message each way, exactly
+    what the butterfly all-reduce moves: this time over the bound is what TCP alone achieves on the links."""
+    import sys
+
+    addrs = ",".join(net.address(i) for i in range(net.hosts))
+    procs = [
+        start_in_ns(
+            net,
+            i,
+            [sys.executable, "-c", EXCHANGE_PEER, str(i), addrs, str(bytes_per_flow), str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(net.hosts)
+    ]
+    try:
+        for stage in ("listening", "connected"):
+            for proc in procs:
+                if proc.stdout.readline().strip() != stage:
+                    raise RuntimeError(f"TCP exchange peer failed before {stage!r}")
+            if stage == "listening":
+                for proc in procs:
+                    proc.stdin.write("connect\n")
+                    proc.stdin.flush()
+        start = time.time() + 0.5
+        for proc in procs:
+            proc.stdin.write(f"{start}\n")
+            proc.stdin.flush()
+        ends = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            end, got = out.split()
+            if int(got) != bytes_per_flow * (net.hosts - 1):
+                raise RuntimeError(f"a TCP exchange peer received {got} bytes, not {bytes_per_flow} per flow")
+            ends.append(float(end))
+        return max(ends) - start
+    finally:
+        for proc in procs:
+            stop_process(proc, grace=2)
+
+
 class LinkCounters:
     """Byte counters of every host's link, sampled 20 times a second by a small process in the bridge's
     namespace: (monotonic time, [(bytes the host sent, bytes it received) for each host])."""

@@ -18,7 +18,10 @@ peer has the averaged tensors in place; matchmaking before it (``min_matchmaking
 included. The ratio divides it by the bound 2(n-1)/n x M / bandwidth, M the bytes of the message (2 or 4 per
 value). Each result is checked against the true average. Beside each row: the share of the machine's 2 cores
 busy during the all-reduces and the TCP goodput of one flow over the same shaped link (the floor any protocol
-over TCP starts from).
+over TCP starts from). After each precision's rounds, the same bytes are exchanged all-to-all (every peer
+sends 2 x M / n to every other peer, all at once) over plain TCP (``_netns.tcp_exchange_s``) and over raw
+libp2p streams through the peers' daemons (``P2PExchange``): what the links and hivemind's transport allow
+for this traffic without the all-reduce's logic. ``--transport quic`` runs the peers' libp2p over QUIC.
 
     python benchmarks/allreduce.py [--peers 2 4 8] [--rounds 3] [--quick]
 """
@@ -89,7 +92,9 @@ def peer_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     shapes = json.loads(Path(args.shapes).read_text())
     peer = PeerConfig(
-        host_maddrs=[f"/ip4/{args.address}/tcp/0"],
+        host_maddrs=[
+            f"/ip4/{args.address}/udp/0/quic-v1" if args.transport == "quic" else f"/ip4/{args.address}/tcp/0"
+        ],
         initial_peers=[args.initial_peer] if args.initial_peer else [],
         nat_port_map=False,
     )
@@ -108,9 +113,13 @@ def peer_main(args: argparse.Namespace) -> None:
             err = max(err, ((t - b * expected).abs().max() / (b.abs().max() * expected)).item())
         return err
 
+    exchange = P2PExchange(dht)
+    say(peer_id=str(dht.peer_id))
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["op"] == "phase":
+        if cmd["op"] == "p2p":
+            say(**exchange.run(cmd["peers"], cmd["bytes"], cmd["at"]))
+        elif cmd["op"] == "phase":
             for avg in averagers.values():
                 avg.shutdown()
             averagers.clear()
@@ -160,7 +169,80 @@ def peer_main(args: argparse.Namespace) -> None:
             break
     for avg in averagers.values():
         avg.shutdown()
+    exchange.close()
     dht.shutdown()
+
+
+class P2PExchange:
+    """Every peer sends the same bytes to every other peer over raw libp2p streams, all at once, through the
+    DHT's p2pd daemon as the averagers reach it (``dht.replicate_p2p``): the all-reduce's traffic over its
+    transport (Noise-encrypted TCP, yamux streams, the daemon's Unix sockets) with nothing between the flows.
+    Its time over the bound is what the transport allows; the all-reduce's excess over it is its own."""
+
+    HANDLER = "bench_exchange"
+
+    def __init__(self, dht) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.ends: list[tuple[float, int]] = []
+        self.p2p = self._call(self._start(dht))
+
+    def _call(self, coro, timeout: float = 600.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self, dht):
+        p2p = await dht.replicate_p2p()
+        await p2p.add_binary_stream_handler(self.HANDLER, self._receive)
+        return p2p
+
+    async def _receive(self, _info, reader, writer) -> None:
+        got = 0
+        while chunk := await reader.read(1 << 20):
+            got += len(chunk)
+        self.ends.append((time.time(), got))
+        writer.close()
+
+    async def _exchange(self, peers: list[str], size: int, at: float) -> dict:
+        import asyncio
+
+        from hivemind.p2p import PeerID
+
+        others = [PeerID.from_base58(p) for p in peers if p != str(self.p2p.peer_id)]
+        streams = [await self.p2p.call_binary_stream_handler(peer, self.HANDLER) for peer in others]
+        await asyncio.sleep(max(0.0, at - time.time()))
+
+        async def send(reader, writer) -> None:
+            block, left = memoryview(bytes(1 << 20)), size
+            while left > 0:
+                writer.write(block[: min(left, len(block))])
+                left -= min(left, len(block))
+                await writer.drain()
+            writer.write_eof()  # half-close: closing the socket to p2pd at once could cut the stream's tail
+            await reader.read()  # the receiver closes its side once it has read everything
+            writer.close()
+
+        await asyncio.gather(*(send(r, w) for _, r, w in streams))
+        while len(self.ends) < len(others):
+            await asyncio.sleep(0.01)
+        return {"end": max(t for t, _ in self.ends), "got": sum(g for _, g in self.ends)}
+
+    def run(self, peers: list[str], size: int, at: float) -> dict:
+        self.ends = []
+        try:
+            return self._call(self._exchange(peers, size, at))
+        except Exception as e:  # reported, not fatal
+            return {"error": repr(e)[:300]}
+
+    def close(self) -> None:
+        try:
+            self._call(self.p2p.shutdown(), timeout=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def make_cotrain_averager(args, dht, dtype, params, compression, group):
@@ -198,7 +280,11 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group):
 def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> list[dict]:
     rows = []
     with _netns.Network(n, rate, congestion=args.congestion_control) as net:
-        print(f"n={n}: {rate:g} Mbit/s links, TCP congestion control {net.congestion_control()}", flush=True)
+        print(
+            f"n={n}: {rate:g} Mbit/s links, libp2p over {args.transport}, "
+            f"TCP congestion control {net.congestion_control()}",
+            flush=True,
+        )
         goodput = _netns.tcp_goodput_mbit(net, 0, 1, megabytes=max(8, int(rate / 8 * 3)))
         worker = [
             sys.executable,
@@ -216,6 +302,8 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
             str(args.part_size),
             "--read-ahead",
             str(args.read_ahead),
+            "--transport",
+            args.transport,
         ]
         peers = Peers(net, worker, logdir / f"n{n}", cwd=REPO)
         peers.logdir.mkdir(parents=True, exist_ok=True)
@@ -228,6 +316,7 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
                 peers.start(i, ["--initial-peer", first])
             for i in range(1, n):
                 peers.receive(i, 300)
+            peer_ids = [peers.receive(i, 300)["peer_id"] for i in range(n)]
             sampler.start()
             for dtype in args.dtypes:
                 numel = sum(_numel(s) for s in json.loads(shapes_file.read_text()))
@@ -279,12 +368,37 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
                             flush=True,
                         )
                 bound = _netns.allreduce_bound_s(n, message, rate * 1e6)
-                rows.append(row(n, rate, dtype, message, bound, goodput, results))
+                per_flow = int(payload / (n - 1))
+                tcp = [_netns.tcp_exchange_s(net, per_flow) for _ in range(args.exchanges)]
+                exchanges = [p2p_exchange_s(peers, peer_ids, per_flow) for _ in range(args.exchanges)]
+                libp2p = [t for t, _ in exchanges]
+                print(
+                    f"  n={n} {dtype} all-to-all of the same bytes: plain TCP "
+                    + ", ".join(f"{t:.2f}" for t in tcp)
+                    + " s; libp2p "
+                    + ", ".join(f"{t:.2f}" + (f" ({d:.2%} delivered)" if d < 1 else "") for t, d in exchanges)
+                    + " s",
+                    flush=True,
+                )
+                rows.append(row(n, rate, dtype, message, bound, goodput, results, tcp, libp2p))
         finally:
             sampler.stopped.set()
             links.close()
             peers.stop()
     return rows
+
+
+def p2p_exchange_s(peers: Peers, peer_ids: list[str], per_flow: int) -> tuple[float, float]:
+    """Seconds for the peers' libp2p all-to-all (``P2PExchange``) from the common start to the last byte, and
+    the share of the bytes delivered (a stream can end before its last bytes arrive: reported, not fatal)."""
+    at = time.time() + 2.0
+    peers.send({"op": "p2p", "peers": peer_ids, "bytes": per_flow, "at": at})
+    answers = [peers.receive(i, 600) for i in range(len(peer_ids))]
+    for a in answers:
+        if "error" in a:
+            raise RuntimeError(f"libp2p exchange failed: {a['error']}")
+    delivered = sum(a["got"] for a in answers) / (per_flow * len(peer_ids) * (len(peer_ids) - 1))
+    return max(a["end"] for a in answers) - at, delivered
 
 
 def _numel(shape) -> int:
@@ -318,7 +432,7 @@ def round_summary(answers, n, sampler: CpuSampler, links: _netns.LinkCounters, r
     }
 
 
-def row(n, rate, dtype, message, bound, goodput, results) -> dict:
+def row(n, rate, dtype, message, bound, goodput, results, tcp=(), libp2p=()) -> dict:
     out = {
         "n": n,
         "rate": rate,
@@ -326,6 +440,8 @@ def row(n, rate, dtype, message, bound, goodput, results) -> dict:
         "message_mb": message / 1e6,
         "bound": bound,
         "tcp_floor": rate / goodput,
+        "tcp_exchange": statistics.median(tcp) / bound if tcp else float("nan"),
+        "libp2p_exchange": statistics.median(libp2p) / bound if libp2p else float("nan"),
     }
     for arm in ARMS:
         ok = [r for r in results[arm] if r["ok"]]
@@ -347,16 +463,18 @@ def print_table(rows: list[dict]) -> None:
     print()
     print(
         "| n | link | dtype | message | bound | cotrain | ratio | hivemind | ratio | cotrain / hivemind "
-        "| TCP floor | uplinks busy (cotrain / hivemind) | cores busy (machine / peers) |"
+        "| TCP floor | all-to-all: TCP / libp2p | uplinks busy (cotrain / hivemind) "
+        "| cores busy (machine / peers) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         c, h = r["cotrain"], r["hivemind"]
         print(
             f"| {r['n']} | {r['rate']:g} Mbit/s | {r['dtype']} | {r['message_mb']:.1f} MB "
             f"| {r['bound']:.2f} s "
             f"| {c['seconds']:.2f} s | **{c['ratio']:.3f}** | {h['seconds']:.2f} s | {h['ratio']:.3f} "
-            f"| {c['seconds'] / h['seconds']:.3f} | {r['tcp_floor']:.3f} | {c['busy']:.0%} / {h['busy']:.0%} "
+            f"| {c['seconds'] / h['seconds']:.3f} | {r['tcp_floor']:.3f} "
+            f"| {r['tcp_exchange']:.3f} / {r['libp2p_exchange']:.3f} | {c['busy']:.0%} / {h['busy']:.0%} "
             f"| {c['machine']:.2f} / {c['ours']:.2f} |"
         )
     print()
@@ -391,6 +509,12 @@ def main() -> None:
     ap.add_argument(
         "--read-ahead", type=int, default=0, help="parts read ahead per stream, cotrain's arm (0: its own)"
     )
+    ap.add_argument(
+        "--exchanges",
+        type=int,
+        default=3,
+        help="all-to-all exchanges of the same bytes over plain TCP and over libp2p per precision (median)",
+    )
     ap.add_argument("--limit", type=float, default=1800.0, help="stop everything after this many seconds")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--logs", help="keep the peers' logs in this folder")
@@ -398,6 +522,12 @@ def main() -> None:
         "--congestion-control",
         default="",
         help="TCP congestion control in the namespaces (default: the machine's)",
+    )
+    ap.add_argument(
+        "--transport",
+        choices=("tcp", "quic"),
+        default="tcp",
+        help="the peers' libp2p transport: TCP (Noise, yamux) or QUIC (own encryption and streams, over UDP)",
     )
     ap.add_argument("--trace", help="append each round's timings and link byte counters to this JSONL file")
     ap.add_argument("--quick", action="store_true", help="2 and 4 peers, fp16, 1 round per arm")

@@ -1,4 +1,5 @@
-"""Pure helpers of the network benchmarks: the all-reduce bound, namespace names, convergence curves."""
+"""Helpers of the benchmarks: the all-reduce bound, namespace names, convergence curves, the overhead script's
+arms, and the libp2p all-to-all reference (live, on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,45 @@ def test_the_peer_arm_gets_the_same_model_precision_and_batches_as_the_plain_loo
     cmd = overhead.cotrain_command(args, tmp_path / "data", tmp_path / "out", "r1")
     assert "--fp32" not in cmd and "--target-batch-size" not in cmd
     assert overhead.run_config(args).target_batch_size == 4096  # the preset's
+
+
+@pytest.mark.timeout(120)
+def test_the_libp2p_exchange_delivers_every_byte_to_every_peer():
+    """allreduce.py's transport reference: three DHTs on 127.0.0.1, each sending 3 MiB to each other one over
+    raw libp2p streams through its daemon; every peer receives 2 x 3 MiB, after the common start."""
+    import threading
+    import time
+
+    import hivemind
+
+    import allreduce
+
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    for _ in range(2):
+        dhts.append(
+            hivemind.DHT(
+                start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs()
+            )
+        )
+    exchanges = []
+    try:
+        exchanges = [allreduce.P2PExchange(dht) for dht in dhts]
+        ids = [str(dht.peer_id) for dht in dhts]
+        size, at, answers = 3 << 20, time.time() + 2.0, {}
+
+        def run(i: int) -> None:
+            answers[i] = exchanges[i].run(ids, size, at)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i in range(3):
+            assert answers.get(i, {}).get("got") == 2 * size, answers
+            assert answers[i]["end"] > at
+    finally:
+        for exchange in exchanges:
+            exchange.close()
+        for dht in dhts:
+            dht.shutdown()
