@@ -163,20 +163,12 @@ def window(start: CpuSnapshot, end: CpuSnapshot, samples: int, loss: float) -> W
 # --------------------------------------------------------------------------------------------------- the arms
 
 
-ARTICLE_TITLE = re.compile(r"^ = [^=].* = $")
-HEADING = re.compile(r"^ =( =)* .* =( =)* $")
-
-
 def join_articles(text_file: str, out_file: Path) -> Path:
     """A WikiText file with each article's paragraphs joined into one line (headings left out): WikiText-2's
     paragraphs average about 200 tokens, whole articles fill examples of 512, the large presets' length."""
-    articles: list[list[str]] = [[]]
-    for line in Path(text_file).read_text(encoding="utf-8").splitlines():
-        if ARTICLE_TITLE.match(line):
-            articles.append([])
-        elif line.strip() and not HEADING.match(line):
-            articles[-1].append(line.strip())
-    out_file.write_text("\n\n".join(" ".join(a) for a in articles if a) + "\n", encoding="utf-8")
+    from cotrain.data.corpus import wikitext_articles
+
+    out_file.write_text("\n\n".join(wikitext_articles(text_file)) + "\n", encoding="utf-8")
     return out_file
 
 
@@ -260,9 +252,8 @@ def plain_worker(args: argparse.Namespace) -> None:
             precision.unscale(model)
             grad_norm = gradient_norm(model, run.max_grad_norm)
             precision.update()
-            if math.isfinite(step_loss) and math.isfinite(
-                grad_norm
-            ):  # fp16 overflow: skipped, as cotrain does
+            # a non-finite step (an fp16 overflow) is skipped, as cotrain does
+            if math.isfinite(step_loss) and math.isfinite(grad_norm):
                 with torch.no_grad():
                     for acc, p in zip(accumulators, params, strict=True):
                         acc.add_(p.grad)

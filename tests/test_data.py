@@ -127,6 +127,16 @@ def test_read_wikitext_skips_headings(tmp_path: Path) -> None:
     assert list(read_wikitext(path)) == ["First para . Two .", "Second para ."]
 
 
+def test_wikitext_articles_join_each_articles_paragraphs(tmp_path: Path) -> None:
+    from cotrain.data.corpus import wikitext_articles
+
+    path = tmp_path / "wiki.txt"
+    path.write_text(
+        " \n = One = \n \n First para .\n \n = = Sub = = \n Second para .\n = Two = \n Third para .\n"
+    )
+    assert list(wikitext_articles(path)) == ["First para . Second para .", "Third para ."]
+
+
 def test_read_wikitext_real_file(wikitext_path: Path, wiki_docs: list[str]) -> None:
     lines = [line.strip() for line in wikitext_path.read_text(encoding="utf-8").splitlines()]
     first_paragraph = next(line for line in lines if line and not line.startswith("="))

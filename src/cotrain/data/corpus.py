@@ -183,6 +183,23 @@ def _iter_wikitext(path: Path) -> Iterator[str]:
             yield text
 
 
+def wikitext_articles(path: str | Path) -> Iterator[str]:
+    """A WikiText file's articles, each one line of its paragraphs joined (headings skipped): documents as
+    long as whole articles rather than single paragraphs."""
+    article: list[str] = []
+    for line in _lines(_check_file(path)):
+        text = line.strip()
+        if _is_wikitext_heading(text):
+            if not text.startswith("= ="):  # a top-level ``= Title =``: the next article starts
+                if article:
+                    yield " ".join(article)
+                article = []
+        elif text:
+            article.append(text)
+    if article:
+        yield " ".join(article)
+
+
 def _iter_plain(path: Path) -> Iterator[str]:
     paragraph: list[str] = []
     for line in _lines(path):
