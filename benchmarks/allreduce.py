@@ -86,19 +86,16 @@ def peer_main(args: argparse.Namespace) -> None:
     import torch
     from hivemind.compression import Float16Compression, NoCompression
 
-    from cotrain.config import PeerConfig
     from cotrain.swarm.dht import create_dht, visible_maddrs
 
     torch.set_num_threads(1)
     shapes = json.loads(Path(args.shapes).read_text())
-    peer = PeerConfig(
+    dht = create_dht(
         host_maddrs=[
             f"/ip4/{args.address}/udp/0/quic-v1" if args.transport == "quic" else f"/ip4/{args.address}/tcp/0"
         ],
         initial_peers=[args.initial_peer] if args.initial_peer else [],
-        nat_port_map=False,
     )
-    dht = create_dht(peer, [])
     say(maddrs=visible_maddrs(dht))
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(shape, generator=gen) * 1e-3 for shape in shapes]  # gradient-like magnitudes

@@ -2,7 +2,7 @@
 
 Both arms train the same tiny ALBERT (``cotrain.models.build_model``) on the same examples in the same order
 (the prepared dataset read as `cotrain train` reads it, ``ExampleStream`` + ``AlbertCollator`` through
-``cotrain.roles.trainer.batches``), with the same number of torch threads, and do the same work: micro-batches
+``cotrain.engine.batches``), with the same number of torch threads, and do the same work: micro-batches
 of 8, forward, backward, ``loss.item()``, gradient clipping per micro-batch, gradients accumulated to the
 target batch (64 in albert-tiny), then one LAMB step (``cotrain.models.optimizer_factory``, its statistics
 started the way hivemind starts them) and one LR-schedule step per target batch. Their losses agree.
@@ -200,13 +200,15 @@ def run_config(args: argparse.Namespace):
 def plain_worker(args: argparse.Namespace) -> None:
     """The baseline loop (runs in a subprocess); prints TIMING_STARTS after warm-up, then one JSON line.
 
-    It does what `cotrain train` does for each optimizer.step call (--accumulation micro-batches under
-    autocast, loss scaling in fp16, unscale, clip, skip a non-finite step) with none of the swarm: the
-    gradients are accumulated on the training device and LAMB steps there once per target batch."""
+    It runs what `cotrain train` runs for each step of its engine (the engine's own micro-steps:
+    --accumulation micro-batches under autocast, loss scaling in fp16, unscale; then the engine's clip and
+    its check for a non-finite step) with none of the swarm: the gradients are accumulated on the training
+    device and LAMB steps there once per target batch."""
     import torch
     from hivemind.optim.state_averager import initialize_optimizer_state_
 
     from cotrain.data import AlbertCollator, ExampleStream
+    from cotrain.engine import accumulate_gradients, batches, gradient_norm
     from cotrain.hardware import Precision
     from cotrain.models import (
         build_model,
@@ -215,7 +217,6 @@ def plain_worker(args: argparse.Namespace) -> None:
         parameter_groups,
         scheduler_factory,
     )
-    from cotrain.roles.trainer import batches, gradient_norm
 
     torch.set_num_threads(args.threads)
     run = run_config(args)
@@ -241,17 +242,8 @@ def plain_worker(args: argparse.Namespace) -> None:
     def global_step() -> float:
         loss_sum, steps = 0.0, 0
         for _ in range(per_update):
-            step_loss = 0.0
-            for _ in range(accumulation):
-                batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
-                with precision.autocast():
-                    loss = forward_loss(model, batch)
-                loss = loss.float() / accumulation
-                precision.backward(loss)
-                step_loss += loss.item()
-            precision.unscale(model)
-            grad_norm = gradient_norm(model, run.max_grad_norm)
-            precision.update()
+            step_loss = accumulate_gradients(model, stream, accumulation, device, precision, forward_loss)
+            grad_norm = gradient_norm(params, run.max_grad_norm)
             # a non-finite step (an fp16 overflow) is skipped, as cotrain does
             if math.isfinite(step_loss) and math.isfinite(grad_norm):
                 with torch.no_grad():

@@ -2,7 +2,7 @@
 
 4 peers (``--peers``), each in a network namespace of its own with a ``tbf``-shaped link of ``--rate`` Mbit/s
 each way (``_netns.Network``). Each peer runs what ``cotrain train`` runs around its model: cotrain's DHT
-(``create_dht`` with the run's record validators) and ``cotrain.swarm.optimizer.build_optimizer``
+(the engine's ``SwarmConnection``) and ``cotrain.SwarmPeer``
 (hivemind.Optimizer with cotrain's settings: LAMB offloaded to host memory, fp16 gradient and parameter
 averaging, state averaging every step) for the real ALBERT-large model of the ``albert-large-v2`` preset
 (17.8M parameters), so the gradient all-reduce, the LAMB step and the state averaging are real.
@@ -59,10 +59,8 @@ def peer_main(args: argparse.Namespace) -> None:
     import torch
 
     from cotrain.config import resolve
-    from cotrain.models import build_model
-    from cotrain.swarm.dht import create_dht, visible_maddrs
-    from cotrain.swarm.optimizer import build_model_optimizer
-    from cotrain.swarm.records import make_validators
+    from cotrain.engine import SwarmConnection, SwarmPeer
+    from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
 
     torch.set_num_threads(1)
     config = resolve(
@@ -71,9 +69,9 @@ def peer_main(args: argparse.Namespace) -> None:
             "run": {
                 "run_id": f"util-{args.mode}",
                 "target_batch_size": args.target_batch_size,
-                "matchmaking_time": args.matchmaking_time,
             },
             "peer": {
+                "matchmaking_time": args.matchmaking_time,
                 "host_maddrs": [f"/ip4/{args.address}/tcp/0"],
                 "initial_peers": [args.initial_peer] if args.initial_peer else [],
                 "per_device_train_batch_size": args.micro_batch,
@@ -83,33 +81,40 @@ def peer_main(args: argparse.Namespace) -> None:
         },
     )
     run, peer = config.run, config.peer
-    validators, _ = make_validators(run.run_id)
-    dht = create_dht(peer, validators)
-    say(maddrs=visible_maddrs(dht))
+    connection = SwarmConnection(run.run_id, peer, role="trainer")
+    say(maddrs=connection.maddrs())
     model = build_model(run, vocab_size=30000)
     samples = peer.per_device_train_batch_size * peer.gradient_accumulation_steps
-    opt = build_model_optimizer(dht, run, peer, model, batch_size_per_step=samples)
+    swarm = SwarmPeer.from_config(
+        run,
+        peer,
+        model,
+        connection=connection,
+        params=parameter_groups(model, run.weight_decay),
+        optimizer=optimizer_factory(run),
+        scheduler=scheduler_factory(run),
+        batch_size_per_step=samples,
+    )
     gen = torch.Generator().manual_seed(args.index)
     for p in model.parameters():  # gradients as a backward pass would leave them (kept: no zero_grad)
         p.grad = torch.randn(p.shape, generator=gen) * 1e-4
     say(ready=True)
     sys.stdin.readline()  # all peers start computing together
     compute = in_step = 0.0
-    epoch = opt.local_epoch
+    epoch = swarm.global_step
     deadline = time.monotonic() + args.peer_limit
     while epoch < args.stop_at and time.monotonic() < deadline:
         t0 = time.perf_counter()
         time.sleep(args.step_time * peer.gradient_accumulation_steps)  # the simulated forward/backward
         t1 = time.perf_counter()
-        opt.step(batch_size=samples)
+        swarm.step(batch_size=samples, zero_grad=False)
         t2 = time.perf_counter()
         compute, in_step = compute + (t1 - t0), in_step + (t2 - t1)
-        if opt.local_epoch != epoch:
-            epoch = opt.local_epoch
+        if swarm.global_step != epoch:
+            epoch = swarm.global_step
             say(epoch=epoch, t=time.monotonic(), compute=compute, in_step=in_step)
     say(done=epoch)
-    opt.shutdown()
-    dht.shutdown()
+    swarm.shutdown()
 
 
 # ------------------------------------------------------------------------------------------- orchestration

@@ -41,7 +41,7 @@ def test_importing_cotrain_loads_neither_torch_nor_hivemind():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
     code = "import cotrain; print(cotrain.SwarmPeer.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cotrain_env())
-    assert out.stdout.strip() == "cotrain.api", out.stderr
+    assert out.stdout.strip() == "cotrain.engine.peer", out.stderr
 
 
 @pytest.mark.parametrize(

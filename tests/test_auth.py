@@ -28,9 +28,9 @@ from conftest import (
     trainer_args,
     wait_until,
 )
+from cotrain.access import NO_TOKEN, Authority, PrivateKey, check_token, read_token_file, registry_path
 from cotrain.cli import main
 from cotrain.errors import UserError
-from cotrain.tokens import NO_TOKEN, Authority, PrivateKey, check_token, read_token_file, registry_path
 
 RUN = "private-test"
 
@@ -161,7 +161,7 @@ def test_revocation_lists_must_be_signed_by_the_authority_for_their_expiration(t
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from cotrain.swarm.auth import AccessControl, RevocationsValidator
+    from cotrain.access import AccessControl, RevocationsValidator
 
     issue(tmp_path, "alice")
     path = issue(tmp_path, "bob")
@@ -193,7 +193,7 @@ def test_dht_requests_are_signed_and_replays_refused(tmp_path):
     """hivemind's token protocol with cotrain's tokens: valid, replayed, altered, foreign and revoked."""
     from hivemind.proto import dht_pb2
 
-    from cotrain.swarm.auth import AccessControl, SwarmAuthorizer
+    from cotrain.access import AccessControl, SwarmAuthorizer
 
     alice = AccessControl.for_token(RUN, str(issue(tmp_path, "alice")))
     carol = AccessControl.for_token(RUN, str(issue(tmp_path, "carol")))
@@ -230,11 +230,11 @@ def test_dht_requests_are_signed_and_replays_refused(tmp_path):
 
 
 def test_a_renewed_token_file_is_picked_up_without_a_restart(tmp_path, monkeypatch):
-    from cotrain.swarm import auth
+    from cotrain.access import control
 
-    monkeypatch.setattr(auth, "OWN_TOKEN_RECHECK", 0.0)
+    monkeypatch.setattr(control, "OWN_TOKEN_RECHECK", 0.0)
     path = issue(tmp_path, "alice", days=1)
-    access = auth.AccessControl.for_token(RUN, str(path))
+    access = control.AccessControl.for_token(RUN, str(path))
     first = access.own()
     time.sleep(1.1)  # a new modification time
     issue(tmp_path, "alice", days=60)
@@ -243,7 +243,7 @@ def test_a_renewed_token_file_is_picked_up_without_a_restart(tmp_path, monkeypat
 
 
 def test_a_token_that_expires_mid_run_is_refused_from_then_on(tmp_path):
-    from cotrain.swarm.auth import AccessControl
+    from cotrain.access import AccessControl
 
     authority = Authority.load(tmp_path / "authority.key", create=True)
     path = tmp_path / "short.token"
@@ -257,7 +257,7 @@ def test_a_token_that_expires_mid_run_is_refused_from_then_on(tmp_path):
 
 
 def test_monitor_and_peer_options_exclude_each_other(tmp_path):
-    from cotrain.swarm.auth import access_for
+    from cotrain.access import access_for
 
     path = issue(tmp_path, "alice")
     with pytest.raises(UserError, match="not both"):
@@ -265,6 +265,29 @@ def test_monitor_and_peer_options_exclude_each_other(tmp_path):
     assert access_for(RUN, "", "") is None
     with pytest.raises(UserError, match="does not exist"):
         access_for(RUN, "", str(tmp_path / "missing.key"))
+
+
+def test_the_access_package_stays_below_config_models_and_data():
+    """`cotrain token` runs without hivemind; the access package imports no config, models, checkpoints or
+    data (each checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    token = (
+        "import sys, tempfile; from cotrain.cli import main; d = tempfile.mkdtemp(); "
+        "key, out = d + '/k', d + '/a.token'; "
+        "assert main(['token', 'issue', '--name', 'a', '--authority-key', key, '-o', out]) == 0; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hivemind', 'torch')))"
+    )
+    out = subprocess.run([sys.executable, "-c", token], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]", out
+    layers = (
+        "import sys, cotrain.access as a; [getattr(a, n) for n in a.__all__]; "
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] in [['cotrain', n] for n in "
+        "('config', 'models', 'checkpoints', 'data', 'roles', 'engine', 'api')]))"
+    )
+    out = subprocess.run([sys.executable, "-c", layers], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]", out
 
 
 # --- a live private swarm -------------------------------------------------------------------------
@@ -400,9 +423,10 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
     from hivemind.proto import averaging_pb2, dht_pb2
     from hivemind.utils.multiaddr import Multiaddr
 
-    from cotrain.swarm.auth import HANDSHAKE, AccessControl, SwarmAuthorizer, messages
-    from cotrain.swarm.guard import GuardedP2P
-    from cotrain.swarm.guard import _handshake_payload as payload
+    from cotrain.access import AccessControl, GuardedP2P, SwarmAuthorizer
+    from cotrain.access.guard import handshake_payload as payload
+    from cotrain.access.wire import HANDSHAKE, messages
+    from cotrain.swarm.keys import state_averager_prefix
 
     out = private_swarm["out"]
     monitor_addr = private_swarm["initial"][0]
@@ -410,7 +434,7 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
     trainer_id, trainer_maddr = trainer_address(private_swarm["roles"]["alice"])
     trainer = PeerID.from_base58(trainer_id)
     alice = AccessControl.for_token(RUN, str(out / "alice.token"))
-    namespace = f"{RUN}_state_averager"
+    namespace = state_averager_prefix(RUN)
     options = dict(host_maddrs=[LOCALHOST], nat_port_map=False, auto_nat=False, use_relay=False)
     m = messages()
 

@@ -190,6 +190,49 @@ def test_export_command_line(tmp_path, tokenizer, capsys):
     assert "cotrain export: error:" in err and "truncated or corrupted" in err and "Traceback" not in err
 
 
+def test_export_refuses_a_folder_it_did_not_make_and_replaces_its_own(tmp_path, tokenizer):
+    import subprocess
+    import sys
+
+    from conftest import cotrain_env
+
+    path = save(tmp_path / "checkpoints", 5, tokenizer, trained_state(tokenizer, steps=1))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's file")
+    p = subprocess.run(
+        [sys.executable, "-m", "cotrain", "export", str(path), str(mine)],
+        capture_output=True, text=True, timeout=120, env=cotrain_env(),
+    )  # fmt: skip
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith("cotrain export: error:") and "not a cotrain export" in lines[0]
+    assert [f.name for f in mine.iterdir()] == ["notes.txt"]
+    assert (mine / "notes.txt").read_text() == "a user's file"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["checkpoints", "mine"]  # no temp folder left
+
+    out = ck.export(path, tmp_path / "hf")  # an export folder is replaced by the next export
+    (out / "stale.txt").write_text("from the previous export")
+    ck.export(path, out)
+    assert (out / "model.safetensors").is_file() and not (out / "stale.txt").exists()
+    (tmp_path / "empty").mkdir()  # an empty folder is used
+    assert (ck.export(path, tmp_path / "empty") / "cotrain.json").is_file()
+
+
+def test_checkpoints_never_replace_or_prune_a_folder_they_did_not_write(tmp_path, tokenizer):
+    state = trained_state(tokenizer, steps=1)
+    foreign = ck.step_dir(tmp_path, 4)
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ck.CheckpointError, match="is not a checkpoint"):
+        save(tmp_path, 4, tokenizer, state)
+    for step in (6, 8, 10):
+        save(tmp_path, step, tokenizer, state, keep=2)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step-000004", "step-000008", "step-000010"]
+    assert ck.latest_good(tmp_path)[0].name == "step-000010"
+
+
 class FakeUpload:
     """Records each upload (the folder's files at call time); fails the first ``failures`` calls."""
 

@@ -1,6 +1,8 @@
 import dataclasses
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,7 +86,7 @@ def test_seed_spellings_parse_to_the_same_fields():
         ]
     )
     assert c.run.run_id == "my-run" and c.peer.per_device_train_batch_size == 2
-    assert c.run.matchmaking_time == 7.0 and c.peer.client_mode
+    assert c.peer.matchmaking_time == 7.0 and c.peer.client_mode
     assert len(c.peer.initial_peers) == 2
 
 
@@ -123,3 +125,181 @@ def test_bad_flag_is_one_line_and_nonzero(capsys):
     assert cli.main(["train", "--target-batch-size", "-3", "--preset", "albert-tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("cotrain train: error:")
+
+
+def _show(*args: str) -> dict:
+    import tomllib
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cotrain", "config", "show", *args], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return tomllib.loads(out.stdout)
+
+
+def test_a_config_file_names_its_preset_at_the_top(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('preset = "gpt2-tiny"\n\n[run]\nlearning_rate = 0.001\n')
+    c = cfg.resolve(config_file=str(toml))
+    assert (c.run.preset, c.run.model_family, c.run.learning_rate) == ("gpt2-tiny", "gpt2", 0.001)
+    assert c.run.model == cfg.resolve("gpt2-tiny").run.model
+    _, c = cli.parse(["train", "--config", str(toml)])
+    assert c.run.preset == "gpt2-tiny" and "n_layer" in c.run.model
+    toml.write_text('preset = "gpt2-tiny"\n[run]\npreset = "bert-tiny"\n')
+    with pytest.raises(cfg.ConfigError, match="names two presets"):
+        cfg.resolve(config_file=str(toml))
+    toml.write_text('run_id = "x"\n')
+    with pytest.raises(cfg.ConfigError, match="unknown top-level key 'run_id'"):
+        cfg.resolve(config_file=str(toml))
+
+
+def test_the_command_line_preset_wins_and_brings_its_own_model(tmp_path):
+    """`--preset` with a file naming another family's preset: one family throughout (preset, family,
+    objective, model table), the file's other settings on top."""
+    for text in ('preset = "gpt2-tiny"\n[run]\nlearning_rate = 0.003\n', '[run]\npreset = "gpt2-tiny"\n'):
+        toml = tmp_path / "c.toml"
+        toml.write_text(text)
+        shown = _show("albert-tiny", "--config", str(toml))["run"]
+        albert = cfg.resolve("albert-tiny").run
+        assert (shown["preset"], shown["model_family"], shown["objective"]) == (
+            "albert-tiny",
+            "albert",
+            "sop+mlm",
+        )
+        assert shown["model"] == albert.model
+        _, c = cli.parse(["train", "--preset", "albert-tiny", "--config", str(toml)])
+        assert (c.run.preset, c.run.model_family, c.run.model) == ("albert-tiny", "albert", albert.model)
+        if "learning_rate" in text:
+            assert shown["learning_rate"] == c.run.learning_rate == 0.003
+
+
+def test_averaging_settings_are_per_peer_and_outside_the_config_hash(tmp_path):
+    run_fields = {f.name for f in dataclasses.fields(cfg.RunConfig)}
+    per_peer = {"matchmaking_time", "averaging_timeout", "grad_compression", "target_group_size"}
+    per_peer |= {"batch_size_lead", "min_refresh_period", "max_refresh_period", "default_refresh_period"}
+    assert not per_peer & run_fields
+    assert per_peer <= {f.name for f in dataclasses.fields(cfg.AveragingConfig)}
+    base = cfg.resolve("albert-tiny")
+    tuned = cfg.resolve(
+        "albert-tiny",
+        overrides={"peer": {"matchmaking_time": 10.0, "averaging_timeout": 30.0, "grad_compression": "none"}},
+    )
+    assert cfg.config_hash(base.run) == cfg.config_hash(tuned.run)
+    assert (tuned.peer.matchmaking_time, tuned.peer.grad_compression) == (10.0, "none")
+    # an older file (or preset) that still has them in [run]: read as this peer's settings
+    old = tmp_path / "old.toml"
+    old.write_text('[run]\nmatchmaking_time = 9\naveraging_timeout = 40.0\ngrad_compression = "none"\n')
+    c = cfg.resolve("albert-tiny", str(old))
+    assert (c.peer.matchmaking_time, c.peer.averaging_timeout, c.peer.grad_compression) == (9.0, 40.0, "none")
+    assert cfg.config_hash(c.run) == cfg.config_hash(base.run)
+    assert set(c.run_given) == {"preset", *cfg.load_preset("albert-tiny")["run"]}  # [run] keys left: none
+    # a checkpoint's run table written before the move still loads
+    assert cfg.RunConfig.from_dict({**dataclasses.asdict(base.run), "matchmaking_time": 2.0}) == base.run
+
+
+def test_run_given_names_the_run_settings_the_user_chose(tmp_path):
+    peers = ["--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/X"]
+    assert cli.parse(["train", "--run-id", "r", *peers])[1].run_given == []
+    given = cli.parse(["train", "--run-id", "r", "--learning-rate", "0.1", "--averaging-expiration", "9"])[1]
+    assert given.run_given == ["learning_rate"]
+    with_preset = cli.parse(["train", "--run-id", "r", "--preset", "albert-tiny"])[1].run_given
+    assert "preset" in with_preset and "target_batch_size" in with_preset and "run_id" not in with_preset
+    toml = tmp_path / "c.toml"
+    toml.write_text('[run]\nrun_id = "r"\nweight_decay = 0.2\n[peer]\nseed = 3\n')
+    assert cli.parse(["train", "--config", str(toml)])[1].run_given == ["weight_decay"]
+
+
+def test_the_resolved_config_survives_its_file_round_trips(tmp_path):
+    _, c = cli.parse(
+        ["train", "--preset", "gpt2-tiny", "--run-id", "trip", "--per-device-train-batch-size", "auto"]
+        + [
+            "--weight-decay",
+            "0.3",
+            "--matchmaking-time",
+            "3",
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/5/p2p/X",
+        ]
+    )
+    back = cfg.load_resolved(cfg.write_resolved(c, tmp_path / "resolved.json"))
+    assert back == c and back.run_given == c.run_given and "weight_decay" in back.run_given
+    # OUTPUT_DIR/config.toml: what --config reads back to the same run and peer settings
+    again = cfg.resolve(config_file=str(cfg.write_toml(c, tmp_path / "config.toml")))
+    assert (again.run, again.peer) == (c.run, c.peer)
+    assert 'per_device_train_batch_size = "auto"' in (tmp_path / "config.toml").read_text()
+    assert not list(tmp_path.glob(".*"))  # no temporary file left
+    (tmp_path / "bad.json").write_text('{"run": {"target_batch_size": -1}}')
+    with pytest.raises(cfg.ConfigError, match="target_batch_size must be positive"):
+        cfg.load_resolved(tmp_path / "bad.json")
+
+
+def test_a_supervised_worker_gets_the_resolved_config_as_a_private_file(monkeypatch):
+    import os
+    import stat
+
+    from cotrain import procs
+
+    _, c = cli.parse(["train", "--preset", "albert-tiny", "--run-id", "handed", "--weight-decay", "0.25"])
+    seen = {}
+
+    def fake_worker(command: list[str]) -> int:
+        path = command[command.index("--resolved-config") + 1]
+        seen["command"], seen["path"] = command, path
+        seen["mode"] = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
+        seen["config"] = cfg.load_resolved(path)
+        return 7
+
+    monkeypatch.setattr(procs, "_run_worker", fake_worker)
+    assert procs.supervise("train", c) == 7
+    assert seen["command"][1:4] == ["-m", "cotrain._worker", "train"]
+    assert seen["config"] == c and seen["mode"] == 0o700
+    assert not os.path.exists(seen["path"])  # removed once the worker is done
+
+
+def test_the_worker_refuses_a_bad_resolved_config_in_one_line(tmp_path, capsys):
+    from cotrain import _worker
+
+    (tmp_path / "c.json").write_text("not json")
+    assert _worker.main(["train", "--resolved-config", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not readable JSON" in err[0], err
+
+
+def test_every_component_checks_its_own_fields_and_all_problems_come_at_once():
+    assert issubclass(cfg.PeerConfig, cfg.PEER_COMPONENTS)
+    for component in cfg.PEER_COMPONENTS:
+        assert component().problems() == [], component
+    peer = cfg.PeerConfig(startup_timeout=0, matchmaking_time=-1, logging_steps=0, refresh_period=0)
+    text = "; ".join(peer.problems())
+    for name in ("startup_timeout", "matchmaking_time", "logging_steps", "refresh_period"):
+        assert name in text, (name, text)
+    with pytest.raises(cfg.ConfigError) as e:
+        cli.parse(["train", "--startup-timeout", "0", "--averaging-timeout", "0", "--learning-rate", "0"])
+    assert all(n in str(e.value) for n in ("startup_timeout", "averaging_timeout", "learning_rate"))
+
+
+def test_help_groups_the_options_by_component():
+    out = subprocess.run(
+        [sys.executable, "-m", "cotrain", "train", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for title in ("run", "network", "data", "trainer", "averaging", "general"):
+        assert f"\n{title} options (" in out, title
+    averaging = out.split("\naveraging options (")[1].split("\n\n")[1]
+    assert "--matchmaking-time" in averaging and "--batch-size-lead" in averaging
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+@pytest.mark.parametrize("doc", ["models.md", "options.md"])
+def test_the_toml_examples_in_the_docs_resolve(doc, tmp_path):
+    blocks = re.findall(r"```toml\n(.*?)```", (DOCS / doc).read_text(), flags=re.S)
+    assert blocks, f"docs/{doc} has no TOML example"
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"example{i}.toml"
+        path.write_text(block)
+        c = cfg.resolve(config_file=str(path))
+        top = re.search(r'^preset = "([\w-]+)"', block, flags=re.M)
+        if top:
+            assert c.run.preset == top.group(1) and c.run.model_family == top.group(1).split("-")[0]
+            assert _show(top.group(1), "--config", str(path))["run"]["preset"] == top.group(1)

@@ -1,5 +1,6 @@
 """Tests of cotrain.data: corpora, sentence splitting, tokenizer, SOP examples, prepared datasets and
-the MLM collator. WikiText-2 validation text is read from ../shared beside the repository."""
+the MLM collator, on WikiText-2's validation text from ../shared when it is beside the repository, otherwise
+on a WikiText-format sample in tests/assets."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from conftest import WIKITEXT, at_least
 from cotrain.data import (
     EXAMPLE_COLUMNS,
     AlbertCollator,
@@ -34,7 +36,6 @@ from cotrain.data import (
 )
 from cotrain.errors import UserError
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/valid.txt"
 MAX_LENGTH = 128
 
 
@@ -45,8 +46,6 @@ def normalized(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def wikitext_path() -> Path:
-    if not WIKITEXT.is_file():
-        pytest.skip(f"{WIKITEXT} is not available")
     return WIKITEXT
 
 
@@ -237,7 +236,7 @@ def test_tokenizer_has_albert_layout(tokenizer: PreTrainedTokenizerFast) -> None
     assert (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.mask_token_id) == (0, 1, 4)
     assert (tokenizer.cls_token_id, tokenizer.sep_token_id) == (2, 3)
     assert (tokenizer.bos_token, tokenizer.eos_token) == ("[CLS]", "[SEP]")
-    assert 3000 < len(tokenizer) <= 4000
+    assert at_least(3000, 1000) < len(tokenizer) <= 4000
     assert tokenizer.model_max_length >= 100_000
     pair = tokenizer("The lobster is blue.", "It turns red.", return_special_tokens_mask=True)
     n_b = len(tokenizer("It turns red.", add_special_tokens=False)["input_ids"]) + 1
@@ -288,12 +287,12 @@ def test_sop_examples_are_adjacent_segments_of_their_document(
             assert a and b
             first, second = (b, a) if example["sentence_order_label"] else (a, b)
             assert first + second in source, (first, second, doc)
-    assert n_examples > 100
+    assert n_examples > at_least(100, 60)
 
 
 def test_sop_labels_are_balanced_and_seeded(wiki_docs: list[str], tokenizer: PreTrainedTokenizerFast) -> None:
     examples = list(build_sop_examples(wiki_docs, tokenizer, MAX_LENGTH, seed=0))
-    assert len(examples) >= 300
+    assert len(examples) >= at_least(300, 60)
     swapped = sum(e["sentence_order_label"] for e in examples) / len(examples)
     assert 0.4 <= swapped <= 0.6
     assert list(build_sop_examples(wiki_docs, tokenizer, MAX_LENGTH, seed=0)) == examples
@@ -333,8 +332,9 @@ def test_prepare_writes_manifest_and_loads_back(prepared: tuple[Path, dict], wik
     assert json.loads((out / "manifest.json").read_text()) == manifest == read_manifest(out)
     assert manifest["objective"] == "sop+mlm" and manifest["format_version"] == 2
     assert (manifest["max_length"], manifest["seed"]) == (MAX_LENGTH, 3)
-    assert manifest["num_examples"]["train"] > 100 and manifest["num_examples"]["validation"] > 5
-    assert sum(manifest["num_documents"].values()) == 200
+    assert manifest["num_examples"]["train"] > at_least(100, 40)
+    assert manifest["num_examples"]["validation"] > 5
+    assert sum(manifest["num_documents"].values()) == min(200, len(wiki_docs))
     assert 20 < manifest["mean_tokens_per_example"] <= MAX_LENGTH
     assert 0.3 < manifest["sop_swapped_fraction"] < 0.7
 
@@ -396,12 +396,13 @@ def test_interrupted_prepare_leaves_nothing(wiki_docs: list[str], tmp_path: Path
 
 
 def test_collator_masks_like_bert(wiki_docs: list[str], tokenizer: PreTrainedTokenizerFast) -> None:
-    examples = list(itertools.islice(build_sop_examples(wiki_docs, tokenizer, MAX_LENGTH, seed=0), 256))
+    n = at_least(256, 64)
+    examples = list(itertools.islice(build_sop_examples(wiki_docs, tokenizer, MAX_LENGTH, seed=0), n))
     collator = AlbertCollator(tokenizer, seed=7)
     batch = collator(examples)
     assert set(batch) == {"input_ids", "token_type_ids", "attention_mask", "labels", "sentence_order_label"}
     lengths = torch.tensor([len(e["input_ids"]) for e in examples])
-    assert batch["input_ids"].shape == (256, int(lengths.max()))
+    assert batch["input_ids"].shape == (n, int(lengths.max()))
     assert batch["attention_mask"].sum(1).tolist() == lengths.tolist()
     original = torch.full_like(batch["input_ids"], tokenizer.pad_token_id)
     special = torch.ones_like(batch["input_ids"])
@@ -440,3 +441,37 @@ def test_collator_pads_to_multiple_and_masks_at_least_one(tokenizer: PreTrainedT
         assert 1 <= int((batch["labels"] != -100).sum()) <= 2
     with pytest.raises(ValueError):
         AlbertCollator(tokenizer, mlm_probability=0)
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_tokenizer_training_shows_progress_only_when_asked(progress: bool, tmp_path: Path) -> None:
+    """`cotrain prepare` shows the tokenizer trainer's progress bars on a terminal like its other stages."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from cotrain.data import demo_corpus, train_tokenizer; docs = demo_corpus()[:300]; "
+        f"train_tokenizer(docs, sys.argv[1], 600, sys.argv[2], progress=len(docs) if {progress} else None)"
+    )
+    for kind in ("unigram", "bpe"):
+        leader, follower = pty.openpty()  # the trainer draws its bars only on a terminal
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, kind, str(tmp_path / kind)], stderr=follower, stdout=follower
+        )
+        os.close(follower)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        os.close(leader)
+        assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
+        shown = "Pre-processing sequences" in out.decode(errors="replace")
+        assert shown == progress, (kind, out[-500:])
+        assert (tmp_path / kind / "tokenizer.json").is_file()

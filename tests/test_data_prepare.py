@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import LOCALHOST, WIKITEXT, cotrain_env
+from conftest import LOCALHOST, WIKITEXT, WIKITEXT_IS_REAL, at_least, cotrain_env
 from cotrain.cli import main
 from cotrain.data import (
     ClmCollator,
@@ -34,6 +34,8 @@ from cotrain.data import (
     train_tokenizer,
 )
 from cotrain.data.shards import sha256_file
+
+LARGE_SHARD = at_least(500, 8)  # examples per shard of the albert-large-v2 dataset: at least 3 shards
 
 
 def normalized(text: str) -> str:
@@ -56,19 +58,15 @@ def rows(root: Path, manifest: dict, split: str = "train") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def wiki_docs() -> list[str]:
-    if not WIKITEXT.is_file():
-        pytest.skip(f"{WIKITEXT} is not available")
     return list(itertools.islice(read_wikitext(WIKITEXT), 400))
 
 
 @pytest.fixture(scope="module")
 def albert_large(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """WikiText-2 validation prepared through the CLI as `albert-large-v2` does (512 tokens)."""
-    if not WIKITEXT.is_file():
-        pytest.skip(f"{WIKITEXT} is not available")
     out = tmp_path_factory.mktemp("large") / "data"
     p = cotrain("prepare", "--preset", "albert-large-v2", "--text-files", str(WIKITEXT), "--output", str(out),
-                "--num-proc", "2", "--shard-size", "500", "--vocab-size", "8000")  # fmt: skip
+                "--num-proc", "2", "--shard-size", str(LARGE_SHARD), "--vocab-size", "8000")  # fmt: skip
     assert p.returncode == 0, p.stderr
     printed = json.loads(p.stdout.strip().splitlines()[-1])
     return out, printed
@@ -81,14 +79,14 @@ def test_wikitext_statistics_for_albert_large(albert_large: tuple[Path, dict]) -
     print("WikiText-2 valid.txt for albert-large-v2:", json.dumps(stats))
     assert {k: printed[k] for k in stats} == stats  # printed by the CLI and recorded in the manifest
     assert manifest["max_length"] == 512 and manifest["objective"] == "sop+mlm"
-    assert manifest["num_examples"]["train"] > 1000 and manifest["num_examples"]["validation"] > 0
+    assert manifest["num_examples"]["train"] > at_least(1000, 20) and manifest["num_examples"]["validation"]
     assert 100 < manifest["mean_tokens_per_example"] <= 512
-    assert 0.46 <= manifest["sop_swapped_fraction"] <= 0.54
+    assert abs(manifest["sop_swapped_fraction"] - 0.5) <= (0.04 if WIKITEXT_IS_REAL else 0.15)  # binomial
     assert printed["num_shards"]["train"] == len(manifest["shards"]["train"]) >= 3
     for split in ("train", "validation"):
         for entry in manifest["shards"][split]:
             path = out / entry["path"]
-            assert entry["num_examples"] <= 500 and entry["bytes"] == path.stat().st_size
+            assert entry["num_examples"] <= LARGE_SHARD and entry["bytes"] == path.stat().st_size
             assert entry["sha256"] == sha256_file(path)
     assert (
         manifest["tokenizer"]["type"] == "unigram"
@@ -205,7 +203,8 @@ def test_local_dataset_by_name_and_recipe_data(wiki_docs: list[str], tmp_path: P
     by_name = prepare_from_source(
         dataset=str(folder), out_dir=tmp_path / "a", max_length=128, vocab_size=1500
     )
-    assert by_name["source"]["kind"] == "dataset" and sum(by_name["num_documents"].values()) == 120
+    assert by_name["source"]["kind"] == "dataset"
+    assert sum(by_name["num_documents"].values()) == len(wiki_docs[:120])
     with pytest.raises(DataError, match="no column 'content'"):
         from cotrain.data.sources import hf_documents
 
@@ -270,6 +269,33 @@ def test_bad_inputs_are_one_clear_error(
         assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
+def test_prepare_refuses_a_folder_it_did_not_make(tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("a user's file")
+    p = cotrain("prepare", "--demo-corpus", "--preset", "albert-tiny", "--output", str(out))
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith("cotrain prepare: error:") and "not a cotrain dataset" in lines[0]
+    assert [f.name for f in out.iterdir()] == ["thesis.tex"]
+    assert (out / "thesis.tex").read_text() == "a user's file"
+    assert [f.name for f in tmp_path.iterdir()] == ["mine"]  # no temp folder either
+    (tmp_path / "file").write_text("not a folder")
+    p = cotrain("prepare", "--demo-corpus", "--preset", "albert-tiny", "--output", str(tmp_path / "file"))
+    assert p.returncode == 2 and "is not a folder" in p.stderr
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_preparing_again_replaces_a_dataset_folder(wiki_docs: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "data"
+    out.mkdir()  # an empty folder is used
+    first = prepare_dataset(wiki_docs[:60], out, max_length=64, seed=0, vocab_size=800)
+    (out / "stale.txt").write_text("left by the first run")
+    second = prepare_dataset(wiki_docs[:60], out, max_length=64, seed=1, vocab_size=800)
+    assert read_manifest(out) == second != first and not (out / "stale.txt").exists()
+    assert [f.name for f in tmp_path.iterdir()] == ["data"]
+
+
 def test_dataset_for_another_objective_is_refused_by_the_trainer(
     wiki_docs: list[str], tmp_path: Path
 ) -> None:
@@ -291,8 +317,6 @@ def test_dataset_for_another_objective_is_refused_by_the_trainer(
 
 @pytest.mark.timeout(120)
 def test_interrupted_prepare_leaves_no_dataset(tmp_path: Path) -> None:
-    if not WIKITEXT.is_file():
-        pytest.skip(f"{WIKITEXT} is not available")
     corpus = tmp_path / "big.txt"
     corpus.write_text(WIKITEXT.read_text(encoding="utf-8") * 3, encoding="utf-8")
     out = tmp_path / "data"

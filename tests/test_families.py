@@ -55,7 +55,8 @@ def small_corpus(tmp_path_factory) -> Path:
     """The first ~300 KB of WikiText-2's validation file (real text in the wikitext-103 format)."""
     path = tmp_path_factory.mktemp("corpus") / "wiki.txt"
     text = WIKITEXT.read_text()
-    path.write_text(text[: text.find("\n = ", 300_000) + 1])
+    end = text.find("\n = ", 300_000)  # the first article boundary after 300 KB (none in the short sample)
+    path.write_text(text if end < 0 else text[: end + 1])
     return path
 
 

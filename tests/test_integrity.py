@@ -8,6 +8,7 @@ and a trainer with a mistyped run id.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import signal
@@ -21,18 +22,18 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, read_rows, trainer_args, wait_until
 from cotrain.config import resolve
+from cotrain.engine import gradient_norm
 from cotrain.roles.monitor import MAX_STEPS_AHEAD, aggregate, plausible
-from cotrain.roles.trainer import gradient_norm
 from cotrain.swarm.configrecord import (
     ConfigMismatch,
     ConfigRecord,
     check_agreement,
-    config_key,
     make_record,
     read_configs,
     text_hash,
 )
-from cotrain.swarm.records import LocalMetrics, make_validators, metrics_key, read_metrics
+from cotrain.swarm.keys import config_key, metrics_key
+from cotrain.swarm.records import LocalMetrics, make_validators, read_metrics
 
 RUN = "integrity-test"
 
@@ -103,17 +104,20 @@ def test_gradient_norm_sees_nan_and_inf(max_norm):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
     model(torch.randn(5, 4)).sum().backward()
     expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
-    assert gradient_norm(model, max_norm) == pytest.approx(expected, rel=1e-5)
+    assert gradient_norm(list(model.parameters()), max_norm) == pytest.approx(expected, rel=1e-5)
     for poison in (math.nan, math.inf):
         model[1].bias.grad[0] = poison
-        assert not math.isfinite(gradient_norm(model, max_norm))
+        assert not math.isfinite(gradient_norm(list(model.parameters()), max_norm))
 
 
 # ---- config records
 
 
-def run_config(**overrides):
-    return resolve(overrides={"run": {"preset": "albert-tiny", "run_id": RUN, **overrides}}).run
+def run_config(**overrides) -> dict:
+    """The swarm-wide settings of a run, as a peer publishes them."""
+    return dataclasses.asdict(
+        resolve(overrides={"run": {"preset": "albert-tiny", "run_id": RUN, **overrides}}).run
+    )
 
 
 def test_a_config_record_must_match_its_hash():

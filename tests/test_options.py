@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import SEEDS_DIR
 from cotrain import cli
 from cotrain import config as cfg
 from cotrain.errors import UserError
 
-SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+SEEDS = SEEDS_DIR  # the seed documents (../shared/seeds), or their command lines in tests/assets/seeds
 ROLE_OF_SCRIPT = {"run_trainer": "train", "run_training_monitor": "monitor", "run_first_peer": "monitor"}
 PEER = "/ip4/203.0.113.1/tcp/31337/p2p/12D3KooWJrjcn5rje613dU6yRwAXg45UVMSqWDwdNkbEg9G9MSJU"
 # placeholders of the seed documents -> values a user would type
@@ -72,7 +73,7 @@ def test_every_seed_command_line_parses(role, args, line):
     if "--experiment_prefix" in given:
         assert config.run.run_id == given["--experiment_prefix"], line
     if "--averaging_expiration" in given:
-        assert config.run.matchmaking_time == float(given["--averaging_expiration"]), line
+        assert config.peer.matchmaking_time == float(given["--averaging_expiration"]), line
     if "--per_device_train_batch_size" in given:
         expected = given["--per_device_train_batch_size"]
         assert config.peer.per_device_train_batch_size == (cfg.AUTO if expected == "auto" else int(expected))
@@ -437,7 +438,7 @@ def test_optimizer_statistics_travel_in_full_precision():
 
     from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION, gradient_compression, state_compression
 
-    run = cfg.resolve("albert-tiny").run
+    compression = cfg.resolve("albert-tiny").peer.grad_compression
     exp_avg_sq = torch.full((1000,), 1e-10) * torch.rand(1000)
 
     def roundtrip(compression, tensor, role):
@@ -445,19 +446,23 @@ def test_optimizer_statistics_travel_in_full_precision():
         return deserialize_torch_tensor(compression.compress(tensor, info, allow_inplace=False))
 
     assert torch.equal(roundtrip(LOAD_STATE_COMPRESSION, exp_avg_sq, TensorRole.OPTIMIZER), exp_avg_sq)
-    assert torch.equal(roundtrip(state_compression(run), exp_avg_sq, TensorRole.OPTIMIZER), exp_avg_sq)
-    assert torch.equal(roundtrip(state_compression(run), exp_avg_sq, TensorRole.UNSPECIFIED), exp_avg_sq)
-    flushed = roundtrip(state_compression(run), exp_avg_sq, TensorRole.PARAMETER)
+    assert torch.equal(
+        roundtrip(state_compression(compression), exp_avg_sq, TensorRole.OPTIMIZER), exp_avg_sq
+    )
+    assert torch.equal(
+        roundtrip(state_compression(compression), exp_avg_sq, TensorRole.UNSPECIFIED), exp_avg_sq
+    )
+    flushed = roundtrip(state_compression(compression), exp_avg_sq, TensorRole.PARAMETER)
     assert flushed.abs().max() == 0  # what fp16 would have done to the moments
     weights = torch.randn(1000)
     wire = (
-        (state_compression(run), TensorRole.PARAMETER),
-        (gradient_compression(run), TensorRole.UNSPECIFIED),
+        (state_compression(compression), TensorRole.PARAMETER),
+        (gradient_compression(compression), TensorRole.UNSPECIFIED),
     )
     for compression, role in wire:
         out = roundtrip(compression, weights, role)
         assert not torch.equal(out, weights) and torch.allclose(out, weights, rtol=1e-3, atol=1e-4)  # fp16
-    plain = cfg.resolve("albert-tiny", overrides={"run": {"grad_compression": "none"}}).run
+    plain = cfg.resolve("albert-tiny", overrides={"peer": {"grad_compression": "none"}}).peer.grad_compression
     assert torch.equal(roundtrip(gradient_compression(plain), weights, TensorRole.UNSPECIFIED), weights)
 
 
@@ -466,6 +471,7 @@ def test_tracker_options_reach_hivemind_with_their_names():
 
     from hivemind.optim.progress_tracker import ProgressTracker
 
+    from cotrain.engine.strategy import _tracker_settings
     from cotrain.swarm.optimizer import tracker_options
 
     _, c = cli.parse(
@@ -487,7 +493,7 @@ def test_tracker_options_reach_hivemind_with_their_names():
             "90",
         ]
     )
-    opts = tracker_options(c.run, c.peer)
+    opts = tracker_options(c.peer.matchmaking_time, _tracker_settings(c.peer))
     assert opts == {
         "min_refresh_period": 0.25,
         "max_refresh_period": 7.0,
@@ -498,7 +504,8 @@ def test_tracker_options_reach_hivemind_with_their_names():
     }
     assert set(opts) <= set(inspect.signature(ProgressTracker).parameters)
     _, c = cli.parse(["train", "--preset", "albert-tiny"])
-    assert tracker_options(c.run, c.peer)["max_refresh_period"] == max(1.0, 2 * c.run.matchmaking_time)
+    opts = tracker_options(c.peer.matchmaking_time, _tracker_settings(c.peer))
+    assert opts["max_refresh_period"] == max(1.0, 2 * c.peer.matchmaking_time)
 
 
 def test_outbound_address_lookup_sends_nothing_and_announces_the_listening_port():

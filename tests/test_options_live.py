@@ -23,6 +23,7 @@ from conftest import (
     monitor_args,
     read_rows,
     saw_peers,
+    trainer_args,
     wait_until,
 )
 from test_options import PEER, seed_commands
@@ -90,14 +91,16 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
     import torch
 
     from cotrain import config as cfg
-    from cotrain.swarm.dht import create_dht, visible_maddrs
-    from cotrain.swarm.optimizer import build_model_optimizer
+    from cotrain.engine import SwarmConnection, SyncStrategy
+    from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
 
     config = cfg.resolve(
         "albert-tiny",
         overrides={
-            "run": {"run_id": "exact-state", "matchmaking_time": 2.0, "averaging_timeout": 10.0},
+            "run": {"run_id": "exact-state"},
             "peer": {
+                "matchmaking_time": 2.0,
+                "averaging_timeout": 10.0,
                 "host_maddrs": [LOCALHOST],
                 "target_group_size": 3,
                 "min_refresh_period": 0.25,
@@ -115,10 +118,22 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
     def peer_optimizer(initial: list[str], seed: int):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
-        dht = create_dht(dataclasses_replace(peer, initial_peers=initial), [])
-        opt = build_model_optimizer(dht, run, peer, model, batch_size_per_step=8)
-        made.append((opt, dht))
-        return model, opt, dht
+        connection = SwarmConnection(
+            run.run_id, dataclasses_replace(peer, initial_peers=initial), role="test"
+        )
+        strategy = SyncStrategy(
+            connection.dht,
+            run.run_id,
+            run.target_batch_size,
+            peer,
+            parameter_groups(model, run.weight_decay),
+            optimizer_factory(run),
+            scheduler_factory(run),
+            8,
+            lambda: False,
+        )
+        made.append((strategy, connection))
+        return model, strategy.hivemind_optimizer, connection
 
     try:
         _, server, dht = peer_optimizer([], 0)
@@ -134,7 +149,7 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
         expected_params = [p.detach().clone() for p in params]
         assert all(0 < t.max() < 1e-9 for t in expected_sq)
 
-        _, joiner, _ = peer_optimizer(visible_maddrs(dht), 1)
+        _, joiner, _ = peer_optimizer(dht.maddrs(), 1)
         # the options reached hivemind
         assert joiner.grad_averager.matchmaking_kwargs["target_group_size"] == 3
         assert joiner.tracker.min_refresh_period == 0.25 and joiner.tracker.metadata_expiration == 45.0
@@ -158,9 +173,9 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(got_sq, expected_sq, strict=True))
         assert all(torch.equal(a.detach(), b) for a, b in zip(got_params, expected_params, strict=True))
     finally:
-        for opt, dht in reversed(made):
-            opt.shutdown()
-            dht.shutdown()
+        for strategy, connection in reversed(made):
+            strategy.shutdown()
+            connection.close()
 
 
 def dataclasses_replace(obj, **changes):
@@ -335,3 +350,70 @@ def test_a_bf16_trainer_with_an_automatic_micro_batch_averages_with_its_peer(swa
 def test_the_relay_switch_reaches_p2pd(swarm):
     assert "-relay=0" in p2pd_args(swarm["roles"]["bf16"])  # --no-use-relay
     assert "-relay=1" in p2pd_args(swarm["roles"]["seed"])  # the default
+
+
+def colab_line() -> list[str]:
+    """The seed tutorial's "full trainer script for Google Colab" line, as `cotrain train ARGS`."""
+    for role, args, _ in seed_commands():
+        if role == "train" and "--client_mode" in args and "300" in args and "--experiment_prefix" in args:
+            return [role, *args]
+    raise AssertionError("no Colab trainer line (--client_mode, --batch_size_lead 300) in the seed documents")
+
+
+@pytest.mark.timeout(240)
+def test_the_seed_colab_line_joins_a_swarm_with_another_matchmaking_time(demo_data, tmp_path):
+    """The Colab trainer line as written (client mode, --averaging_expiration 10, --batch_size_lead 300, ...),
+    plus a dataset, the CPU-sized preset, a local address and a lead below the target, joins a swarm whose
+    monitor and other trainer wait 2 s for matchmaking, and averages with them: matchmaking time, averaging
+    timeout and batch lead are each peer's own, not part of the run's agreed settings."""
+    run, tiny = "colab-line", ["--preset", "albert-tiny", "--host-maddrs", LOCALHOST]
+    roles: list[Role] = []
+    try:
+        roles.append(
+            Role(monitor_args([*tiny, *FAST, "--run-id", run], tmp_path / "monitor"), tmp_path / "m.log")
+        )
+        initial = monitor_address(tmp_path / "monitor", 120)
+        check_announced(initial)
+        colab = localized(
+            colab_line(),
+            {
+                PEER: initial[0],
+                "EXPERIMENT_NAME_HERE": run,
+                "./outputs": str(tmp_path / "colab"),
+                "./logs": str(tmp_path / "colab-logs"),
+            },
+        )
+        assert colab[colab.index("--averaging_expiration") + 1] == "10" and "--client_mode" in colab
+        roles.append(
+            Role(
+                [
+                    *colab,
+                    "--dataset_path",
+                    str(demo_data),
+                    *tiny,
+                    "--batch_size_lead",
+                    "16",
+                    "--torch-threads",
+                    "1",
+                ],
+                tmp_path / "colab.log",
+            )
+        )
+        roles.append(
+            Role(
+                trainer_args([*tiny, *FAST, "--run-id", run], initial, demo_data, 1, tmp_path / "other"),
+                tmp_path / "other.log",
+            )
+        )
+
+        def averaged() -> bool:
+            assert all(r.proc.poll() is None for r in roles), [r.text()[-2000:] for r in roles]
+            rows = read_rows(tmp_path / "colab" / "metrics.jsonl")
+            return any(r.get("group_size", 0) >= 2 for r in rows)
+
+        wait_until(averaged, 200, interval=1.0, what="the Colab-line trainer to average in a group of 2+")
+        text = roles[1].text()
+        assert "differs from the swarm" not in text and "Traceback" not in text
+    finally:
+        for role in roles:
+            role.stop()

@@ -10,7 +10,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from cotrain.roles.monitor import aggregate
-from cotrain.swarm.records import LocalMetrics, MetricsSchema, metrics_key, read_metrics
+from cotrain.swarm.keys import metrics_key
+from cotrain.swarm.records import LocalMetrics, MetricsSchema, read_metrics
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -85,3 +86,57 @@ def test_live_dht_refuses_forged_and_out_of_schema_records():
     finally:
         dht2.shutdown()
         dht1.shutdown()
+
+
+def test_keys_are_spelled_as_hivemind_derives_them(monkeypatch):
+    """cotrain.swarm.keys names the keys hivemind builds from the run id; hivemind's own code agrees."""
+    from types import SimpleNamespace
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.optim import optimizer as hivemind_optimizer
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from cotrain.swarm import keys
+    from cotrain.swarm.configrecord import ConfigSchema, RunsSchema
+    from cotrain.swarm.records import EvalSchema
+
+    run = "keys-test"
+    # a schema validator guards exactly ``{prefix}_{field}``: junk is refused there and nowhere else
+    junk = MSGPackSerializer.dumps("junk")
+    for schema, key, prefix in [
+        (MetricsSchema, keys.metrics_key(run), run),
+        (EvalSchema, keys.eval_key(run), run),
+        (ConfigSchema, keys.config_key(run), run),
+        (RunsSchema, keys.runs_key(), None),
+    ]:
+        validator = SchemaValidator(schema, prefix=prefix)
+        assert not validator.validate(DHTRecord(DHTID.generate(source=key).to_bytes(), b"", junk, 1e12)), key
+        other = DHTID.generate(source=f"{key}_other").to_bytes()
+        assert validator.validate(DHTRecord(other, b"", junk, 1e12))
+    # hivemind's ProgressTracker reads its records under progress_key(run)
+    read = []
+    dht = SimpleNamespace(
+        client_mode=True,
+        peer_id=SimpleNamespace(to_bytes=lambda: b"peer"),
+        add_validators=lambda v: None,
+        get=lambda k, latest: read.append(k),
+    )
+    tracker = ProgressTracker(dht, run, target_batch_size=1, start=False)
+    assert tracker.training_progress_key == keys.progress_key(run) and read == [keys.progress_key(run)]
+    # hivemind.Optimizer names its averagers from its run id
+    made = {}
+    monkeypatch.setattr(
+        hivemind_optimizer, "TrainingStateAverager", lambda **kw: made.setdefault("state", kw)
+    )
+    fields = "matchmaking_time allreduce_timeout shutdown_timeout offload_optimizer status_loglevel"
+    optimizer = SimpleNamespace(
+        run_id=run, dht=None, client_mode=True, auxiliary=False, next_chunk_timeout=1.0
+    )
+    optimizer.__dict__.update(dict.fromkeys(fields.split()))
+    hivemind.Optimizer._make_state_averager(optimizer)
+    optimizer.state_averager = SimpleNamespace(main_parameters=[])
+    hivemind.Optimizer._make_gradient_averager(optimizer, lambda **kw: made.setdefault("grad", kw))
+    assert made["state"]["prefix"] == keys.state_averager_prefix(run)
+    assert made["grad"]["prefix"] == keys.grad_averager_prefix(run)

@@ -161,6 +161,12 @@ def test_dashboard_server_serves_page_state_and_metrics(tmp_path):
         assert b".chart" in get("static/style.css")
         state = json.loads(get("api/state"))
         assert state["run_id"] == "dash-run" and len(state["steps"]) == 5
+        assert state["checkpoint"] is None  # the card says "none yet"
+        view.record_checkpoint(4, str(tmp_path / "checkpoints" / "step-000004"))
+        view.record_checkpoint(2, str(tmp_path / "checkpoints" / "step-000002"))  # older: not shown
+        shown = json.loads(get("api/state"))["checkpoint"]
+        assert shown["step"] == 4 and shown["path"].endswith("step-000004")
+        assert b"data.checkpoint" in get("static/app.js")  # the card reads it
         families = {f.name: f for f in text_string_to_metric_families(get("metrics").decode())}
         assert families["cotrain_loss"].samples[0].value == pytest.approx(3.5)
     finally:
@@ -178,18 +184,12 @@ def test_demo_loss_curve_is_a_png(tmp_path):
 
 
 def test_trainer_progress_bar_follows_the_swarm_and_is_off_without_a_tty(capsys):
-    from types import SimpleNamespace
-
     from cotrain.progressbar import StepProgress
 
-    opt = SimpleNamespace(
-        local_epoch=3,
-        tracker=SimpleNamespace(global_progress=SimpleNamespace(samples_accumulated=40, num_peers=2)),
-    )
     assert StepProgress(64).bar.disable  # pytest's stderr is not a terminal
     bar = StepProgress(64, enabled=True)
-    bar.update(opt)
-    bar.update(opt)
+    bar.update(3, 40, 2)
+    bar.update(3, 40, 2)
     assert bar.bar.n == 40 and bar.micro_steps == 2
     bar.close()
     assert "step 4" in capsys.readouterr().err

@@ -86,3 +86,45 @@ def test_status_shows_each_evaluation_peers_latest_result_newest_first():
         "masked-token accuracy 0.250, sentence-order accuracy 0.500 (64 examples)"
     )
     assert lines[-1].startswith("evaluation by ...AAAAAAAA at step 3: held-out loss 8.9000")
+
+
+def test_status_ages_out_a_trainer_that_left():
+    """Two trainers train; a third left 96 s ago. Its metrics record is still in the DHT (metrics are kept
+    600 s by default) but its progress record is gone (hivemind clears it on shutdown, and it expires
+    60 s after the last refresh otherwise): it is no peer and adds no throughput."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+
+    from cotrain.swarm.records import LocalMetrics
+    from cotrain.swarm.state import snapshot
+
+    now = 1_000.0
+
+    def metrics(step: int, sps: float, t: float, peer: str) -> LocalMetrics:
+        return LocalMetrics(
+            step=step, samples_per_second=sps, samples_accumulated=64, loss=3.0, mini_steps=8, group_size=3,
+            time=t, peer_id="12D3KooW" + peer * 44,
+        )  # fmt: skip
+
+    def progress(epoch: int, sps: float, t: float) -> LocalTrainingProgress:
+        return LocalTrainingProgress(
+            peer_id=b"\x00", epoch=epoch, samples_accumulated=8, samples_per_second=sps, time=t,
+            client_mode=False,
+        )  # fmt: skip
+
+    records = {
+        b"a": metrics(9, 10.0, now - 5, "A"),
+        b"b": metrics(9, 12.0, now - 5, "B"),
+        b"gone": metrics(8, 30.0, now - 96, "G"),
+    }
+    live = {b"a": progress(10, 10.0, now - 2), b"b": progress(10, 12.0, now - 3)}
+    state = snapshot("r", 64, records, live, now=now)
+    assert state["num_peers"] == 2 and state["departed_peers"] == 1
+    assert {p["peer_id"][-1] for p in state["peers"]} == {"A", "B"}
+    assert state["samples_per_second"] == pytest.approx(22.0)
+    assert state["global_step"] == 10 and state["samples_accumulated"] == 16
+    assert "peers: 2 (0 in client mode; 1 left recently)" in describe(state)
+
+    everyone_left = snapshot("r", 64, records, {}, now=now + 60)
+    assert everyone_left["num_peers"] == 0 and everyone_left["samples_per_second"] == 0.0
+    assert everyone_left["departed_peers"] == 3 and everyone_left["eta_seconds"] is None
+    assert everyone_left["global_step"] == 9  # the last step any trainer reported

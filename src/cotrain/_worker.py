@@ -1,14 +1,20 @@
-"""The worker half of a supervised role (see cotrain.procs): ``python -m cotrain._worker ROLE ARGS...``."""
+"""The worker half of a supervised role (see cotrain.procs):
+``python -m cotrain._worker ROLE --resolved-config FILE``, FILE holding the resolved config as JSON."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
-from cotrain.cli import fail, parse
+from cotrain.cli import fail
+from cotrain.config import Config, load_resolved, write_toml
 from cotrain.errors import UserError
 from cotrain.procs import StopSignals
+
+ROLES = ("train", "monitor", "eval")
 
 
 def setup_logging(verbose: bool) -> None:
@@ -25,25 +31,36 @@ def setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_role(argv: list[str]) -> int:
+def role_class(command: str) -> type:
+    if command == "train":
+        from cotrain.roles.trainer import Trainer
+
+        return Trainer
+    if command == "monitor":
+        from cotrain.roles.monitor import Monitor
+
+        return Monitor
+    from cotrain.roles.evaluator import Evaluator
+
+    return Evaluator
+
+
+def write_output_config(config: Config) -> Path:
+    """The resolved config as OUTPUT_DIR/config.toml ([run] and [peer]: `--config` reads it back)."""
+    return write_toml(config, Path(config.peer.output_dir) / "config.toml")
+
+
+def run_role(command: str, resolved_config: str) -> int:
     """Run one role; its error, if any, is the last line it prints: the role is shut down first, so that no
     background thread or averager process logs after it."""
-    command = argv[0] if argv else ""
     role = None
     error: str | None = None
     try:
-        ns, config = parse(argv)
+        config = load_resolved(resolved_config)
         setup_logging(config.peer.verbose)
-        if ns.command == "train":
-            from cotrain.roles.trainer import Trainer as role_class
-        elif ns.command == "monitor":
-            from cotrain.roles.monitor import Monitor as role_class
-        elif ns.command == "eval":
-            from cotrain.roles.evaluator import Evaluator as role_class
-        else:
-            return fail(command, f"{command!r} is not a supervised role")
+        write_output_config(config)
         signals = StopSignals().install()
-        role = role_class(config, stop=signals.event)
+        role = role_class(command)(config, stop=signals.event)
         try:
             return role.run()
         except UserError as e:
@@ -53,6 +70,8 @@ def run_role(argv: list[str]) -> int:
             return 1
     except UserError as e:
         error = str(e)
+    except OSError as e:  # OUTPUT_DIR/config.toml could not be written
+        error = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
     finally:
         if role is not None:
             try:
@@ -63,8 +82,16 @@ def run_role(argv: list[str]) -> int:
     return fail(command, error)
 
 
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cotrain._worker")
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("--resolved-config", required=True, metavar="FILE")
+    args = parser.parse_args(argv)
+    return run_role(args.role, args.resolved_config)
+
+
 if __name__ == "__main__":
-    rc = run_role(sys.argv[1:])
+    rc = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)

@@ -40,8 +40,8 @@ META = "checkpoint.json"
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 TOKENIZER = "tokenizer"
+EXPORT_MARKER = "cotrain.json"  # in every folder `cotrain export` writes
 NAME = re.compile(r"^step-(\d+)$")
-FAULT_ENV = "COTRAIN_FAULT"  # "checkpoint-before-rename[:N]": exit after writing the temp folder (tests)
 
 
 class CheckpointError(UserError):
@@ -109,13 +109,11 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def _fault(point: str, root: Path, tmp: Path) -> None:
-    """Deterministic crash points for the fault tests: ``COTRAIN_FAULT=checkpoint-before-rename:1`` exits
-    the process at the first save into a folder that already holds 1 checkpoint, once the temporary folder
-    is complete and before it is renamed (no count: the first save)."""
-    spec = os.environ.get(FAULT_ENV, "")
-    name, _, count = spec.partition(":")
-    if name == point and len(list_checkpoints(root)) >= int(count or 0):
-        logger.error(f"Fault injection {spec!r}: exiting before renaming {tmp}")
+    """A crash point of the fault tests (see cotrain.faults: COTRAIN_FAULT=checkpoint-before-rename[:N])."""
+    from cotrain import faults
+
+    if faults.crash_point(point, len(list_checkpoints(root))):
+        logger.error(f"Fault injection {point!r}: exiting before renaming {tmp}")
         logging.shutdown()
         os._exit(17)
 
@@ -141,6 +139,8 @@ def save_checkpoint(
         logger.info(f"Removing the incomplete checkpoint {stale.name} (a save was interrupted)")
         shutil.rmtree(stale, ignore_errors=True)
     final = step_dir(root, step)
+    if final.exists() and not (final / META).is_file():
+        raise CheckpointError(f"{final} exists and is not a checkpoint: move it away (nothing was written)")
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -185,8 +185,10 @@ def _json_default(value: Any) -> Any:
 
 
 def prune(root: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints under ``root``."""
-    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+    """Delete all but the newest ``keep`` checkpoints under ``root`` (only folders that hold a checkpoint's
+    metadata: a folder merely named like one is left alone)."""
+    ours = [p for p in list_checkpoints(root) if (p / META).is_file()]
+    for old in ours[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
         logger.debug(f"Removed old checkpoint {old}")
 
@@ -293,7 +295,7 @@ def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module
     tokenizer = checkpoint_tokenizer(path, meta)
     if tokenizer_hash(tokenizer) != meta.get("tokenizer_hash"):
         raise CheckpointError(f"checkpoint {path}: its tokenizer does not match the recorded hash")
-    run = RunConfig(**meta["config"]["run"])
+    run = RunConfig.from_dict(meta["config"]["run"])
     model = build_model(
         run,
         vocab_size=len(tokenizer),
@@ -310,10 +312,11 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a Hugging Face model folder (config.json, model.safetensors, tokenizer files) that the
     family's Auto class loads (``AutoModelForPreTraining`` for ALBERT, ``AutoModelForMaskedLM`` for BERT,
     DistilBERT and RoBERTa, ``AutoModelForCausalLM`` for GPT-2). Written beside ``out_dir``, then renamed."""
-    from cotrain.data.fsutil import replace_dir, temp_dir_beside
+    from cotrain.data.fsutil import check_replaceable, replace_dir, temp_dir_beside
     from cotrain.families import FAMILIES
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    check_replaceable(out_dir, EXPORT_MARKER, "a cotrain export")  # a user's folder is refused, untouched
     if checkpoint.is_dir() and not (checkpoint / META).exists():  # a checkpoints folder: its newest good one
         found = latest_good(checkpoint)
         if found is None:
@@ -329,7 +332,7 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
-        (tmp / "cotrain.json").write_text(
+        (tmp / EXPORT_MARKER).write_text(
             json.dumps(
                 {
                     "step": meta["step"],
@@ -339,7 +342,7 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
                 }
             )
         )
-        replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir, EXPORT_MARKER, "a cotrain export")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

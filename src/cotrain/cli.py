@@ -49,13 +49,17 @@ def int_or_auto(text: str) -> int:
 def add_config_options(parser: argparse.ArgumentParser, role: str) -> None:
     """Add every config field that ``role`` takes, with all its spellings and its doc line as help."""
     parser.add_argument(
-        "--config", metavar="FILE.toml", help="TOML file with [run]/[peer] tables (below the CLI)."
+        "--config",
+        metavar="FILE.toml",
+        help='TOML file: preset = "NAME" at the top, then [run] and [peer] tables (the command line wins).',
     )
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for section, f in cfg.fields_for(role):
-        group = groups.get(section) or groups.setdefault(
-            section, parser.add_argument_group(f"{section} options", cfg.SECTIONS[section].__doc__)
-        )
+    groups: dict[type, argparse._ArgumentGroup] = {}
+    for section, f in cfg.fields_for(role):  # one group per component, its docstring as the description
+        component = cfg.component_for(section, f)
+        if component not in groups:
+            title = f"{component.TITLE} options ([{section}] in a --config file)"
+            groups[component] = parser.add_argument_group(title, component.__doc__)
+        group = groups[component]
         t = cfg.field_type(f)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kwargs: dict = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
@@ -103,10 +107,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder to write: the family's Auto class loads it (AutoModelForPreTraining for ALBERT, "
         "AutoModelForMaskedLM for BERT/DistilBERT/RoBERTa, AutoModelForCausalLM for GPT-2)",
     )
-    from cotrain import tokens
-
-    tokens.add_parser(sub)
+    add_token_parser(sub)
     return parser
+
+
+def add_token_parser(sub: argparse._SubParsersAction) -> None:
+    """`cotrain token issue/revoke/list`: the operator's side of a private swarm (cotrain.access)."""
+    text = f"{DESCRIPTIONS['token']} The monitor runs with --authority-key, the others with --access-token."
+    p = sub.add_parser("token", help=DESCRIPTIONS["token"], description=text)
+    actions = p.add_subparsers(dest="token_action", metavar="ACTION", required=True)
+    key_help = (
+        "the swarm's authority key (default: authority.key); the registry of issued tokens is kept next to "
+        "it (authority.key: authority.tokens.json)"
+    )
+    q = actions.add_parser(
+        "issue",
+        help="sign a token for a participant and write it to a file (creates the authority key if missing)",
+        description="Sign an access token for one participant and write it to a file for them.",
+    )
+    q.add_argument("--name", required=True, help="who the token is for (shown in logs and `token list`)")
+    q.add_argument(
+        "--valid-days", type=float, default=30.0, metavar="DAYS", help="days until it expires (default: 30)"
+    )
+    q.add_argument("--output", "-o", metavar="FILE", help="token file to write (default: NAME.token)")
+    q.add_argument("--authority-key", default="authority.key", metavar="FILE", help=key_help)
+    q = actions.add_parser(
+        "revoke",
+        help="revoke every token of a participant; the running monitor tells the swarm within seconds",
+        description="Revoke every token issued to a participant. A running monitor publishes the revocation "
+        "to the swarm; peers refuse the revoked tokens from then on.",
+    )
+    q.add_argument("--name", required=True, help="whose tokens to revoke")
+    q.add_argument("--authority-key", default="authority.key", metavar="FILE", help=key_help)
+    q = actions.add_parser("list", help="list the issued tokens", description="List the issued tokens.")
+    q.add_argument("--json", action="store_true", help="one JSON object per token")
+    q.add_argument("--authority-key", default="authority.key", metavar="FILE", help=key_help)
 
 
 def overrides_from(ns: argparse.Namespace) -> dict:
@@ -125,10 +160,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, cfg.Config | None]:
         return ns, cfg.resolve(ns.preset, ns.config)
     if ns.command in ("export", "token"):
         return ns, None
-    overrides = overrides_from(ns)
-    if ns.command == "demo":  # the demo trains the CPU-sized model unless told otherwise
-        overrides.setdefault("run", {}).setdefault("preset", "albert-tiny")
-    return ns, cfg.resolve(config_file=ns.config, overrides=overrides)
+    # the demo trains the CPU-sized model unless told otherwise (on the command line or in its --config file)
+    default_preset = "albert-tiny" if ns.command == "demo" else None
+    return ns, cfg.resolve(config_file=ns.config, overrides=overrides_from(ns), default_preset=default_preset)
 
 
 def check_local_paths(command: str, config: cfg.Config) -> None:
@@ -167,10 +201,7 @@ def fail(command: str, message: str) -> int:
 
 
 def cmd_config(config: cfg.Config) -> int:
-    import tomli_w
-
-    d = config.to_dict()
-    print(tomli_w.dumps({"run": d["run"], "peer": d["peer"]}), end="")
+    print(cfg.to_toml(config), end="")  # [run] and [peer], as a --config file takes them
     return 0
 
 
@@ -236,6 +267,35 @@ def cmd_export(checkpoint: str, out_dir: str) -> int:
     return 0
 
 
+def cmd_token(ns: argparse.Namespace) -> int:
+    import json
+
+    from cotrain import access
+
+    key = ns.authority_key
+    if ns.token_action == "issue":
+        issued = access.issue_token(key, ns.name, ns.valid_days, ns.output)
+        if issued.created_authority:
+            print(f"created authority key {key} (keep it secret; the monitor runs with it)")
+        token, out = issued.token, issued.path
+        print(f"issued token {token.fingerprint} for {ns.name!r}, valid until {issued.expires}: {out}")
+    elif ns.token_action == "revoke":
+        revoked = access.revoke_tokens(key, ns.name)
+        print(
+            f"revoked {revoked} token(s) of {ns.name!r}; a running monitor tells the swarm within seconds"
+            if revoked
+            else f"the tokens of {ns.name!r} were already revoked"
+        )
+    else:
+        rows = access.list_tokens(key)
+        if ns.json:
+            for row in rows:
+                print(json.dumps(row))
+        else:
+            print("\n".join(access.token_table(rows)) if rows else f"no tokens issued with {key}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
@@ -251,15 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "status":
             return cmd_status(config)
         if ns.command == "token":
-            from cotrain.tokens import run as cmd_token
-
             return cmd_token(ns)
         if ns.command in ("train", "monitor", "eval"):
             from cotrain.procs import supervise
 
             if ns.command in ("train", "monitor"):
                 check_local_paths(ns.command, config)
-            return supervise(argv)
+            return supervise(ns.command, config)
         if ns.command == "demo":
             from cotrain.demo import run_demo
 

@@ -1,7 +1,11 @@
-"""`cotrain demo`: a whole swarm on this machine (a monitor and N trainers on 127.0.0.1), then a summary."""
+"""`cotrain demo`: a whole swarm on this machine (a monitor and N trainers on 127.0.0.1), then a summary.
+
+Each peer gets the demo's resolved config as a file (every run and per-peer setting the demo was given, plus
+the peer's own output folder, seed and addresses), so every flag of the demo reaches every peer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -10,8 +14,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from cotrain.config import Config, micro_batch_arg
+from cotrain.config import Config, write_toml
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -24,26 +29,15 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
-def _common_args(config: Config, out: Path) -> list[str]:
-    run = config.run
-    return [
-        "--preset",
-        run.preset,
-        "--run-id",
-        run.run_id,
-        "--host-maddrs",
-        LOCALHOST,
-        "--torch-threads",
-        "1",
-        "--matchmaking-time",
-        str(run.matchmaking_time),
-        "--averaging-timeout",
-        str(run.averaging_timeout),
-        "--target-batch-size",
-        str(run.target_batch_size),
-        "--learning-rate",
-        str(run.learning_rate),
-    ]
+def child_config(config: Config, **peer_values: Any) -> Config:
+    """A demo peer's resolved config: the demo's whole [run] table and per-peer settings, with this peer's
+    own values (output folder, seed, addresses, initial peers, threads) on top."""
+    peer = {
+        "host_maddrs": [LOCALHOST],
+        "announce_maddrs": [],
+        "torch_threads": config.peer.torch_threads or 1,
+    }
+    return dataclasses.replace(config, peer=dataclasses.replace(config.peer, **{**peer, **peer_values}))
 
 
 class Swarm:
@@ -54,12 +48,17 @@ class Swarm:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: list = []
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, role: str, config: Config) -> subprocess.Popen:
+        """Start `cotrain ROLE --config NAME.toml`, the file holding this peer's whole resolved config."""
+        config_file = write_toml(config, self.out / f"{name}.toml")
         log = open(self.out / f"{name}.log", "w")
         self.logs.append(log)
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cotrain", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "cotrain", role, "--config", str(config_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         self.procs[name] = proc
         return proc
@@ -180,18 +179,8 @@ def run_demo(config: Config) -> int:
     try:
         swarm.start(
             "monitor",
-            [
-                "monitor",
-                *_common_args(config, root),
-                "--output-dir",
-                str(root / "monitor"),
-                "--refresh-period",
-                "1",
-                "--dashboard-port",
-                str(config.peer.dashboard_port),
-                "--dashboard-host",
-                config.peer.dashboard_host,
-            ],
+            "monitor",
+            child_config(config, output_dir=str(root / "monitor"), initial_peers=[], refresh_period=1.0),
         )
         peers_file = root / "monitor" / "initial_peers.txt"
         while not peers_file.exists():
@@ -204,25 +193,16 @@ def run_demo(config: Config) -> int:
         if url_file.exists():
             _say(f"live dashboard: {url_file.read_text().strip()}")
         for i in range(demo.peers):
-            swarm.start(
-                f"trainer{i}",
-                [
-                    "train",
-                    *_common_args(config, root),
-                    "--initial-peers",
-                    *initial,
-                    "--dataset-path",
-                    str(root / "data"),
-                    "--output-dir",
-                    str(root / f"trainer{i}"),
-                    "--seed",
-                    str(i + 1),
-                    "--per-device-train-batch-size",
-                    micro_batch_arg(config.peer.per_device_train_batch_size),
-                    "--statistics-expiration",
-                    "30",
-                ],
+            trainer = child_config(
+                config,
+                output_dir=str(root / f"trainer{i}"),
+                seed=config.peer.seed + i + 1,
+                initial_peers=initial,
+                dataset_path=str(root / "data"),
+                dataset_url="",
+                statistics_expiration=30.0,
             )
+            swarm.start(f"trainer{i}", "train", trainer)
         seen = 0
         while True:
             rows = _read_jsonl(metrics)

@@ -1,27 +1,31 @@
 """Process hygiene: every role runs as a thin supervisor plus a worker in its own process group.
 
 hivemind leaves its DHT process, its p2pd daemon and averager processes running when the main process
-dies, and
-they print tracebacks when Ctrl+C reaches the whole terminal group. So:
+dies, and they print tracebacks when Ctrl+C reaches the whole terminal group. So:
 
 - the supervisor (the process the user started) owns the signals: on Ctrl+C or SIGTERM it asks the worker
-  to stop
-  (SIGTERM), waits a grace period, then kills the worker's whole process group;
+  to stop (SIGTERM), waits a grace period, then kills the worker's whole process group;
 - the worker runs in a new session, so the terminal's Ctrl+C never reaches hivemind's children directly;
 - the worker watches its supervisor: if the supervisor vanishes (even by SIGKILL) the worker stops and,
-  after a
-  grace period, kills its own process group, hivemind's children included.
+  after a grace period, kills its own process group, hivemind's children included;
+- the worker gets the resolved config as a file (written by the supervisor into a private temporary
+  folder), never by parsing the user's command line again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
+
+from cotrain.config import Config, write_resolved
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +40,23 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def supervise(argv: list[str]) -> int:
-    """Run ``python -m cotrain._worker ARGV`` as a worker in its own session; return its exit code."""
+def supervise(role: str, config: Config) -> int:
+    """Run ``python -m cotrain._worker ROLE --resolved-config FILE`` as a worker in its own session, FILE
+    holding the resolved ``config`` (the worker never parses the user's command line again); return the
+    worker's exit code."""
+    folder = Path(tempfile.mkdtemp(prefix="cotrain-"))  # owner-only
+    try:
+        resolved = write_resolved(config, folder / "config.json")
+        return _run_worker(
+            [sys.executable, "-m", "cotrain._worker", role, "--resolved-config", str(resolved)]
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_worker(command: list[str]) -> int:
     env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
-    proc = subprocess.Popen([sys.executable, "-m", "cotrain._worker", *argv], start_new_session=True, env=env)
+    proc = subprocess.Popen(command, start_new_session=True, env=env)
     stop_requested: list[float] = []
 
     def on_signal(signum, frame):

@@ -4,7 +4,6 @@ so that logs written to files stay clean)."""
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from tqdm import tqdm
 
@@ -26,17 +25,17 @@ class StepProgress:
         )
         self.epoch, self.micro_steps = -1, 0
 
-    def update(self, opt: Any) -> None:
-        """Call after each optimizer step (``opt`` is the hivemind.Optimizer)."""
+    def update(self, step: int, samples_accumulated: int, num_peers: int) -> None:
+        """Call after each optimizer step: the global step this peer is at, the samples the swarm has
+        accumulated toward the next one, and the peers it counts."""
         if self.bar.disable:
             return
-        if opt.local_epoch != self.epoch:
-            self.epoch, self.micro_steps = opt.local_epoch, 0
+        if step != self.epoch:
+            self.epoch, self.micro_steps = step, 0
         self.micro_steps += 1
-        progress = opt.tracker.global_progress
-        self.bar.set_description_str(f"step {opt.local_epoch + 1}")
-        self.bar.n = min(int(progress.samples_accumulated), self.total)
-        self.bar.set_postfix_str(f"({self.micro_steps} local micro-steps, {progress.num_peers} peers)")
+        self.bar.set_description_str(f"step {step + 1}")
+        self.bar.n = min(int(samples_accumulated), self.total)
+        self.bar.set_postfix_str(f"({self.micro_steps} local micro-steps, {num_peers} peers)")
 
     def close(self) -> None:
         self.bar.close()

@@ -22,8 +22,7 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
     """The swarm's state as one dict (see cotrain.swarm.state.snapshot)."""
     import dataclasses
 
-    from cotrain.swarm.dht import create_dht
-    from cotrain.swarm.records import make_validators
+    from cotrain.engine.join import SwarmConnection, take_swarm_run
 
     peer = config.peer
     if not peer.initial_peers:
@@ -33,22 +32,19 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
     if peer.host_maddrs == PeerConfig().host_maddrs:  # not chosen: a client needs no public listener
         peer = dataclasses.replace(peer, host_maddrs=[LOOPBACK])
     peer = dataclasses.replace(peer, client_mode=True)
-    from cotrain.swarm.auth import access_for
-
-    validators, _ = make_validators(config.run.run_id)
-    access = access_for(config.run.run_id, peer.access_token, "")
-    dht = create_dht(peer, validators, client_mode=True, access=access)
+    connection = SwarmConnection(config.run.run_id, peer, role="status", client_mode=True)
     try:
+        run = config.run if config.run_given else take_swarm_run(connection, config.run)
         state: dict = {}
         for attempt in range(attempts):  # right after joining, the routing table may still be filling
-            state = read_snapshot(dht, config.run.run_id, config.run.target_batch_size)
+            state = read_snapshot(connection.dht, run.run_id, run.target_batch_size)
             if state["num_peers"]:
                 break
             time.sleep(0.5 * (attempt + 1))
         return state
     finally:
         try:
-            dht.shutdown()
+            connection.close()
         finally:
             _reap_children()
 
@@ -71,7 +67,8 @@ def describe(state: dict) -> str:
     pct = 100 * state["samples_accumulated"] / target if target else 0.0
     lines = [
         f"run {state['run_id']}: global step {state['global_step']}",
-        f"peers: {state['num_peers']} ({state['num_clients']} in client mode)",
+        f"peers: {state['num_peers']} ({state['num_clients']} in client mode"
+        + (f"; {state['departed_peers']} left recently)" if state.get("departed_peers") else ")"),
         f"next step: {state['samples_accumulated']} of {target} samples ({pct:.0f}%), "
         f"{state['samples_per_second']:.1f} samples/s, ETA {'unknown' if eta is None else f'{eta:.0f} s'}",
     ]

@@ -21,7 +21,7 @@ class SwarmView:
         self.steps: deque[dict] = deque(maxlen=HISTORY)
         self.alive: deque[tuple[float, int]] = deque(maxlen=PEER_HISTORY)
         self.state: dict = {}
-        self.checkpoint: dict | None = None  # filled in once the monitor keeps checkpoints
+        self.checkpoint: dict | None = None  # the newest checkpoint the monitor kept (record_checkpoint)
         self.evaluation: dict | None = None  # filled in once an evaluation peer reports
         self.evaluations: deque[dict] = deque(maxlen=EVAL_HISTORY)
         self.started = time.time()
@@ -36,6 +36,12 @@ class SwarmView:
             self.evaluations.append(dict(row))
             if self.evaluation is None or row["step"] >= self.evaluation["step"]:
                 self.evaluation = {k: v for k, v in row.items() if k != "kind"}
+
+    def record_checkpoint(self, step: int, path: str) -> None:
+        """The monitor kept a checkpoint of global step ``step`` in ``path``: the newest one is shown."""
+        with self._lock:
+            if self.checkpoint is None or step > self.checkpoint["step"]:
+                self.checkpoint = {"step": int(step), "path": str(path), "time": time.time()}
 
     def update(self, state: dict) -> None:
         with self._lock:

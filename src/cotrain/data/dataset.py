@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerFast
 
 from cotrain.data.albert import MIN_MAX_LENGTH
 from cotrain.data.errors import DataError
-from cotrain.data.fsutil import replace_dir, temp_dir_beside
+from cotrain.data.fsutil import check_replaceable, replace_dir, temp_dir_beside
 from cotrain.data.objectives import OBJECTIVES, SPLITS, BuildSpec, columns, schema
 from cotrain.data.pipeline import build_shards, read_spool, spool_documents
 from cotrain.data.shards import ShardWriter, read_shard, sha256_file
@@ -90,10 +90,11 @@ def write_atomically(out_dir: str | Path, build: Callable[[Path], dict[str, Any]
     """Run ``build(tmp)`` in a temporary folder beside ``out_dir`` and rename it into place once it
     returned; on any error (or Ctrl+C) the temporary folder is removed and ``out_dir`` is untouched."""
     out_dir = Path(out_dir).absolute()
+    check_replaceable(out_dir, MANIFEST, "a cotrain dataset")  # before any work: a user's folder is refused
     tmp = temp_dir_beside(out_dir)
     try:
         manifest = build(tmp)
-        replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir, MANIFEST, "a cotrain dataset")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -214,7 +215,8 @@ def prepare_dataset(
             logger.info(
                 "training a %s tokenizer (vocab_size=%d) on %d documents", kind, vocab_size, num_documents
             )
-            tokenizer = train_tokenizer(read_spool(spool), kind, vocab_size, tmp / TOKENIZER)
+            shown = num_documents if progress else None
+            tokenizer = train_tokenizer(read_spool(spool), kind, vocab_size, tmp / TOKENIZER, shown)
             entry = tokenizer_entry(tokenizer, tmp / TOKENIZER, kind)
         else:
             tokenizer = given

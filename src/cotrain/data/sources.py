@@ -18,6 +18,7 @@ from cotrain.data.albert import EXAMPLE_COLUMNS
 from cotrain.data.corpus import demo_corpus, read_text_files
 from cotrain.data.dataset import (
     DEFAULT_SHARD_SIZE,
+    MANIFEST,
     TOKENIZER,
     finish_manifest,
     prepare_dataset,
@@ -26,6 +27,7 @@ from cotrain.data.dataset import (
 )
 from cotrain.data.errors import DataError
 from cotrain.data.fetch import download, is_url
+from cotrain.data.fsutil import check_replaceable
 from cotrain.data.objectives import SPLITS, schema
 from cotrain.data.shards import ShardWriter
 from cotrain.data.tokenizer import load_tokenizer, save_tokenizer
@@ -193,6 +195,7 @@ def prepare_from_source(
             "no corpus: pass --text-files (WikiText or plain text), --dataset NAME, --recipe-data "
             "or --demo-corpus"
         )
+    check_replaceable(Path(out_dir).absolute(), MANIFEST, "a cotrain dataset")  # before reading any corpus
     if recipe_data:
         if options.get("objective", "sop+mlm") != "sop+mlm":
             raise DataError("the original recipe's data holds sop+mlm examples; drop --objective")

@@ -23,15 +23,17 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import PreTrainedTokenizerFast
 
 from cotrain.data.errors import DataError
-from cotrain.data.fsutil import replace_dir, temp_dir_beside
+from cotrain.data.fsutil import check_replaceable, replace_dir, temp_dir_beside
 
 logger = logging.getLogger(__name__)
 
 PAD, UNK, CLS, SEP, MASK = "<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4, in this order
 MODEL_MAX_LENGTH = 1_000_000
+TOKENIZER_CONFIG = "tokenizer_config.json"  # in every folder save_pretrained writes
 METASPACE = "▁"
 TOKENIZER_TYPES = ("unigram", "wordpiece", "bpe")
+Progress = int | None  # show the trainer's progress over this many texts (0: unknown); None: quiet
 # the tokenizer type trained for an objective unless --tokenizer-type says otherwise
 DEFAULT_TOKENIZER_TYPE = {"sop+mlm": "unigram", "mlm": "wordpiece", "clm": "bpe"}
 # the special tokens each objective needs from its tokenizer
@@ -44,7 +46,7 @@ WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 BPE_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 
-def _build_backend(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
+def _build_backend(vocab_size: int, texts: Iterable[str], progress: Progress) -> Tokenizer:
     tokenizer = Tokenizer(models.Unigram())
     tokenizer.normalizer = normalizers.Sequence(
         [normalizers.NFKC(), normalizers.Lowercase(), normalizers.Replace(Regex(" {2,}"), " ")]
@@ -58,9 +60,9 @@ def _build_backend(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
         special_tokens=list(SPECIAL_TOKENS),
         unk_token=UNK,
         max_piece_length=16,
-        show_progress=False,
+        show_progress=progress is not None,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=progress or None)
     ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
     if ids != list(range(len(SPECIAL_TOKENS))):
         raise RuntimeError(f"special tokens got ids {ids}, expected 0..4")
@@ -93,24 +95,25 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> N
     """``save_pretrained`` into a temporary folder beside ``out_dir``, then rename it into place
     (an existing ``out_dir`` is replaced only once the new one is complete)."""
     out_dir = Path(out_dir)
+    check_replaceable(out_dir, TOKENIZER_CONFIG, "a saved tokenizer")
     tmp = temp_dir_beside(out_dir)
     try:
         tokenizer.save_pretrained(str(tmp))
-        replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir, TOKENIZER_CONFIG, "a saved tokenizer")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _build_wordpiece(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
+def _build_wordpiece(vocab_size: int, texts: Iterable[str], progress: Progress) -> Tokenizer:
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=list(WORDPIECE_SPECIALS), show_progress=False
+        vocab_size=vocab_size, special_tokens=list(WORDPIECE_SPECIALS), show_progress=progress is not None
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=progress or None)
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -120,7 +123,7 @@ def _build_wordpiece(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
     return tokenizer
 
 
-def _build_bpe(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
+def _build_bpe(vocab_size: int, texts: Iterable[str], progress: Progress) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -128,9 +131,9 @@ def _build_bpe(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
         vocab_size=vocab_size,
         special_tokens=list(BPE_SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress is not None,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=progress or None)
     bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
@@ -161,17 +164,18 @@ def _wrap_other(backend: Tokenizer, kind: str) -> PreTrainedTokenizerFast:
 
 
 def train_tokenizer(
-    texts: Iterable[str], kind: str, vocab_size: int, out_dir: str | Path
+    texts: Iterable[str], kind: str, vocab_size: int, out_dir: str | Path, progress: Progress = None
 ) -> PreTrainedTokenizerFast:
     """Train a tokenizer of type ``kind`` (one of ``TOKENIZER_TYPES``) on ``texts`` and save it to
-    ``out_dir`` atomically with ``save_pretrained``."""
+    ``out_dir`` atomically with ``save_pretrained``. With ``progress`` (the number of texts; 0 when
+    unknown), the trainer shows its progress bars on stderr."""
     if kind == "unigram":
-        return train_albert_tokenizer(texts, vocab_size, out_dir)
+        return train_albert_tokenizer(texts, vocab_size, out_dir, progress)
     if kind not in TOKENIZER_TYPES:
         raise DataError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
     if vocab_size <= len(SPECIAL_TOKENS):
         raise DataError(f"vocab_size must be larger than {len(SPECIAL_TOKENS)}, got {vocab_size}")
-    backend = (_build_wordpiece if kind == "wordpiece" else _build_bpe)(vocab_size, texts)
+    backend = (_build_wordpiece if kind == "wordpiece" else _build_bpe)(vocab_size, texts, progress)
     if backend.get_vocab_size() <= len(SPECIAL_TOKENS) + (256 if kind == "bpe" else 0):
         raise DataError("tokenizer training saw no text: the corpus is empty")
     tokenizer = _wrap_other(backend, kind)
@@ -181,14 +185,14 @@ def train_tokenizer(
 
 
 def train_albert_tokenizer(
-    texts: Iterable[str], vocab_size: int, out_dir: str | Path
+    texts: Iterable[str], vocab_size: int, out_dir: str | Path, progress: Progress = None
 ) -> PreTrainedTokenizerFast:
     """Train a Unigram (SentencePiece-style) tokenizer with ALBERT's special tokens on ``texts`` and
     save it to ``out_dir`` atomically. ``vocab_size`` includes the 5 special tokens; on a small
-    corpus the trainer may stop below it."""
+    corpus the trainer may stop below it. ``progress``: as for ``train_tokenizer``."""
     if vocab_size <= len(SPECIAL_TOKENS):
         raise DataError(f"vocab_size must be larger than {len(SPECIAL_TOKENS)}, got {vocab_size}")
-    backend = _build_backend(vocab_size, texts)
+    backend = _build_backend(vocab_size, texts, progress)
     if backend.get_vocab_size() <= len(SPECIAL_TOKENS):
         raise DataError("tokenizer training saw no text: the corpus is empty")
     tokenizer = _wrap(backend)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -21,15 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cotrain import faults
 from cotrain.config import Config
 from cotrain.errors import UserError
-from cotrain.swarm.auth import AccessWatcher, access_for
-from cotrain.swarm.dht import create_dht
-from cotrain.swarm.records import MAX_PERPLEXITY, EvalMetrics, make_validators, publish_evaluation
+from cotrain.swarm.records import MAX_PERPLEXITY, EvalMetrics, publish_evaluation
 
 logger = logging.getLogger(__name__)
 
-SAVE_EVALUATED_ENV = "COTRAIN_DEBUG_SAVE_EVALUATED"  # set: also save each evaluated state to OUTPUT/evaluated
 IGNORE_INDEX = -100
 
 
@@ -101,22 +98,34 @@ class Evaluator:
         self.config = config
         self.stop = stop
         self.dht = None
+        self.connection = None
         self.keeper = None
         self.last_step = -1
 
     def run(self) -> int:
-        run, peer = self.config.run, self.config.peer
-        if peer.torch_threads:
-            torch.set_num_threads(peer.torch_threads)
-        from cotrain.data import ExampleStream
+        from cotrain.data import ExampleStream, tokenizer_hash
+        from cotrain.engine.join import SwarmConnection, take_swarm_settings
         from cotrain.models import collator_for_run
+        from cotrain.roles.keeper import StateKeeper
+        from cotrain.swarm.served import served_epochs
 
+        peer = self.config.peer
         source = peer.dataset_url or peer.dataset_path
         if not source or (peer.dataset_url and peer.dataset_path):
             raise UserError(
                 "give one of --dataset-path (a folder made by `cotrain prepare`) or --dataset-url (the URL "
                 "of one on an HTTP server): its validation split is what the evaluation peer measures"
             )
+        # a client: it only downloads state and writes its record, so it never needs to be reachable; a
+        # private swarm: it stops with one line when its token is refused (expired, revoked)
+        self.connection = connection = SwarmConnection(
+            self.config.run.run_id, peer, role="eval", client_mode=True, stop=self.stop
+        )
+        self.dht = connection.dht
+        take_swarm_settings(connection, self.config)  # only an address: the swarm's settings
+        run = self.config.run
+        if peer.torch_threads:
+            torch.set_num_threads(peer.torch_threads)
         with ExampleStream(
             source, seed=peer.seed, cache_dir=peer.cache_dir or None, split="validation"
         ) as data:
@@ -128,22 +137,10 @@ class Evaluator:
             tokenizer = data.tokenizer
             collator = collator_for_run(run, tokenizer, seed=peer.seed)
             batches = fixed_batches(data, collator, peer.eval_batches, peer.per_device_eval_batch_size)
-        validators, public_key = make_validators(run.run_id)
-        # a client: it only downloads state and writes its record, so it never needs to be reachable
-        access = access_for(run.run_id, peer.access_token, "")  # a private swarm: the token file
-        self.dht = create_dht(peer, validators, client_mode=True, access=access)
-        watcher = None  # a private swarm: stops with one line when its token is refused (expired, revoked)
-        if access is not None:
-            watcher = AccessWatcher(self.dht, peer.initial_peers, self.stop)
-            watcher.start()
-        from cotrain.data import tokenizer_hash
-        from cotrain.swarm.configrecord import join_check, make_record
-        from cotrain.swarm.keeper import StateKeeper, served_epochs
-
         # measuring another model than the swarm's would be meaningless: refuse a differing config (it only
         # reads the swarm's config records and publishes none: it is not one of the run's trainers)
-        mine = make_record(run, "eval", tokenizer_hash(tokenizer))
-        join_check(self.dht, run.run_id, mine, public_key, peer.initial_peers)
+        connection.agree(run, tokenizer_hash(tokenizer), publish=False)
+        public_key = connection.public_key
 
         self.keeper = StateKeeper(
             self.dht, self.config, tokenizer, Path(peer.output_dir) / "evaluated", self.stop
@@ -163,8 +160,8 @@ class Evaluator:
             elif self._load():
                 self._evaluate(batches, tokenizer, public_key)
             self.stop.wait(max(0.0, peer.eval_every - (time.monotonic() - started)))
-        if watcher is not None and watcher.refusal:
-            raise UserError(watcher.refusal)
+        if connection.refusal:
+            raise UserError(connection.refusal)
         return 0
 
     def _load(self) -> bool:
@@ -187,7 +184,7 @@ class Evaluator:
         with averager.lock_averaged_tensors:
             step = averager.local_epoch
             result = evaluate(model, batches, run.objective)
-            if os.environ.get(SAVE_EVALUATED_ENV):  # tests recompute the metrics from the very weights
+            if faults.enabled(faults.SAVE_EVALUATED):  # tests recompute the metrics from the very weights
                 self._save(step, tokenizer)
         self.last_step = step
         try:
@@ -225,5 +222,5 @@ class Evaluator:
     def close(self) -> None:
         if self.keeper is not None:
             self.keeper.shutdown()
-        if self.dht is not None:
-            self.dht.shutdown()
+        if self.connection is not None:
+            self.connection.close()

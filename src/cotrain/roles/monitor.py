@@ -8,18 +8,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cotrain.checkpoints import step_dir
 from cotrain.config import Config
 from cotrain.dashboard.view import SwarmView
+from cotrain.engine.join import SwarmConnection, take_swarm_settings
 from cotrain.sinks import SinkSet, build_sinks
-from cotrain.swarm.auth import access_for
-from cotrain.swarm.configrecord import ConfigPublisher, agree_and_publish
-from cotrain.swarm.dht import create_dht, visible_maddrs
-from cotrain.swarm.records import EvalMetrics, LocalMetrics, make_validators, read_evaluations, read_metrics
+from cotrain.swarm.records import EvalMetrics, LocalMetrics, read_evaluations, read_metrics
 from cotrain.swarm.state import read_progress, snapshot
 
 if TYPE_CHECKING:
     from cotrain.hub import HubUploader
-    from cotrain.swarm.keeper import StateKeeper
+    from cotrain.roles.keeper import StateKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +92,23 @@ class Monitor:
         self.keeper: StateKeeper | None = None
         self.uploader: HubUploader | None = None
         self.evaluations_seen: dict[bytes, tuple[int, float]] = {}
-        self.config_publisher: ConfigPublisher | None = None
+        self.connection: SwarmConnection | None = None
 
     def run(self) -> int:
-        run, peer = self.config.run, self.config.peer
-        out = Path(peer.output_dir)
+        out = Path(self.config.peer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "initial_peers.txt").unlink(missing_ok=True)  # a previous run's: written again once ready
-        validators, public_key = make_validators(run.run_id)
-        access = access_for(run.run_id, "", peer.authority_key)  # a private swarm: admits token holders only
-        self.dht = create_dht(peer, validators, client_mode=False, access=access)
-        self.config_publisher = agree_and_publish(self.dht, run, public_key, "monitor", peer.initial_peers)
-        maddrs = visible_maddrs(self.dht)
-        join = join_command(maddrs, run.run_id, private=access is not None)
+        # a private swarm (--authority-key): the monitor admits token holders only
+        self.connection = connection = SwarmConnection(
+            self.config.run.run_id, self.config.peer, role="monitor", client_mode=False, stop=self.stop
+        )
+        self.dht = connection.dht
+        if self.config.peer.initial_peers:  # a second monitor of a running swarm, given only its address
+            take_swarm_settings(connection, self.config)
+        run, peer = self.config.run, self.config.peer
+        connection.agree(run)
+        maddrs = connection.maddrs()
+        join = join_command(maddrs, run.run_id, private=connection.access is not None)
         self.sinks = build_sinks(out, run.run_id, peer.tensorboard_dir, peer.wandb_project)
         view = SwarmView(run.run_id, join, run.target_batch_size)
         self._start_dashboard(view, out)
@@ -124,17 +127,21 @@ class Monitor:
                 continue
             state = snapshot(run.run_id, run.target_batch_size, records, progress)
             view.update(state)
+            if self.keeper is not None and (saved := self.keeper.saved_step) >= 0:  # the checkpoint card
+                view.record_checkpoint(saved, str(step_dir(self.keeper.root, saved)))
             self._log_evaluations(view)
             if self.prometheus is not None:
                 self.prometheus.write(state["global_step"], state)
             if not records:
                 continue
             latest = max(r.step for r in records.values())
+            if self.keeper is not None:
+                self.keeper.notice_step(latest)
+                if self.keeper.global_step > self.keeper.saved_step and connection.peers_in_role("leaving"):
+                    self.keeper.notice_leaving()  # trainers are done: their final state is due now
             if latest == current_step:
                 continue
             current_step = latest
-            if self.keeper is not None:
-                self.keeper.notice_step(latest)
             line = aggregate(latest, records)
             self.sinks.write(latest, line)
             view.add_step(line)
@@ -203,7 +210,7 @@ class Monitor:
                 "--dataset-url or --tokenizer-path"
             )
             return
-        from cotrain.swarm.keeper import StateKeeper
+        from cotrain.roles.keeper import StateKeeper
 
         self.keeper = StateKeeper(self.dht, self.config, tokenizer, root, self.stop)
         if peer.resume:
@@ -250,13 +257,11 @@ class Monitor:
         logger.info(f"Dashboard: {self.dashboard.url}")
 
     def close(self) -> None:
-        if self.config_publisher is not None:
-            self.config_publisher.close()
         if self.keeper is not None:
             self.keeper.shutdown()
         if self.dashboard is not None:
             self.dashboard.close()
         if self.sinks is not None:
             self.sinks.close()
-        if self.dht is not None:
-            self.dht.shutdown()
+        if self.connection is not None:
+            self.connection.close()

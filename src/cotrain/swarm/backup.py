@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-CORRUPT_AT_STEP_ENV = "COTRAIN_DEBUG_CORRUPT_PARAMS_AT_STEP"  # tests: turn parameters to NaN at this step
 
 
 def tensors_finite(tensors) -> bool:
@@ -38,7 +35,6 @@ class BackupGuard:
         self.params: list[torch.Tensor] = []
         self.optimizer_state: dict | None = None
         self.restores = 0
-        self._corrupt_at = int(os.environ.get(CORRUPT_AT_STEP_ENV, "0") or 0)
 
     @property
     def enabled(self) -> bool:
@@ -68,7 +64,6 @@ class BackupGuard:
         Returns True if the state was restored."""
         if not self.enabled:
             return False
-        self._maybe_corrupt()
         if not self.parameters_finite():
             self.restore(f"non-finite parameters after global step {self.opt.local_epoch}")
             return True
@@ -109,17 +104,3 @@ class BackupGuard:
             opt.load_state_from_peers()
         if not self.parameters_finite():  # neither the backup nor the swarm: keep what is finite at least
             logger.error("The parameters are still not finite after restoring; training goes on regardless")
-
-    def _maybe_corrupt(self) -> None:
-        """Test hook: with COTRAIN_DEBUG_CORRUPT_PARAMS_AT_STEP=N, fill one parameter with NaN (as a diverging
-        optimizer step would) once this peer reaches global step N."""
-        if not self._corrupt_at or self.opt.local_epoch < self._corrupt_at:
-            return
-        self._corrupt_at = 0
-        averager = self.opt.state_averager
-        with averager.lock_averaged_tensors, torch.no_grad():
-            averager.main_parameters[0].fill_(float("nan"))
-            _optimizer_parameters(averager)[0].fill_(float("nan"))
-        logger.warning(
-            f"{CORRUPT_AT_STEP_ENV}: filled a parameter with NaN at global step {self.opt.local_epoch}"
-        )

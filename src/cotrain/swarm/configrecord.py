@@ -13,7 +13,6 @@ its own run can name the runs that this DHT does carry (a mistyped ``--run-id``)
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -25,14 +24,13 @@ from typing import Any
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from pydantic.v1 import BaseModel, confloat, constr, root_validator
 
-from cotrain.config import RunConfig
 from cotrain.errors import UserError
+from cotrain.swarm.keys import RUNS_KEY, config_key
 
 logger = logging.getLogger(__name__)
 
 CONFIG_EXPIRATION = 90.0  # seconds a published config record stays valid
 REPUBLISH_EVERY = 20.0  # seconds between republications while the peer runs
-RUNS_KEY = "cotrain_runs"
 MAX_CONFIG_CHARS = 20_000
 
 
@@ -40,8 +38,9 @@ class ConfigMismatch(UserError):
     """This peer's swarm-wide settings differ from the swarm's."""
 
 
-def canonical(run: RunConfig) -> str:
-    return json.dumps(dataclasses.asdict(run), sort_keys=True, separators=(",", ":"))
+def canonical(fields: dict) -> str:
+    """A run config's fields (a dict) as canonical JSON: the same settings give the same text and hash."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
 def text_hash(text: str) -> str:
@@ -51,11 +50,12 @@ def text_hash(text: str) -> str:
 class ConfigRecord(BaseModel):
     """One peer's swarm-wide settings as published to the DHT."""
 
-    config: constr(min_length=2, max_length=MAX_CONFIG_CHARS, strict=True)  # canonical JSON of RunConfig
+    config: constr(min_length=2, max_length=MAX_CONFIG_CHARS, strict=True)  # canonical JSON of the run config
     hash: constr(regex=r"^[0-9a-f]{16}$", strict=True)  # text_hash(config)
     tokenizer_hash: constr(regex=r"^[0-9a-f]{0,64}$", strict=True) = ""  # "" when the peer has none
-    role: constr(regex=r"^[a-z]{0,16}$", strict=True) = ""
+    role: constr(regex=r"^[a-z]{0,16}$", strict=True) = ""  # trainer, monitor, ...; "leaving": done training
     time: confloat(ge=0.0, le=1e11, strict=True) = 0.0
+    peer_id: constr(regex=r"^[1-9A-HJ-NP-Za-km-z]{0,128}$", strict=True) = ""  # its libp2p peer id (base58)
 
     @root_validator(skip_on_failure=True)
     def _hash_matches(cls, values: dict) -> dict:
@@ -85,14 +85,16 @@ def schema_validators(run_id: str) -> list[SchemaValidator]:
     return [SchemaValidator(ConfigSchema, prefix=run_id), SchemaValidator(RunsSchema)]
 
 
-def config_key(run_id: str) -> str:
-    return f"{run_id}_config"
-
-
-def make_record(run: RunConfig, role: str, tokenizer_hash: str = "") -> ConfigRecord:
-    text = canonical(run)
+def make_record(fields: dict, role: str, tokenizer_hash: str = "", peer_id: str = "") -> ConfigRecord:
+    """This peer's record of its run config ``fields`` (the swarm-wide settings, as a dict)."""
+    text = canonical(fields)
     return ConfigRecord(
-        config=text, hash=text_hash(text), tokenizer_hash=tokenizer_hash, role=role, time=time.time()
+        config=text,
+        hash=text_hash(text),
+        tokenizer_hash=tokenizer_hash,
+        role=role,
+        time=time.time(),
+        peer_id=peer_id,
     )
 
 
@@ -215,16 +217,13 @@ class ConfigPublisher(threading.Thread):
             if self._closed.wait(REPUBLISH_EVERY):
                 return
 
+    def announce(self, role: str) -> None:
+        """Publish this peer's record again now, with another role (e.g. "leaving")."""
+        self.record = self.record.copy(update={"role": role, "time": time.time()})
+        try:
+            self.publish()
+        except Exception as e:
+            logger.debug(f"publishing the config record failed: {e!r}")
+
     def close(self) -> None:
         self._closed.set()
-
-
-def agree_and_publish(
-    dht: Any, run: RunConfig, public_key: bytes, role: str, initial_peers: list, tokenizer_hash: str = ""
-) -> ConfigPublisher:
-    """Check this peer's config against the swarm's (raising ConfigMismatch), then keep publishing it."""
-    mine = make_record(run, role, tokenizer_hash)
-    join_check(dht, run.run_id, mine, public_key, initial_peers)
-    publisher = ConfigPublisher(dht, run.run_id, public_key, mine)
-    publisher.start()
-    return publisher

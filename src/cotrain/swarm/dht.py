@@ -11,7 +11,6 @@ from pathlib import Path
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
-from cotrain.config import PeerConfig
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class SwarmDHT(hivemind.DHT):
     """hivemind's DHT whose serving process survives requests from peers' processes that have exited.
 
     In a private swarm it carries the peer's access control (set before its process starts), and averager
-    processes get a P2P that checks access tokens from ``replicate_p2p`` (see cotrain.swarm.auth)."""
+    processes get a P2P that checks access tokens from ``replicate_p2p`` (see cotrain.access)."""
 
     def __init__(self, *args, access=None, **kwargs) -> None:
         self.access = access
@@ -102,7 +101,7 @@ class SwarmDHT(hivemind.DHT):
     async def replicate_p2p(self):
         if self.access is None:
             return await super().replicate_p2p()
-        from cotrain.swarm.guard import replicate_guarded
+        from cotrain.access import replicate_guarded
 
         return await replicate_guarded(self)
 
@@ -141,32 +140,41 @@ def announce_public_address(host_maddrs: list[str], target: tuple[str, int] = GO
 
 
 def create_dht(
-    peer: PeerConfig,
-    record_validators: list,
     *,
-    client_mode: bool | None = None,
+    initial_peers: list[str] = (),
+    host_maddrs: list[str] = ("/ip4/0.0.0.0/tcp/0",),
+    announce_maddrs: list[str] = (),
+    identity_path: str = "",
+    client_mode: bool = False,
+    use_google_dns: bool = False,
+    use_ipfs: bool = False,
+    nat_port_map: bool = False,
+    use_relay: bool = True,
+    use_auto_relay: bool = False,
+    startup_timeout: float = 20.0,
+    record_validators: list = (),
     wait_timeout: float = 10.0,
     access=None,
 ) -> hivemind.DHT:
     """Start this process's DHT node; raise UserError with one line when the swarm cannot be reached.
 
-    ``access`` (cotrain.swarm.auth.AccessControl) makes it a peer of a private swarm: its requests carry
-    its token and it refuses those without a valid one."""
-    initial_peers = parse_maddrs(peer.initial_peers, "initial peer")
-    host_maddrs = parse_maddrs(peer.host_maddrs, "listen")
-    announce_maddrs = parse_maddrs(peer.announce_maddrs, "announce")
-    if peer.use_google_dns:
+    ``access`` (cotrain's AccessControl) makes it a peer of a private swarm: its requests carry its token and
+    it refuses those without a valid one."""
+    initial_peers = parse_maddrs(list(initial_peers), "initial peer")
+    host_maddrs = parse_maddrs(list(host_maddrs), "listen")
+    announce_maddrs = parse_maddrs(list(announce_maddrs), "announce")
+    if use_google_dns:
         announce_maddrs += announce_public_address(host_maddrs)
-    client = peer.client_mode if client_mode is None else client_mode
+    record_validators = list(record_validators)
     identity: dict = {}
-    if peer.identity_path:
+    if identity_path:
         from cotrain.swarm.identity import check_identity_free, ensure_identity
 
-        peer_id = ensure_identity(peer.identity_path)
-        check_identity_free(peer.identity_path, peer_id, initial_peers, peer.startup_timeout)
+        peer_id = ensure_identity(identity_path)
+        check_identity_free(identity_path, peer_id, initial_peers, startup_timeout)
         # checked above; hivemind's own check would start a node with router port mapping on
         identity = {
-            "identity_path": str(Path(peer.identity_path).expanduser()),
+            "identity_path": str(Path(identity_path).expanduser()),
             "check_if_identity_free": False,
         }
     private: dict = {}
@@ -177,23 +185,23 @@ def create_dht(
         dht = SwarmDHT(
             **private,
             initial_peers=initial_peers,
-            client_mode=client,
+            client_mode=client_mode,
             record_validators=record_validators,
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs or None,
             **identity,
-            use_ipfs=peer.use_ipfs,
-            nat_port_map=peer.nat_port_map,
-            use_relay=peer.use_relay,
-            use_auto_relay=peer.use_auto_relay,
-            startup_timeout=peer.startup_timeout,
+            use_ipfs=use_ipfs,
+            nat_port_map=nat_port_map,
+            use_relay=use_relay,
+            use_auto_relay=use_auto_relay,
+            startup_timeout=startup_timeout,
             wait_timeout=wait_timeout,
             start=True,
         )
     except Exception as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if initial_peers and ("bootstrap" in text or "initial" in text or "connect" in text):
-            from cotrain.swarm.auth import probe_refusal, refused_message
+            from cotrain.access import probe_refusal, refused_message
 
             reason = probe_refusal(initial_peers, access)  # a private swarm says why it refused this peer
             if reason is not None:
@@ -207,7 +215,7 @@ def create_dht(
             raise UserError(f"cannot listen on {', '.join(host_maddrs)}: address already in use") from None
         raise UserError(f"the network layer failed to start: {text}") from None
     if access is not None:
-        from cotrain.swarm.auth import start_access_service
+        from cotrain.access import start_access_service
 
         dht.run_coroutine(start_access_service)
     return dht

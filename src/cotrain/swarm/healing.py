@@ -208,8 +208,8 @@ def adopt_swarm_state(opt: SwarmOptimizer, run_id: str, timeout: float, should_s
     than this peer's (after training alone, its own steps are not the swarm's). Call it from the training
     thread, between two optimizer steps. Tries the peers that serve the state until one delivers, for up to
     ``timeout`` seconds. Returns True if the swarm's state was loaded."""
-    from cotrain.swarm.keeper import served_epochs
     from cotrain.swarm.optimizer import load_state_bounded
+    from cotrain.swarm.served import served_epochs
 
     averager = opt.state_averager
     me = opt.dht.peer_id.to_bytes()

@@ -1,4 +1,4 @@
-"""The collaborative optimizer: hivemind.Optimizer configured from a RunConfig, reporting its group sizes."""
+"""The collaborative optimizer: hivemind.Optimizer with bounded state downloads, reporting its group sizes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import hivemind
 import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, RoleAdaptiveCompression
 
-from cotrain.config import PeerConfig, RunConfig
 from cotrain.swarm import fixes
-from cotrain.swarm.averaging import gradient_averager_factory
 
 logger = logging.getLogger(__name__)
 
@@ -69,95 +67,34 @@ class SwarmOptimizer(hivemind.Optimizer):
         return False
 
 
-def build_optimizer(
-    dht: hivemind.DHT,
-    run: RunConfig,
-    peer: PeerConfig,
-    params: list[dict],
-    optimizer_factory: Callable,
-    scheduler_factory: Callable,
-    batch_size_per_step: int,
-) -> SwarmOptimizer:
-    averager_opts: dict = {
-        "target_group_size": peer.target_group_size,
-        "request_timeout": request_timeout(run.matchmaking_time),
-    }
-    if peer.bandwidth > 0:
-        averager_opts["bandwidth"] = peer.bandwidth
-    return SwarmOptimizer(
-        dht=dht,
-        # hivemind keeps client_mode=None (read as "not a client") unless a value is given, and then uses the
-        # DHT's: a client would try to serve its state and fail at its first global step
-        client_mode=dht.client_mode,
-        run_id=run.run_id,
-        params=params,
-        optimizer=optimizer_factory,
-        scheduler=scheduler_factory,
-        target_batch_size=max(1, run.target_batch_size - peer.batch_size_lead),
-        batch_size_per_step=batch_size_per_step,
-        matchmaking_time=run.matchmaking_time,
-        averaging_timeout=run.averaging_timeout,
-        load_state_timeout=peer.load_state_timeout,
-        grad_compression=gradient_compression(run),
-        state_averaging_compression=state_compression(run),
-        load_state_compression=LOAD_STATE_COMPRESSION,
-        average_state_every=1,
-        offload_optimizer=peer.offload_optimizer,
-        delay_optimizer_step=peer.delay_optimizer_step or peer.delay_grad_averaging,
-        delay_grad_averaging=peer.delay_grad_averaging,
-        delay_state_averaging=peer.delay_state_averaging,
-        averager_opts=averager_opts,
-        # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
-        grad_averager_factory=gradient_averager_factory(averager_opts),
-        tracker_opts=tracker_options(run, peer),
-        performance_ema_alpha=peer.performance_ema_alpha,
-        verbose=peer.verbose,
-    )
-
-
 # A newcomer downloads parameters and optimizer statistics in full precision: fp16 would flush LAMB/Adam
 # second moments (often below 1e-8) to zero and change the parameters it starts from.
 LOAD_STATE_COMPRESSION = NoCompression()
 
 
-def build_model_optimizer(
-    dht: hivemind.DHT, run: RunConfig, peer: PeerConfig, model: torch.nn.Module, batch_size_per_step: int
-) -> SwarmOptimizer:
-    """A trainer's optimizer for ``model``: the run's optimizer and schedule by name, no weight decay on
-    biases and LayerNorm weights."""
-    from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
-
-    groups = parameter_groups(model, run.weight_decay)
-    return build_optimizer(
-        dht, run, peer, groups, optimizer_factory(run), scheduler_factory(run), batch_size_per_step
-    )
-
-
-def gradient_compression(run: RunConfig) -> CompressionBase:
+def gradient_compression(name: str) -> CompressionBase:
     """Gradients averaged in fp16 with --grad-compression fp16 (the default)."""
-    return Float16Compression() if run.grad_compression == "fp16" else NoCompression()
+    return Float16Compression() if name == "fp16" else NoCompression()
 
 
-def state_compression(run: RunConfig) -> CompressionBase:
+def state_compression(name: str) -> CompressionBase:
     """State averaging: parameters in fp16 with --grad-compression fp16; tensors tagged as optimizer
     statistics (LAMB/Adam moments, when averaged) and anything untagged stay in full precision."""
-    if run.grad_compression != "fp16":
+    if name != "fp16":
         return NoCompression()
     return RoleAdaptiveCompression(
         parameter=Float16Compression(), optimizer=NoCompression(), default=NoCompression()
     )
 
 
-def tracker_options(run: RunConfig, peer: PeerConfig) -> dict:
-    """hivemind ProgressTracker's tuning from the peer's options."""
-    max_refresh = peer.max_refresh_period or max(1.0, run.matchmaking_time * 2)
+def tracker_options(matchmaking_time: float, settings: dict) -> dict:
+    """hivemind ProgressTracker's tuning from the peer's settings (min/max/default refresh periods, expected
+    drift, metadata expiration); a max refresh period of 0 means twice the matchmaking time, at least 1 s."""
+    max_refresh = settings["max_refresh_period"] or max(1.0, matchmaking_time * 2)
     return {
-        "min_refresh_period": min(peer.min_refresh_period, max_refresh),
+        **settings,
+        "min_refresh_period": min(settings["min_refresh_period"], max_refresh),
         "max_refresh_period": max_refresh,
-        "default_refresh_period": peer.default_refresh_period,
-        "expected_drift_peers": peer.expected_drift_peers,
-        "expected_drift_rate": peer.expected_drift_rate,
-        "metadata_expiration": peer.metadata_expiration,
     }
 
 

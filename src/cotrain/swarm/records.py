@@ -18,6 +18,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from pydantic.v1 import BaseModel, StrictBool, confloat, conint, constr
 
 from cotrain.swarm.configrecord import schema_validators
+from cotrain.swarm.keys import eval_key, metrics_key
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +66,6 @@ class EvalMetrics(BaseModel):
 
 class EvalSchema(BaseModel):
     eval: dict[BytesWithPublicKey, EvalMetrics]
-
-
-def metrics_key(run_id: str) -> str:
-    return f"{run_id}_metrics"
-
-
-def eval_key(run_id: str) -> str:
-    return f"{run_id}_eval"
 
 
 def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:

@@ -12,13 +12,10 @@ import logging
 import time
 from typing import Any
 
+from cotrain.swarm.keys import progress_key
 from cotrain.swarm.records import EvalMetrics, LocalMetrics, read_evaluations, read_metrics, read_records
 
 logger = logging.getLogger(__name__)
-
-
-def progress_key(run_id: str) -> str:
-    return f"{run_id}_progress"
 
 
 def read_progress(dht: Any, run_id: str) -> dict[bytes, Any]:
@@ -49,9 +46,17 @@ def snapshot(
     progress: dict[bytes, Any],
     now: float | None = None,
 ) -> dict:
-    """A JSON-ready view: the global step, every peer, the samples accumulated toward the next step and
-    its ETA (estimated as hivemind's tracker does: accumulated + elapsed x rate, over the swarm's rate)."""
+    """A JSON-ready view: the global step, every alive peer, the samples accumulated toward the next step and
+    its ETA (estimated as hivemind's tracker does: accumulated + elapsed x rate, over the swarm's rate).
+
+    A peer is alive while its progress record is: hivemind refreshes it every half ``metadata_expiration``
+    while the peer trains and clears it when the peer stops, and the DHT drops it once expired. A metrics
+    record outlives its peer (it is published once per global step and kept ``statistics_expiration``, 600 s
+    by default): a peer with only a metrics record has left (or fell behind and is catching up), so it is
+    counted under ``departed_peers`` and neither as a peer nor in the throughput."""
     now = time.time() if now is None else now
+    departed = [m for key, m in metrics.items() if key not in progress]
+    metrics = {key: m for key, m in metrics.items() if key in progress}
     peers: dict[bytes, dict] = {}
     for key, m in metrics.items():
         peers[key] = {
@@ -70,7 +75,7 @@ def snapshot(
         row["step"] = max(row["step"], p.epoch)
         row["last_seen"] = max(row["last_seen"], p.time)
     servers = [p.epoch for p in progress.values() if not p.client_mode]
-    step = max(servers or [p.epoch for p in progress.values()] or [m.step for m in metrics.values()] or [0])
+    step = max(servers or [p.epoch for p in progress.values()] or [m.step for m in departed] or [0])
     current = [p for p in progress.values() if p.epoch == step]
     accumulated = sum(p.samples_accumulated for p in current)
     estimated = sum(p.samples_accumulated + max(0.0, now - p.time) * p.samples_per_second for p in current)
@@ -92,6 +97,7 @@ def snapshot(
         "peers": rows,
         "num_peers": len(rows),
         "num_clients": sum(bool(r.get("client_mode")) for r in rows),
+        "departed_peers": len(departed),
         "samples_accumulated": accumulated,
         "target_batch_size": target_batch_size,
         "samples_per_second": throughput,

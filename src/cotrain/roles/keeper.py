@@ -27,29 +27,12 @@ from cotrain.data.tokenizer import tokenizer_hash
 from cotrain.errors import UserError
 from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
 from cotrain.swarm import fixes
+from cotrain.swarm.keys import state_averager_prefix
 from cotrain.swarm.optimizer import request_timeout
 
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 10.0  # after a failed download, wait at least this long (or for a newer step) before the next
-
-
-def state_prefix(run_id: str) -> str:
-    """The DHT prefix of hivemind.Optimizer's state averager (see hivemind/optim/optimizer.py)."""
-    return f"{run_id}_state_averager"
-
-
-def served_epochs(dht: hivemind.DHT, run_id: str) -> dict[bytes, float]:
-    """Peers that declare they serve the run's state, with their priority (their global step)."""
-    found = dht.get(f"{state_prefix(run_id)}.all_averagers", latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    out = {}
-    for peer, item in found.value.items():
-        value = getattr(item, "value", None)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            out[peer] = float(value)
-    return out
 
 
 class StateKeeper:
@@ -69,19 +52,20 @@ class StateKeeper:
         fixes.apply()
         self.averager = TrainingStateAverager(
             dht=dht,
-            prefix=state_prefix(run.run_id),
+            prefix=state_averager_prefix(run.run_id),
             optimizer=optimizer_factory(run),
             params=parameter_groups(self.model, run.weight_decay),
             scheduler=scheduler_factory(run),
             state_compression=NoCompression(),  # full precision: optimizer moments must not be flushed
-            min_matchmaking_time=run.matchmaking_time,
-            request_timeout=request_timeout(run.matchmaking_time),
+            min_matchmaking_time=peer.matchmaking_time,
+            request_timeout=request_timeout(peer.matchmaking_time),
             allow_state_sharing=False,  # until there is a state worth serving
             status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
             start=True,
         )
         self.saved_step = -1
         self.global_step = -1
+        self.final_wanted = False  # trainers are leaving: their final state is due now
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -117,8 +101,20 @@ class StateKeeper:
             self.global_step = step
             self._wake.set()
 
+    def notice_leaving(self) -> None:
+        """Called when trainers announce they are done: checkpoint their final state now, whatever
+        --save-every says, while they still serve it."""
+        if self.global_step > self.saved_step and not self.final_wanted:
+            logger.info(
+                f"Trainers are leaving: checkpointing their final state (global step ~{self.global_step})"
+            )
+            self.final_wanted = True
+            self._wake.set()
+
     def _due(self) -> bool:
         every = self.config.peer.save_every
+        if self.final_wanted and self.global_step > self.saved_step:
+            return True
         return self.global_step > 0 and self.global_step >= max(self.saved_step, 0) + every
 
     def _loop(self) -> None:
@@ -162,6 +158,8 @@ class StateKeeper:
                 source="monitor",
             )
         self.saved_step = step
+        if step >= self.global_step:
+            self.final_wanted = False
         self._serve()
         logger.info(f"Saved checkpoint {path} (global step {step}) in {time.monotonic() - started:.1f} s")
         return True

@@ -22,28 +22,24 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
-from cotrain.swarm.auth import (
-    CLIENT_PROOF_TTL,
-    HANDSHAKE,
-    LOCAL_REFRESH,
-    MAX_CLOCK_SKEW,
-    SERVER_PROOF_TTL,
-    AccessControl,
-    _local_revocations,
-    messages,
-)
-from cotrain.tokens import (
-    fingerprint,
-)
+from cotrain.access.authorizer import local_revocations
+from cotrain.access.control import AccessControl
+from cotrain.access.tokens import fingerprint
+from cotrain.access.wire import HANDSHAKE, messages
 
 logger = logging.getLogger(__name__)
+
+MAX_CLOCK_SKEW = 60.0  # seconds between a request's time and the receiver's clock
+LOCAL_REFRESH = 2.0  # seconds between an averager process's copies of its own DHT process's list
+CLIENT_PROOF_TTL = 20.0  # seconds a peer trusts a handshake it made before making a new one
+SERVER_PROOF_TTL = 40.0  # seconds a peer admits another's requests after its handshake
 
 
 def _namespace(handle_name: str) -> str | None:
     return handle_name.split("::", 1)[0] if "::" in handle_name else None
 
 
-def _handshake_payload(kind: bytes, namespace: str, client: PeerID, server: PeerID, t: float, nonce: bytes):
+def handshake_payload(kind: bytes, namespace: str, client: PeerID, server: PeerID, t: float, nonce: bytes):
     return b"\n".join(
         [
             b"cotrain-access-handshake/1",
@@ -161,7 +157,7 @@ class GuardedP2P(P2P):
             fingerprint(token.signature),
         )
         own = self.access.own()
-        payload = _handshake_payload(
+        payload = handshake_payload(
             b"reply", namespace, context.remote_id, context.local_id, request.time, request.nonce
         )
         return m.AccessReply(
@@ -187,7 +183,7 @@ class GuardedP2P(P2P):
             )
         if len(request.nonce) < 8 or request.nonce in self._nonces:
             return "its request was replayed", None
-        payload = _handshake_payload(
+        payload = handshake_payload(
             b"request", namespace, context.remote_id, context.local_id, request.time, request.nonce
         )
         if not RSAPublicKey.from_bytes(token.public_key).verify(payload, request.signature):
@@ -204,7 +200,7 @@ class GuardedP2P(P2P):
 
         async def refresh():
             try:  # the peer's DHT process keeps the list fresh: copy it (no network request, no signature)
-                revoked, version = await self.dht.run_coroutine(_local_revocations, return_future=True)
+                revoked, version = await self.dht.run_coroutine(local_revocations, return_future=True)
                 self.access.merge_revocations(revoked, version)
             except Exception as e:
                 logger.debug(f"Reading the revocation list failed: {e!r}")
@@ -248,7 +244,7 @@ class GuardedP2P(P2P):
         request = m.AccessRequest(
             token=own.proto.SerializeToString(), time=get_dht_time(), nonce=secrets.token_bytes(16)
         )
-        payload = _handshake_payload(b"request", namespace, self.peer_id, peer, request.time, request.nonce)
+        payload = handshake_payload(b"request", namespace, self.peer_id, peer, request.time, request.nonce)
         request.signature = own.key.sign(payload)
         reply = await asyncio.wait_for(
             P2P.call_protobuf_handler(self, peer, f"{namespace}::{HANDSHAKE}", request, m.AccessReply), 30
@@ -262,7 +258,7 @@ class GuardedP2P(P2P):
         reason = self.access.refusal(token)
         if reason is not None:
             raise PermissionError(f"peer {peer} has no valid access token ({reason})")
-        payload = _handshake_payload(b"reply", namespace, self.peer_id, peer, request.time, request.nonce)
+        payload = handshake_payload(b"reply", namespace, self.peer_id, peer, request.time, request.nonce)
         if reply.nonce != request.nonce or not RSAPublicKey.from_bytes(token.public_key).verify(
             payload, reply.signature
         ):

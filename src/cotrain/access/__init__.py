@@ -1,0 +1,104 @@
+"""Private swarms: access tokens and the checks that every DHT, averaging and state-download request passes.
+
+Three layers, all keyed to the swarm's authority:
+
+- DHT requests: hivemind's ``TokenAuthorizerBase`` with cotrain's tokens (``SwarmAuthorizer``,
+  cotrain.access.authorizer): signed, timestamped, never replayed, in both directions.
+- Averaging and state download: ``GuardedP2P`` (cotrain.access.guard) admits averaging, matchmaking and
+  download requests only from peer ids that proved a valid token with a signed handshake, and proves its
+  own before calling others.
+- Revocation: the monitor holds the authority key (cotrain.access.authority), signs the list of revoked
+  tokens and keeps it in the DHT; every process re-reads it every few seconds, and a DHT validator
+  (``RevocationsValidator``) refuses lists the authority did not sign.
+
+Modules: crypto (RSA keys as hivemind signs), tokens (what a token says, its checks, the token file),
+authority (the operator's key, registry and revocation list), commands (`cotrain token` as plain functions),
+control (one peer's view: ``AccessControl``), wire (the protocol's messages), authorizer (the DHT process's
+side), guard (the averagers' side), probe (why a peer was refused; the watcher of a running peer).
+
+The names below are imported on first use: `cotrain token` needs no hivemind, the peers' modules do.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE = {
+    "PrivateKey": "crypto",
+    "PublicKey": "crypto",
+    "NO_TOKEN": "tokens",
+    "TokenFile": "tokens",
+    "check_token": "tokens",
+    "fingerprint": "tokens",
+    "read_token_file": "tokens",
+    "DEFAULT_AUTHORITY_KEY": "authority",
+    "Authority": "authority",
+    "registry_path": "authority",
+    "verify_revocations": "authority",
+    "Issued": "commands",
+    "issue_token": "commands",
+    "list_tokens": "commands",
+    "revoke_tokens": "commands",
+    "token_table": "commands",
+    "AccessControl": "control",
+    "Credential": "control",
+    "RevocationsValidator": "control",
+    "access_for": "control",
+    "SwarmAuthorizer": "authorizer",
+    "start_access_service": "authorizer",
+    "GuardedP2P": "guard",
+    "replicate_guarded": "guard",
+    "PUBLIC_SWARM": "probe",
+    "AccessWatcher": "probe",
+    "probe_refusal": "probe",
+    "refused_message": "probe",
+}
+
+__all__ = [
+    "AccessControl",
+    "AccessWatcher",
+    "Authority",
+    "Credential",
+    "DEFAULT_AUTHORITY_KEY",
+    "GuardedP2P",
+    "Issued",
+    "NO_TOKEN",
+    "PUBLIC_SWARM",
+    "PrivateKey",
+    "PublicKey",
+    "RevocationsValidator",
+    "SwarmAuthorizer",
+    "TokenFile",
+    "access_for",
+    "check_token",
+    "fingerprint",
+    "issue_token",
+    "list_tokens",
+    "probe_refusal",
+    "read_token_file",
+    "refused_message",
+    "registry_path",
+    "replicate_guarded",
+    "revoke_tokens",
+    "start_access_service",
+    "token_table",
+    "verify_revocations",
+]
+
+if TYPE_CHECKING:
+    from cotrain.access.authority import DEFAULT_AUTHORITY_KEY, Authority, registry_path, verify_revocations
+    from cotrain.access.authorizer import SwarmAuthorizer, start_access_service
+    from cotrain.access.commands import Issued, issue_token, list_tokens, revoke_tokens, token_table
+    from cotrain.access.control import AccessControl, Credential, RevocationsValidator, access_for
+    from cotrain.access.crypto import PrivateKey, PublicKey
+    from cotrain.access.guard import GuardedP2P, replicate_guarded
+    from cotrain.access.probe import PUBLIC_SWARM, AccessWatcher, probe_refusal, refused_message
+    from cotrain.access.tokens import NO_TOKEN, TokenFile, check_token, fingerprint, read_token_file
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cotrain.access' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"cotrain.access.{module}"), name)

@@ -1,0 +1,54 @@
+"""`cotrain token issue/revoke/list` as plain functions: the CLI parses the options, calls these and prints
+what they return."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cotrain.access.authority import Authority
+from cotrain.access.tokens import TokenFile, iso
+
+
+@dataclass
+class Issued:
+    token: TokenFile
+    path: Path
+    created_authority: bool  # the authority key did not exist and was made now
+
+    @property
+    def expires(self) -> str:
+        return iso(self.token.expiration)
+
+
+def issue_token(authority_key: str | Path, name: str, valid_days: float, output: str | Path | None) -> Issued:
+    """Sign a token for ``name`` and write it to ``output`` (default ``NAME.token``), creating the authority
+    key when it does not exist yet."""
+    created = not Path(authority_key).exists()
+    authority = Authority.load(authority_key, create=True)
+    out = Path(output or f"{name}.token")
+    return Issued(authority.issue(name, valid_days, out), out, created)
+
+
+def revoke_tokens(authority_key: str | Path, name: str) -> int:
+    """Revoke every token issued to ``name``; the number revoked now (0: all were revoked before)."""
+    return len(Authority.load(authority_key).revoke(name))
+
+
+def list_tokens(authority_key: str | Path) -> list[dict]:
+    """The registry's entries, each with its ``status``: valid, expired or revoked."""
+    now = time.time()
+    rows = []
+    for e in Authority.load(authority_key).entries():
+        status = "revoked" if e["revoked"] is not None else ("expired" if e["expires"] <= now else "valid")
+        rows.append({**e, "status": status})
+    return rows
+
+
+def token_table(rows: list[dict]) -> list[str]:
+    """``list_tokens``'s rows as the lines of a table."""
+    lines = [f"{'name':<20}{'token':<26}{'status':<9}{'expires':<25}"]
+    for row in rows:
+        lines.append(f"{row['name']:<20}{row['fingerprint']:<26}{row['status']:<9}{iso(row['expires']):<25}")
+    return lines

@@ -1,0 +1,116 @@
+"""The run: swarm-wide settings, the ones every peer must agree on for the math to be the same (the model and
+its tokenizer, the objective, the target batch, the optimizer and its schedule). Peers publish them signed,
+with their hash, and a peer whose settings differ is refused."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from cotrain.config.fields import ROLES_ALL, finite_problems, not_positive, opt
+from cotrain.families import family_problems
+
+# settings that were swarm-wide once and are each peer's own now: a [run] table (an older file or preset)
+# may still name them, and they are then read as [peer] settings
+MOVED_TO_PEER = ("matchmaking_time", "averaging_timeout", "grad_compression")
+
+
+@dataclass
+class RunConfig:
+    """Swarm-wide settings: every peer of a run must agree on them."""
+
+    TITLE: ClassVar[str] = "run"
+
+    run_id: str = opt(
+        "cotrain",
+        "Name of the training run; peers with the same run id train together (no dots).",
+        flags=("--experiment-prefix",),
+        seed=("--experiment_prefix", "--run_id"),
+    )
+    preset: str = opt(
+        "albert-large-v2",
+        "Name of the shipped preset this config starts from.",
+        roles=ROLES_ALL + ("prepare",),
+    )
+    model_family: str = opt(
+        "albert",
+        "Model family: albert (sentence order + masked LM), bert, distilbert, roberta (masked LM) or gpt2 "
+        "(causal LM).",
+        roles=(),
+    )
+    objective: str = opt(
+        "sop+mlm",
+        "Training objective, the family's: sop+mlm (albert), mlm (bert, distilbert, roberta) or clm (gpt2); "
+        "`cotrain prepare` makes these examples.",
+        roles=(),
+    )
+    model: dict = opt(
+        {}, "Model architecture ([model] table: hidden_size, num_attention_heads, ...).", roles=()
+    )
+    max_seq_length: int = opt(
+        512,
+        "Sequence length of the training examples (tokens).",
+        flags=("--seq-length",),
+        roles=ROLES_ALL + ("prepare",),
+        seed="--seq_length",
+    )
+    mlm_probability: float = opt(0.15, "Fraction of tokens masked for the masked-LM objective.")
+    whole_word_mask: bool = opt(
+        False, "Masked LM: mask all the pieces of a word together (whole-word masking)."
+    )
+    init_from: str = opt(
+        "",
+        "Start from pretrained weights: a Hugging Face model folder (offline) or a Hub model name (needs a "
+        "network); its architecture replaces [run.model]. Give every peer the same value.",
+        flags=("--model-name-or-path",),
+        seed="--model_name_or_path",
+    )
+    target_batch_size: int = opt(
+        4096,
+        "Samples the whole swarm accumulates before each global optimizer step.",
+        seed="--target_batch_size",
+    )
+    optimizer: str = opt("lamb", "Optimizer: lamb (the seed recipe) or adamw.")
+    lr_scheduler: str = opt(
+        "linear",
+        "Learning-rate decay after the linear warmup, stepped once per global step: linear or cosine.",
+    )
+    learning_rate: float = opt(0.00176, "Peak learning rate.", seed="--learning_rate")
+    adam_beta1: float = opt(0.9, "First-moment decay of LAMB/Adam.", seed="--adam_beta1")
+    adam_beta2: float = opt(0.999, "Second-moment decay of LAMB/Adam.", seed="--adam_beta2")
+    adam_epsilon: float = opt(1e-6, "Epsilon of LAMB/Adam.", seed="--adam_epsilon")
+    weight_decay: float = opt(
+        0.01, "Weight decay (none on biases and LayerNorm weights).", seed="--weight_decay"
+    )
+    clamp_value: float = opt(10000.0, "LAMB's clamp on the weight norm.", seed="--clamp_value")
+    max_grad_norm: float = opt(
+        1.0, "Clip each micro-batch's gradient norm to this value (0 disables).", seed="--max_grad_norm"
+    )
+    warmup_steps: int = opt(5000, "Global steps of linear learning-rate warmup.", seed="--warmup_steps")
+    total_steps: int = opt(
+        125000, "Global steps of the whole schedule (decay to zero).", seed="--total_steps"
+    )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunConfig":
+        """A RunConfig from its dict (a checkpoint's or a record's), ignoring the per-peer settings that older
+        versions kept here."""
+        return cls(**{k: v for k, v in values.items() if k not in MOVED_TO_PEER})
+
+    def problems(self) -> list[str]:
+        problems = finite_problems(self)
+        if not self.run_id or "." in self.run_id or "/" in self.run_id:
+            problems.append(f"run_id {self.run_id!r} must be non-empty and contain no '.' or '/'")
+        problems += not_positive(self, "target_batch_size", "max_seq_length", "total_steps")
+        if self.warmup_steps < 0 or self.warmup_steps > self.total_steps:
+            problems.append(
+                f"warmup_steps must be between 0 and total_steps ({self.total_steps}), "
+                f"got {self.warmup_steps}"
+            )
+        if self.learning_rate <= 0:
+            problems.append(f"learning_rate must be positive, got {self.learning_rate}")
+        if not 0 < self.mlm_probability < 1:
+            problems.append(f"mlm_probability must be between 0 and 1, got {self.mlm_probability}")
+        if self.optimizer not in ("lamb", "adamw"):
+            problems.append(f"optimizer must be lamb or adamw, got {self.optimizer!r}")
+        if self.lr_scheduler not in ("linear", "cosine"):
+            problems.append(f"lr_scheduler must be linear or cosine, got {self.lr_scheduler!r}")
+        return problems + family_problems(self.model_family, self.objective)

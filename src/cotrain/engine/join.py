@@ -1,0 +1,212 @@
+"""Joining a swarm: the one sequence every role (trainer, monitor, evaluation peer, API peer, ``cotrain
+status``) goes through before it does anything else.
+
+record validators -> access control (private swarms) -> the DHT node -> a watcher of this peer's access
+-> the swarm's run config: taken as it is (a peer that named no run settings) or checked against this peer's
+own (a differing one is refused, naming the fields), then published, signed, for as long as the peer runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cotrain.config import PeerConfig, RunConfig
+from cotrain.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_WAIT = 5.0  # seconds a peer that named no run settings waits to read the swarm's config record
+
+
+class SwarmConnection:
+    """A joined swarm: this process's DHT node, its signing key, its access control and config publisher."""
+
+    def __init__(
+        self,
+        run_id: str,
+        peer: PeerConfig,
+        *,
+        role: str,
+        client_mode: bool | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        from cotrain.swarm.dht import create_dht
+        from cotrain.swarm.records import make_validators
+
+        self.run_id, self.peer, self.role = run_id, peer, role
+        self.stop = stop or threading.Event()
+        self.publisher: Any = None
+        self.watcher: Any = None
+        validators, self.public_key = make_validators(run_id)
+        self.access = _access(run_id, peer, role)
+        self.dht = create_dht(
+            initial_peers=peer.initial_peers,
+            host_maddrs=peer.host_maddrs,
+            announce_maddrs=peer.announce_maddrs,
+            identity_path=peer.identity_path,
+            client_mode=peer.client_mode if client_mode is None else client_mode,
+            use_google_dns=peer.use_google_dns,
+            use_ipfs=peer.use_ipfs,
+            nat_port_map=peer.nat_port_map,
+            use_relay=peer.use_relay,
+            use_auto_relay=peer.use_auto_relay,
+            startup_timeout=peer.startup_timeout,
+            record_validators=validators,
+            access=self.access,
+        )
+        if self.access is not None and role != "monitor":  # a token holder stops when it is refused
+            from cotrain.access import AccessWatcher
+
+            self.watcher = AccessWatcher(self.dht, peer.initial_peers, self.stop)
+            self.watcher.start()
+
+    @property
+    def client_mode(self) -> bool:
+        return bool(self.dht.client_mode)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    def maddrs(self) -> list[str]:
+        from cotrain.swarm.dht import visible_maddrs
+
+        return visible_maddrs(self.dht)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the swarm refused this peer's access token while it ran (a private swarm), if it did."""
+        return self.watcher.refusal if self.watcher is not None else None
+
+    # --- the run's config -------------------------------------------------------------------------
+
+    def swarm_run(self, wait: float = CONFIG_WAIT) -> tuple[dict, int] | None:
+        """The run config most of the swarm's peers publish and how many publish it (None: no record seen
+        within ``wait`` seconds)."""
+        from cotrain.swarm.configrecord import read_configs, swarm_record
+
+        deadline = time.monotonic() + wait
+        while True:
+            records = {k: r for k, r in read_configs(self.dht, self.run_id).items() if k != self.public_key}
+            found = swarm_record(records)
+            if found is not None:
+                return found[0].fields(), found[1]
+            if time.monotonic() >= deadline or self.stop.is_set():
+                return None
+            time.sleep(0.5)
+
+    def agree(self, run: RunConfig, tokenizer_hash: str = "", publish: bool = True) -> None:
+        """Refuse this peer when its run config differs from the swarm's (ConfigMismatch names the fields);
+        with ``publish``, keep publishing it, signed, while the peer runs."""
+        from cotrain.swarm.configrecord import ConfigPublisher, join_check, make_record
+
+        mine = make_record(dataclasses.asdict(run), self.role, tokenizer_hash, self.peer_id)
+        join_check(self.dht, self.run_id, mine, self.public_key, self.peer.initial_peers)
+        if publish:
+            self.publisher = ConfigPublisher(self.dht, self.run_id, self.public_key, mine)
+            self.publisher.start()
+
+    def peers_in_role(self, role: str) -> dict[bytes, str]:
+        """The peers whose config record names ``role`` (e.g. "monitor", "leaving"): raw peer id -> base58."""
+        from hivemind.p2p import PeerID
+
+        from cotrain.swarm.configrecord import read_configs
+
+        out = {}
+        for record in read_configs(self.dht, self.run_id).values():
+            if record.role == role and record.peer_id and record.peer_id != self.peer_id:
+                try:
+                    out[PeerID.from_base58(record.peer_id).to_bytes()] = record.peer_id
+                except Exception:  # not a peer id after all: ignored like any malformed record
+                    continue
+        return out
+
+    def announce_leaving(self) -> None:
+        """Tell the swarm (the monitor) that this peer is done training and leaves soon."""
+        if self.publisher is not None:
+            self.publisher.announce("leaving")
+
+    def close(self) -> None:
+        """Stop publishing and leave the DHT."""
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.dht is not None:
+            try:
+                self.dht.shutdown()
+            except Exception as e:
+                logger.debug(f"DHT shutdown: {e!r}")
+            self.dht = None
+
+
+def _access(run_id: str, peer: PeerConfig, role: str) -> Any:
+    """A private swarm's access control: the monitor holds the authority key, every other peer a token."""
+    from cotrain.access import access_for
+
+    if role == "monitor":
+        return access_for(run_id, "", peer.authority_key)
+    return access_for(run_id, peer.access_token, "")
+
+
+def take_swarm_run(connection: SwarmConnection, run: RunConfig) -> RunConfig:
+    """The run settings of a peer that named none: the swarm's, from its signed config record (said in one
+    line). With no record to read, the peer's own (defaults and preset) stand."""
+    found = connection.swarm_run()
+    if found is None:
+        logger.info(
+            f"No config record of run {run.run_id!r} was found: using preset {run.preset} "
+            f"(give --preset to choose another)"
+        )
+        return run
+    fields, peers = found
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    try:
+        taken = RunConfig(**{k: v for k, v in fields.items() if k in known})
+    except TypeError as e:
+        raise UserError(f"the swarm's config record cannot be read by this version of cotrain: {e}") from None
+    logger.info(
+        f"Taking run {run.run_id!r}'s settings from the swarm ({peers} peer{'s' if peers != 1 else ''}): "
+        f"preset {taken.preset}, {taken.model_family}, target batch {taken.target_batch_size}, "
+        f"{taken.optimizer} at learning rate {taken.learning_rate:g}"
+    )
+    return taken
+
+
+def take_swarm_settings(connection: SwarmConnection, config: Any) -> bool:
+    """A peer whose user named no run settings (``config.run_given`` empty) takes the swarm's run config and
+    its preset's per-peer values (micro-batch, ...) wherever the user chose none; the result is validated
+    (ConfigError) and written to OUTPUT_DIR/config.toml. Returns whether the swarm's settings were taken."""
+    from cotrain.config import ConfigError, write_toml
+
+    if config.run_given:
+        return False
+    run = take_swarm_run(connection, config.run)
+    if run is config.run:
+        return False
+    config.peer = with_preset_peer_values(config.peer, config.run.preset, run.preset)
+    config.run = run
+    problems = config.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    write_toml(config, Path(config.peer.output_dir) / "config.toml")
+    return True
+
+
+def with_preset_peer_values(peer: PeerConfig, old_preset: str, new_preset: str) -> PeerConfig:
+    """``peer`` with the per-peer values of ``new_preset`` (its [peer] table: micro-batch, ...) wherever it
+    still holds ``old_preset``'s, i.e. wherever the user chose nothing."""
+    from cotrain.config import load_preset
+
+    if old_preset == new_preset:
+        return peer
+    old, new = load_preset(old_preset).get("peer", {}), load_preset(new_preset).get("peer", {})
+    defaults = PeerConfig()
+    changes = {}
+    for name, value in new.items():
+        if hasattr(peer, name) and getattr(peer, name) == old.get(name, getattr(defaults, name)):
+            changes[name] = value
+    return dataclasses.replace(peer, **changes)

@@ -1,0 +1,599 @@
+"""``SwarmPeer``: the one place where a peer joins a swarm, catches up, steps, reports, heals, backs up and
+shuts down. ``cotrain train`` is a loop over it, and so is a training loop of one's own:
+
+    peer = cotrain.SwarmPeer(
+        model,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        run_id="my-run",
+        target_batch_size=4096,
+        initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."],
+    )
+    with peer:
+        for batch in loader:
+            loss = model(**batch).loss
+            loss.backward()
+            peer.step(batch_size=len(batch["input_ids"]), loss=loss.item())
+
+The DHT starts with cotrain's defaults (no port mapping, signed and schema-checked records), the training
+strategy is a part (``sync``: hivemind.Optimizer with bounded state downloads, no matchmaking while alone,
+fp16 on the wire but optimizer statistics in full precision), a newcomer loads the swarm's current state
+before its first step, a peer cut off from the swarm re-joins and adopts the swarm's state, non-finite
+gradients never reach the swarm, and one signed metrics record per global step goes to the DHT, where a
+``cotrain monitor`` of the same run id shows it beside the trainers'.
+
+hivemind requires the peer to be created in the main thread of its process, and one peer per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cotrain.config import PeerConfig, RunConfig
+from cotrain.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+CATCH_UP_WAIT = 5.0  # seconds a newcomer waits to see other peers before deciding it is the first
+
+
+def gradient_norm(params: Sequence[torch.Tensor], max_norm: float) -> float:
+    """The gradients' total norm, clipping them to ``max_norm`` when it is positive: one reduction whose
+    result also says whether any gradient is NaN or infinite."""
+    params = [p for p in params if p.grad is not None]
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if not params:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+
+
+def _tensors(params: Iterable) -> list[torch.Tensor]:
+    """Parameters given as tensors or as optimizer parameter groups, as one flat list."""
+    out: list[torch.Tensor] = []
+    for item in params:
+        out.extend(item["params"] if isinstance(item, dict) else [item])
+    return out
+
+
+class SwarmPeer:
+    """One peer of a collaborative run, stepped from a training loop.
+
+    ``optimizer``: a function params -> torch optimizer (hivemind builds it on the averaged parameters);
+    ``scheduler``: an optional function optimizer -> LR scheduler, stepped once per global step;
+    ``params``: parameters or parameter groups to train (default: every parameter of ``model`` that
+    requires a gradient). Every peer of a run must agree on ``run_id``, ``target_batch_size``, the model,
+    the optimizer and the schedule.
+
+    The other arguments are the per-peer settings of ``cotrain train`` with the same names:
+    ``initial_peers`` (multiaddrs of peers in the swarm; none for the first peer), ``host_maddrs`` (where
+    to listen), ``announce_maddrs``, ``client_mode`` (for peers that cannot accept connections),
+    ``identity_path``, ``batch_size_per_step`` (the default for ``step``), ``matchmaking_time``,
+    ``averaging_timeout``, ``grad_compression`` ("fp16" or "none"), ``load_state_timeout``,
+    ``statistics_expiration``, ``startup_timeout``, ``bandwidth``, ``batch_size_lead``, ``nat_port_map``,
+    ``use_ipfs``, ``verbose``, ``max_grad_norm`` (clip each step's gradients to this norm; 0: no clipping).
+    With ``load_state=False`` a newcomer keeps its own weights instead of loading the swarm's. Any other
+    per-peer setting of ``cotrain train`` goes by its config name (``cotrain.config.PeerConfig``), e.g.
+    ``delay_optimizer_step=True``, ``offload_optimizer=True``, ``target_group_size=16``,
+    ``backup_every_steps=10`` (keep a backup to restore when the parameters turn NaN; 0, the default here:
+    none)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Callable[[Iterable], torch.optim.Optimizer],
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        *,
+        run_id: str,
+        target_batch_size: int,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+        announce_maddrs: Sequence[str] = (),
+        client_mode: bool = False,
+        identity_path: str = "",
+        params: Iterable | None = None,
+        batch_size_per_step: int | None = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 60.0,
+        grad_compression: str = "fp16",
+        load_state: bool = True,
+        load_state_timeout: float = 60.0,
+        statistics_expiration: float = 600.0,
+        startup_timeout: float = 20.0,
+        bandwidth: float = 0.0,
+        batch_size_lead: int = 0,
+        nat_port_map: bool = False,
+        use_ipfs: bool = False,
+        verbose: bool = False,
+        max_grad_norm: float = 0.0,
+        **settings: Any,
+    ) -> None:
+        import dataclasses
+
+        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(
+                "optimizer must be a function params -> torch.optim.Optimizer, "
+                "e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)"
+            )
+        if scheduler is not None and not callable(scheduler):
+            raise UserError("scheduler must be a function optimizer -> LR scheduler (or None)")
+        problems = []
+        if not run_id or "." in run_id or "/" in run_id:
+            problems.append(f"run_id {run_id!r} must be non-empty and contain no '.' or '/'")
+        if target_batch_size <= 0:
+            problems.append(f"target_batch_size must be positive, got {target_batch_size}")
+        if batch_size_per_step is not None and batch_size_per_step <= 0:
+            problems.append(f"batch_size_per_step must be positive, got {batch_size_per_step}")
+        if grad_compression not in ("fp16", "none"):
+            problems.append(f"grad_compression must be fp16 or none, got {grad_compression!r}")
+        if matchmaking_time <= 0 or averaging_timeout <= 0 or load_state_timeout <= 0:
+            problems.append("matchmaking_time, averaging_timeout and load_state_timeout must be positive")
+        known = {f.name for f in dataclasses.fields(PeerConfig)}
+        for name in sorted(set(settings) - known):
+            problems.append(f"unknown setting {name!r} (see cotrain.config.PeerConfig)")
+        if problems:
+            raise UserError("; ".join(problems))
+        settings.setdefault("backup_every_steps", 0)
+        peer = PeerConfig(
+            initial_peers=list(initial_peers),
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs),
+            client_mode=client_mode,
+            identity_path=identity_path,
+            nat_port_map=nat_port_map,
+            use_ipfs=use_ipfs,
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            grad_compression=grad_compression,
+            load_state_timeout=load_state_timeout,
+            statistics_expiration=statistics_expiration,
+            startup_timeout=startup_timeout,
+            bandwidth=bandwidth,
+            batch_size_lead=batch_size_lead,
+            verbose=verbose,
+            **settings,
+        )
+        if not verbose:  # hivemind's expected network failures (a peer left, no group) as one line each
+            from cotrain.swarm.logs import one_line_errors
+
+            one_line_errors()
+        run = RunConfig(run_id=run_id, target_batch_size=target_batch_size)
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        self._open(
+            model, run, peer, params, optimizer, scheduler, batch_size_per_step, None, None, max_grad_norm
+        )
+        try:
+            logger.info(f"Peer {self.peer_id} joined run {run_id!r}; others join with {self.maddrs}")
+            if load_state:
+                self.catch_up()
+            self.start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @classmethod
+    def from_config(
+        cls,
+        run: RunConfig,
+        peer: PeerConfig,
+        model: torch.nn.Module,
+        *,
+        connection: Any,
+        params: Iterable,
+        optimizer: Callable,
+        scheduler: Callable | None,
+        batch_size_per_step: int | None,
+        stop: threading.Event | None = None,
+        grad_scaler: Any = None,
+    ) -> SwarmPeer:
+        """A peer of ``cotrain train``: settings from its resolved config, on an already joined ``connection``
+        (which it owns from now on). It has not caught up yet: call ``resume`` (optional), ``catch_up``, then
+        ``start``. ``grad_scaler``: fp16's loss scaler (an overflow then drops the step quietly)."""
+        self = cls.__new__(cls)
+        self._open(
+            model,
+            run,
+            peer,
+            params,
+            optimizer,
+            scheduler,
+            batch_size_per_step,
+            connection,
+            stop,
+            run.max_grad_norm,
+            grad_scaler,
+        )
+        return self
+
+    def _open(
+        self,
+        model: torch.nn.Module,
+        run: RunConfig,
+        peer: PeerConfig,
+        params: Iterable,
+        optimizer: Callable,
+        scheduler: Callable | None,
+        batch_size_per_step: int | None,
+        connection: Any,
+        stop: threading.Event | None,
+        max_grad_norm: float,
+        grad_scaler: Any = None,
+    ) -> None:
+        from cotrain.engine.join import SwarmConnection
+        from cotrain.engine.strategy import strategy_class
+        from cotrain.faults import Faults
+
+        self.model, self.run, self.peer_config = model, run, peer
+        self.max_grad_norm, self.grad_scaler = max_grad_norm, grad_scaler
+        self._stop = stop if stop is not None else threading.Event()
+        self._closed = False
+        self.connection = connection
+        self.strategy: Any = None
+        self.healer: Any = None
+        self.guard: Any = None
+        self.faults = Faults()
+        self.last_report: dict | None = None
+        self.reports = 0
+        self._loss_sum, self._mini_steps, self._contribution = 0.0, 0, 0
+        params = list(params)
+        self._params = _tensors(params)
+        try:
+            if self.connection is None:
+                self.connection = SwarmConnection(run.run_id, peer, role="api", stop=self._stop)
+            self.strategy = strategy_class(getattr(run, "strategy", "sync"))(
+                self.connection.dht,
+                run.run_id,
+                run.target_batch_size,
+                peer,
+                params,
+                optimizer,
+                scheduler,
+                batch_size_per_step,
+                self._stop.is_set,
+            )
+        except BaseException:
+            _shutdown(self.strategy, self.connection)
+            self._closed = True
+            raise
+        # a peer left running at exit still stops its averagers and DHT processes in order
+        self._finalizer = weakref.finalize(self, _shutdown, self.strategy, self.connection)
+        threading.Thread(
+            target=_cancel_rounds_when_set, args=(self._stop, self.strategy), daemon=True, name="stop-rounds"
+        ).start()
+        self._last_epoch = self.strategy.global_step
+
+    # --- what a loop reads ----------------------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        """The swarm's global step this peer is at."""
+        return self.strategy.global_step
+
+    @property
+    def peer_id(self) -> str:
+        return self.connection.peer_id
+
+    @property
+    def maddrs(self) -> list[str]:
+        """Addresses others can join this peer at (loopback last)."""
+        return self.connection.maddrs()
+
+    @property
+    def dht(self) -> Any:
+        return self.connection.dht
+
+    @property
+    def num_peers(self) -> int:
+        """Peers training in this run, as the progress tracker last saw them (this one included)."""
+        return self.strategy.num_peers
+
+    @property
+    def last_group_size(self) -> int:
+        """Peers in its last gradient-averaging group, itself included (1: it used local gradients)."""
+        return self.strategy.last_group_size
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer built from ``optimizer`` (it steps once per global step)."""
+        return self.strategy.optimizer
+
+    @property
+    def refusal(self) -> str | None:
+        """Why a private swarm stopped accepting this peer's access token, if it did."""
+        return self.connection.refusal
+
+    # --- joining --------------------------------------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Load the swarm's state when others are already further along (bounded, with a message)."""
+        from cotrain.swarm.served import served_epochs
+
+        deadline = time.monotonic() + min(CATCH_UP_WAIT, self.peer_config.load_state_timeout)
+        if self.peer_config.initial_peers:  # the first peer has nobody to wait for
+            while self.strategy.num_peers <= 1 and time.monotonic() < deadline and not self._stop.is_set():
+                time.sleep(0.2)
+        me = self.dht.peer_id.to_bytes()
+        served = max((e for p, e in served_epochs(self.dht, self.run.run_id).items() if p != me), default=0)
+        swarm_step = max(self.strategy.swarm_step, int(served))  # with no trainer left, a monitor may serve
+        if swarm_step > self.global_step:
+            logger.info(
+                f"The swarm is at step {swarm_step} ({self.strategy.num_peers} peers): loading its current "
+                f"state (waiting up to {self.peer_config.load_state_timeout:.0f} s)"
+            )
+            self.strategy.load_state_from_peers()
+            logger.info(f"Starting from global step {self.global_step}")
+        self._last_epoch = self.global_step
+
+    def start(self) -> None:
+        """Start healing (re-joining after a partition) and the NaN guard's first backup."""
+        from cotrain.swarm.backup import BackupGuard
+        from cotrain.swarm.healing import SwarmHealer
+
+        opt = self.strategy.hivemind_optimizer
+        self.healer = SwarmHealer(self.dht, self.peer_config.initial_peers, self._stop, opt)
+        self.healer.start()
+        self.guard = BackupGuard(opt, self.peer_config.backup_every_steps)
+        self.guard.after_global_step()  # the first backup: the state this peer starts from
+        self._last_epoch = self.global_step
+
+    # --- what a loop calls ----------------------------------------------------------------------
+
+    def step(self, batch_size: int | None = None, loss: float | None = None, zero_grad: bool = True) -> bool:
+        """Hand this micro-batch's gradients (already in ``.grad``, from ``loss.backward()``) to the swarm.
+
+        ``batch_size``: samples behind these gradients (default: ``batch_size_per_step``); ``loss``: their
+        loss, for the metrics record published at each global step (``None``: nothing to report). Non-finite
+        gradients or loss are dropped, never sent. When the swarm has accumulated ``target_batch_size``
+        samples, this call averages gradients with peers and steps the optimizer. Gradients are zeroed
+        afterwards unless ``zero_grad=False``. Returns True when a global step happened."""
+        if self._closed:
+            raise UserError("this SwarmPeer was shut down")
+        if batch_size is None and self.strategy.batch_size_per_step is None:
+            raise UserError("give step(batch_size=...) or SwarmPeer(batch_size_per_step=...)")
+        samples = batch_size if batch_size is not None else self.strategy.batch_size_per_step
+        if self.healer is not None and self.healer.resync.is_set():
+            self._adopt_swarm_state()
+        self.faults.poison_gradients(self._params, self.global_step)
+        grad_norm = gradient_norm(self._params, self.max_grad_norm)
+        loss_ok = loss is None or math.isfinite(loss)
+        if loss_ok and math.isfinite(grad_norm):
+            self.strategy.step(samples)
+            self._contribution += samples
+            if loss is not None:
+                self._loss_sum += float(loss)
+                self._mini_steps += 1
+            if zero_grad:
+                self.strategy.zero_grad()
+        else:
+            self.strategy.zero_grad()
+            if loss_ok and self.grad_scaler is not None:
+                logger.debug(f"fp16 gradients overflowed; loss scale now {self.grad_scaler.get_scale():g}")
+            else:
+                shown = f"{loss:.4g}" if loss is not None else "-"
+                logger.warning(
+                    f"Non-finite loss or gradients on this micro-batch (loss {shown}, gradient norm "
+                    f"{grad_norm:.4g}): its gradients are dropped, not sent to the swarm"
+                )
+                if not loss_ok and self.guard is not None:
+                    self.guard.after_bad_loss()  # restores the backup when the parameters are the cause
+        if self.global_step == self._last_epoch:
+            return False
+        self._last_epoch = self.global_step
+        if self.guard is not None:
+            with self.strategy.training_state() as (optimizer, _, params):
+                self.faults.corrupt_parameters(
+                    [params[0], optimizer.param_groups[0]["params"][0]], self._last_epoch
+                )
+            self.guard.after_global_step()  # non-finite parameters: restore the backup; else back up when due
+        self.publish_metrics()
+        return True
+
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()
+
+    def publish_metrics(self, loss: float | None = None, mini_steps: int | None = None) -> dict:
+        """Publish this peer's signed metrics record for the current global step and log its line.
+
+        ``loss``: mean loss per micro-batch since the last record (default: the mean of the losses given to
+        ``step`` since then); ``mini_steps``: how many micro-batches it covers. ``step`` calls this at each
+        global step. Returns the report (also in ``last_report``)."""
+        from cotrain.swarm.records import LocalMetrics, publish_metrics
+
+        if loss is None:
+            mini_steps = self._mini_steps if mini_steps is None else mini_steps
+            total = self._loss_sum
+        else:
+            mini_steps = 1 if mini_steps is None else mini_steps
+            total = float(loss) * mini_steps
+        strategy, peer = self.strategy, self.peer_config
+        record = LocalMetrics(
+            step=strategy.global_step,
+            samples_per_second=strategy.samples_per_second,
+            samples_accumulated=self._contribution,
+            loss=float(total),
+            mini_steps=int(mini_steps),
+            group_size=strategy.last_group_size,
+            client_mode=self.connection.client_mode,
+            time=time.time(),
+            peer_id=self.peer_id[:128],
+        )
+        publish_metrics(
+            self.dht, self.run.run_id, self.connection.public_key, record, peer.statistics_expiration
+        )
+        mean = total / mini_steps if mini_steps else None
+        averaged, failed = strategy.rounds
+        first, self.reports = self.reports == 0, self.reports + 1
+        logged = record.step % peer.logging_steps == 0 or (first and peer.logging_first_step)
+        if logged:
+            logger.info(
+                f"step {record.step} | loss {mean if mean is not None else float('nan'):.4f} | averaged with "
+                f"{record.group_size} peers | {record.samples_per_second:.1f} samples/s | contribution "
+                f"{record.samples_accumulated} samples | rounds averaged {averaged}, failed {failed}"
+            )
+        self.last_report = {
+            "step": record.step,
+            "loss": mean,
+            "group_size": record.group_size,
+            "samples_per_second": record.samples_per_second,
+            "contribution": record.samples_accumulated,
+            "rounds_averaged": averaged,
+            "rounds_failed": failed,
+            "rejoins": self.healer.rejoins if self.healer is not None else 0,
+            "peer_id": record.peer_id,
+            "time": record.time,
+            "logged": logged,
+        }
+        self._loss_sum, self._mini_steps = 0.0, 0
+        return self.last_report
+
+    def load_state_from_peers(self) -> bool:
+        """Download the swarm's current state now (bounded by ``load_state_timeout``); True if newer."""
+        before = self.global_step
+        self.strategy.load_state_from_peers()
+        self._last_epoch = self.global_step
+        return self.global_step > before
+
+    def _adopt_swarm_state(self) -> None:
+        """Back from being cut off: the swarm's state wins over what this peer did alone."""
+        self.healer.resync.clear()
+        logger.info("Loading the swarm's current state after being cut off")
+        if self.strategy.adopt_swarm_state(self._stop.is_set):
+            logger.info(f"Adopted the swarm's state at global step {self.global_step}")
+        self._last_epoch = self.global_step
+        self._loss_sum, self._mini_steps = 0.0, 0
+
+    def leave_final_state(self, timeout: float | None = None) -> bool:
+        """Done training (--max-steps, an epoch limit): before leaving, make sure a monitor that keeps the
+        swarm's checkpoints has this peer's final state. Announces it is leaving (the monitor then fetches
+        the newest state at once) and keeps serving it until a monitor serves a state at least as new, for up
+        to ``timeout`` seconds (default: load_state_timeout + 30). Returns whether a monitor has it."""
+        from cotrain.swarm.served import served_epochs
+
+        monitors = self.connection.peers_in_role("monitor")
+        served = served_epochs(self.dht, self.run.run_id)
+        if not any(p in served for p in monitors):  # no monitor keeps checkpoints: nobody to wait for
+            return False
+        step = self.global_step
+        timeout = self.peer_config.load_state_timeout + 30 if timeout is None else timeout
+
+        def has_it() -> bool:
+            return any(served_epochs(self.dht, self.run.run_id).get(p, -1) >= step for p in monitors)
+
+        if has_it():
+            return True
+        self.connection.announce_leaving()
+        logger.info(
+            f"Leaving the final state (global step {step}) to the monitor's checkpoint "
+            f"(waiting up to {timeout:.0f} s)"
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stop.wait(1.0):
+            if has_it():
+                logger.info(f"The monitor holds global step {step}")
+                return True
+        logger.warning(f"No monitor took global step {step} within {timeout:.0f} s")
+        return False
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def load_checkpoint(self, path: str | Path, meta: dict) -> None:
+        """Continue from a checkpoint (cotrain.checkpoints) of this run: model, optimizer, schedule, step."""
+        from cotrain import checkpoints as ck
+
+        with self.strategy.training_state() as (optimizer, scheduler, params):
+            ck.load_into(path, self.model, optimizer, scheduler, meta=meta, params=params)
+        self.strategy.resumed_at(int(meta["step"]))
+        self._last_epoch = self.global_step
+
+    def save_checkpoint(self, root: str | Path, config: dict, tokenizer: Any, keep: int, source: str) -> Path:
+        """Save the state this peer trains (the averaged parameters, optimizer, schedule) as a checkpoint."""
+        from cotrain import checkpoints as ck
+
+        with self.strategy.training_state() as (optimizer, scheduler, params):
+            return ck.save_checkpoint(
+                root,
+                self.global_step,
+                self.model,
+                optimizer,
+                scheduler,
+                config,
+                tokenizer,
+                keep=keep,
+                source=source,
+                params=params,
+            )
+
+    # --- the end ----------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leave the swarm: cancel pending averaging rounds, stop the strategy's averagers, then the DHT."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self.healer is not None:
+            self.healer.close()
+        self._finalizer()
+
+    def __enter__(self) -> SwarmPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _cancel_rounds_when_set(stop: threading.Event, strategy: Any) -> None:
+    """When asked to stop, cancel pending averaging rounds so a blocked step returns within a second
+    (hivemind then falls back to local gradients) and shutdown proceeds in order."""
+    stop.wait()
+    while True:
+        strategy.cancel_rounds()
+        time.sleep(0.2)
+
+
+class _DroppedTasks(logging.Filter):
+    """After a peer's shutdown, asyncio reports the network tasks still pending in this process when the
+    interpreter exits; they were ended on purpose, so these lines are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Task was destroyed but it is pending")
+
+
+def _quiet_exit_hook(previous: Callable) -> Callable:
+    """sys.unraisablehook minus hivemind's futures that, collected at exit after their event loop closed,
+    complain that it is closed; anything else goes to the previous hook."""
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if (
+            isinstance(exc, RuntimeError)
+            and "Event loop is closed" in str(exc)
+            and "MPFuture" in repr(unraisable.object)
+        ):
+            return
+        previous(unraisable)
+
+    hook.cotrain_quiet = True
+    return hook
+
+
+def _shutdown(strategy: Any, connection: Any) -> None:
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DroppedTasks) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_DroppedTasks())
+    if not getattr(sys.unraisablehook, "cotrain_quiet", False):
+        sys.unraisablehook = _quiet_exit_hook(sys.unraisablehook)
+    if strategy is not None:
+        strategy.shutdown()
+    if connection is not None:
+        connection.close()

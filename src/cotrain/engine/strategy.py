@@ -1,0 +1,208 @@
+"""Training strategies: how a peer's local gradients become the swarm's steps.
+
+A strategy owns the swarm-facing optimizer and the training state it averages; the engine (SwarmPeer) calls
+it and never reaches into hivemind itself. ``sync`` is the seed recipe's large-batch synchronous SGD:
+``hivemind.Optimizer`` accumulates the swarm's samples until ``target_batch_size``, averages gradients in
+groups, and every peer takes the same optimizer step. A second strategy is a class with the same methods,
+registered in ``STRATEGIES``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from cotrain.config import PeerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class SyncStrategy:
+    """Synchronous large-batch training with ``hivemind.Optimizer`` (cotrain's ``SwarmOptimizer``)."""
+
+    name = "sync"
+
+    def __init__(
+        self,
+        dht: Any,
+        run_id: str,
+        target_batch_size: int,
+        peer: PeerConfig,
+        params: Iterable,
+        optimizer: Callable,
+        scheduler: Callable | None,
+        batch_size_per_step: int | None,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        from cotrain.swarm.averaging import gradient_averager_factory
+        from cotrain.swarm.optimizer import (
+            LOAD_STATE_COMPRESSION,
+            SwarmOptimizer,
+            gradient_compression,
+            request_timeout,
+            state_compression,
+            tracker_options,
+        )
+
+        averager_opts: dict = {
+            "target_group_size": peer.target_group_size,
+            "request_timeout": request_timeout(peer.matchmaking_time),
+        }
+        if peer.bandwidth > 0:
+            averager_opts["bandwidth"] = peer.bandwidth
+        self.run_id = run_id
+        self.opt = SwarmOptimizer(
+            dht=dht,
+            # hivemind keeps client_mode=None (read as "not a client") unless a value is given, and then uses
+            # the DHT's: a client would try to serve its state and fail at its first global step
+            client_mode=dht.client_mode,
+            run_id=run_id,
+            params=list(params),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            target_batch_size=max(1, target_batch_size - peer.batch_size_lead),
+            batch_size_per_step=batch_size_per_step,
+            matchmaking_time=peer.matchmaking_time,
+            averaging_timeout=peer.averaging_timeout,
+            load_state_timeout=peer.load_state_timeout,
+            grad_compression=gradient_compression(peer.grad_compression),
+            state_averaging_compression=state_compression(peer.grad_compression),
+            load_state_compression=LOAD_STATE_COMPRESSION,
+            average_state_every=1,
+            offload_optimizer=peer.offload_optimizer,
+            delay_optimizer_step=peer.delay_optimizer_step or peer.delay_grad_averaging,
+            delay_grad_averaging=peer.delay_grad_averaging,
+            delay_state_averaging=peer.delay_state_averaging,
+            averager_opts=averager_opts,
+            # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
+            grad_averager_factory=gradient_averager_factory(averager_opts),
+            tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
+            performance_ema_alpha=peer.performance_ema_alpha,
+            verbose=peer.verbose,
+        )
+        self.opt.should_stop = should_stop
+        self.load_state_timeout = peer.load_state_timeout
+
+    # --- what the engine reads ---------------------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        return int(self.opt.local_epoch)
+
+    @property
+    def swarm_step(self) -> int:
+        """The swarm's global step as the progress tracker last saw it."""
+        return int(self.opt.tracker.global_epoch)
+
+    @property
+    def swarm_samples(self) -> int:
+        """Samples the swarm has accumulated toward its next global step, as last seen."""
+        return int(self.opt.tracker.global_progress.samples_accumulated)
+
+    @property
+    def num_peers(self) -> int:
+        return int(self.opt.tracker.global_progress.num_peers)
+
+    @property
+    def last_group_size(self) -> int:
+        return max(1, int(self.opt.last_group_size))
+
+    @property
+    def rounds(self) -> tuple[int, int]:
+        """Averaging rounds that succeeded and that failed so far."""
+        return self.opt.rounds_averaged, self.opt.rounds_failed
+
+    @property
+    def samples_per_second(self) -> float:
+        sps = float(self.opt.tracker.performance_ema.samples_per_second)
+        return min(max(sps, 0.0), 1e5) if math.isfinite(sps) else 0.0
+
+    @property
+    def batch_size_per_step(self) -> int | None:
+        return self.opt.batch_size_per_step
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.opt.state_averager.optimizer
+
+    @property
+    def hivemind_optimizer(self) -> Any:
+        """The underlying ``hivemind.Optimizer`` (for the healer and the NaN guard, which work on it)."""
+        return self.opt
+
+    # --- what the engine calls ----------------------------------------------------------------------
+
+    def step(self, samples: int) -> None:
+        self.opt.step(batch_size=samples)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def load_state_from_peers(self) -> None:
+        """Download the swarm's current state, bounded by load_state_timeout."""
+        self.opt.load_state_from_peers()
+
+    def adopt_swarm_state(self, should_stop: Callable[[], bool]) -> bool:
+        from cotrain.swarm.healing import adopt_swarm_state
+
+        return adopt_swarm_state(self.opt, self.run_id, self.load_state_timeout, should_stop)
+
+    def cancel_rounds(self) -> None:
+        """Cancel pending averaging rounds, so a blocked step returns and shutdown proceeds in order."""
+        for control in (self.opt.scheduled_grads, self.opt.scheduled_state):
+            try:
+                if control is not None and not control.done():
+                    control.cancel()
+            except Exception as e:
+                logger.debug(f"cancelling an averaging round: {e!r}")
+
+    @contextlib.contextmanager
+    def training_state(self) -> Iterator[tuple[torch.optim.Optimizer, Any, list[torch.Tensor]]]:
+        """(optimizer, scheduler, parameters) of the state the swarm averages, locked while in use: what a
+        checkpoint saves and a resume loads into."""
+        averager = self.opt.state_averager
+        with averager.lock_averaged_tensors:
+            yield averager.optimizer, averager.scheduler, averager.main_parameters
+
+    def resumed_at(self, step: int) -> None:
+        """After a checkpoint was loaded into training_state(): continue from its global step."""
+        opt, averager = self.opt, self.opt.state_averager
+        averager.local_epoch = int(step)
+        if not averager.reuse_tensors:
+            averager._load_local_tensors_into_averager_()
+        opt.tracker.report_local_progress(local_epoch=opt.local_epoch, samples_accumulated=0)
+        if not opt.client_mode:
+            averager.state_sharing_priority = opt.local_epoch
+
+    def shutdown(self) -> None:
+        self.cancel_rounds()
+        try:
+            self.opt.shutdown()
+        except Exception as e:
+            logger.debug(f"optimizer shutdown: {e!r}")
+
+
+def _tracker_settings(peer: PeerConfig) -> dict:
+    return {
+        "min_refresh_period": peer.min_refresh_period,
+        "max_refresh_period": peer.max_refresh_period,
+        "default_refresh_period": peer.default_refresh_period,
+        "expected_drift_peers": peer.expected_drift_peers,
+        "expected_drift_rate": peer.expected_drift_rate,
+        "metadata_expiration": peer.metadata_expiration,
+    }
+
+
+STRATEGIES: dict[str, type] = {"sync": SyncStrategy}
+
+
+def strategy_class(name: str) -> type:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}") from None

@@ -1,0 +1,48 @@
+"""Trainers that stop together at --max-steps leave their final state to the monitor's last checkpoint,
+even when --save-every would not have taken it: they announce they are leaving and serve it until the
+monitor holds it."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
+from cotrain import checkpoints as ck
+
+pytestmark = [pytest.mark.slow]
+
+MAX_STEPS = 6  # not a multiple of --save-every: the monitor's schedule alone would stop at step 4
+
+
+@pytest.mark.timeout(300)
+def test_trainers_stopping_together_leave_their_final_state_to_the_monitor(demo_data, tmp_path):
+    common = ["--preset", "albert-tiny", "--run-id", "leaving-test", "--host-maddrs", LOCALHOST, *FAST]
+    checkpoints = ["--dataset-path", str(demo_data), "--save-every", "4", "--load-state-timeout", "20"]
+    monitor = Role(monitor_args(common, tmp_path / "monitor", *checkpoints), tmp_path / "monitor.log")
+    roles = [monitor]
+    try:
+        initial = monitor_address(tmp_path / "monitor", 60)
+        trainers = [
+            Role(
+                trainer_args(
+                    common, initial, demo_data, i + 1, tmp_path / f"t{i}", "--max-steps", str(MAX_STEPS),
+                    "--load-state-timeout", "20",
+                ),
+                tmp_path / f"t{i}.log",
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        roles += trainers
+        for trainer in trainers:
+            trainer.proc.wait(timeout=240)
+            assert trainer.proc.returncode == 0, trainer.text()[-3000:]
+        root = tmp_path / "monitor" / "checkpoints"
+        wait_until(lambda: ck.latest_good(root) is not None, 10, what="a checkpoint")
+        path, meta = ck.latest_good(root)
+        assert meta["step"] >= MAX_STEPS, (meta["step"], monitor.text()[-3000:])
+        assert any("The monitor holds global step" in t.text() for t in trainers)
+        assert "No peer served a state newer" not in monitor.text()
+    finally:
+        for role in roles:
+            if role.proc.poll() is None:
+                role.kill_all()
