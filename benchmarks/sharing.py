@@ -9,12 +9,15 @@ samples/s is the growth of its ``contribution`` (samples it computed) between th
 around that window, over their times. Every process started is stopped by its PID (SIGTERM to the
 supervisor, then SIGKILL to whatever of its tree is left).
 
-    python benchmarks/sharing.py [--trainers 2] [--duration 35] [--data DIR] [--auto]
+    python benchmarks/sharing.py [--trainers 2] [--duration 30] [--data DIR] [--auto] [--idle-wait 20]
 
-The shared arm passes ``--torch-threads cores // trainers`` explicitly; with --auto it passes
-``--torch-threads 0`` instead, to measure the trainer's own sharing (cotrain.cores.CoreShare). The
-oversubscribed arm passes ``--torch-threads CORES`` (what torch takes by default). Goal: together >= 0.8x
-alone.
+Arms, in this order: one trainer alone, the trainers together oversubscribed, the trainers together sharing,
+one trainer alone again (the baseline is the mean of the two lone runs, so drift in between shows). The
+oversubscribed arm passes ``--torch-threads CORES`` (what torch takes by default); the shared arm passes
+``--torch-threads cores // trainers`` explicitly, or with --auto ``--torch-threads 0`` (every arm then
+relies on the trainer's own sharing, cotrain.cores.CoreShare). The machine may be shared: before each arm
+the driver waits (at most --idle-wait s) for other programs to go quiet, and it reports the cores they used
+during each window ("other load"). Goal: together (shared) >= 0.8x alone.
 """
 
 from __future__ import annotations
@@ -89,6 +92,18 @@ class Trainer:
         )
         self.pids: set[int] = {self.proc.pid}
 
+    def cpu_seconds(self) -> float:
+        """CPU time of its process tree so far (user + system)."""
+        self.remember_tree()
+        total = 0.0
+        for pid in self.pids:
+            try:
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     def rows(self) -> list[dict]:
         return read_rows(self.out / "metrics.jsonl")
 
@@ -127,9 +142,29 @@ def samples_per_second(rows: list[dict], t0: float, t1: float) -> float | None:
     return (end["contribution"] - start["contribution"]) / (end["time"] - start["time"])
 
 
-def measure(n: int, threads: int, data: Path, work: Path, duration: float, target: int) -> list[float | None]:
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, since boot)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def wait_idle(limit: float, threshold: float = 0.3) -> float:
+    """Wait (at most ``limit`` s) until the machine's other programs use under ``threshold`` cores over 3 s;
+    the load seen last."""
+    deadline = time.monotonic() + limit
+    while True:
+        before = busy_seconds()
+        time.sleep(3.0)
+        load = (busy_seconds() - before) / 3.0
+        if load < threshold or time.monotonic() > deadline:
+            return load
+
+
+def measure(
+    n: int, threads: int, data: Path, work: Path, duration: float, target: int
+) -> tuple[list[float | None], float]:
     """Start ``n`` trainers with ``threads`` torch threads each; their samples/s over ``duration`` seconds
-    once all of them have taken a first step."""
+    once all of them have taken a first step, and the cores other programs used meanwhile."""
     trainers = [Trainer(f"{work.name}-{i}", threads, data, work, target) for i in range(n)]
     try:
         deadline = time.monotonic() + FIRST_STEP_TIMEOUT
@@ -141,11 +176,16 @@ def measure(n: int, threads: int, data: Path, work: Path, duration: float, targe
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no first step within {FIRST_STEP_TIMEOUT:.0f} s; see {work}")
             time.sleep(0.5)
-        t0 = time.time()
+        t0, busy0, own0 = time.time(), busy_seconds(), sum(t.cpu_seconds() for t in trainers)
         time.sleep(duration)
-        t1 = time.time()
-        time.sleep(min(10.0, duration / 3))  # the step in progress at t1 is not counted: its row comes later
-        return [samples_per_second(t.rows(), t0, t1) for t in trainers]
+        t1, busy1, own1 = time.time(), busy_seconds(), sum(t.cpu_seconds() for t in trainers)
+        other = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+        deadline = (
+            time.monotonic() + 20
+        )  # the row of the step in progress at t1 (not counted) ends the window
+        while time.monotonic() < deadline and not all(t.rows()[-1]["time"] > t1 for t in trainers):
+            time.sleep(0.5)
+        return [samples_per_second(t.rows(), t0, t1) for t in trainers], other
     finally:
         for t in trainers:
             t.stop()
@@ -154,42 +194,54 @@ def measure(n: int, threads: int, data: Path, work: Path, duration: float, targe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainers", type=int, default=2, help="trainers that run together (default: 2)")
-    parser.add_argument("--duration", type=float, default=35.0, help="seconds measured per arm (default: 35)")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds measured per arm (default: 30)")
     parser.add_argument("--target-batch-size", type=int, default=32, help="samples per global step (32)")
     parser.add_argument("--data", type=Path, help="a prepared dataset (default: made from the demo corpus)")
     parser.add_argument("--auto", action="store_true", help="shared arm: --torch-threads 0 (CoreShare)")
+    parser.add_argument(
+        "--idle-wait",
+        type=float,
+        default=20.0,
+        help="seconds to wait at most for an idle machine before an arm",
+    )
     args = parser.parse_args(argv)
     cores = machine_cores()
     shared = 0 if args.auto else share_of(cores, args.trainers)
+    alone_threads = 0 if args.auto else cores  # one trainer alone takes every core either way
+    arms = [
+        ("alone", 1, alone_threads),
+        ("oversubscribed", args.trainers, cores),
+        ("shared", args.trainers, shared),
+        ("alone again", 1, alone_threads),
+    ]
     started = time.monotonic()
+    results = []
     with tempfile.TemporaryDirectory(prefix="cotrain-sharing-") as tmp:
         work = Path(tmp)
         data = args.data or prepare_data(work)
-        results = {}
-        for mode, threads in (("oversubscribed", cores), ("shared", shared)):
-            alone_threads = 0 if threads == 0 else cores  # one trainer alone takes every core either way
-            alone = measure(
-                1, alone_threads, data, work / f"{mode}-alone", args.duration, args.target_batch_size
-            )
-            together = measure(
-                args.trainers, threads, data, work / f"{mode}-together", args.duration, args.target_batch_size
-            )
-            results[mode] = (threads, alone, together)
-    host = f"{platform.node()}, {cores} cores, load average {os.getloadavg()[0]:.1f}"
+        for i, (name, n, threads) in enumerate(arms):
+            wait_idle(args.idle_wait)
+            speeds, other = measure(n, threads, data, work / f"arm{i}", args.duration, args.target_batch_size)
+            results.append((name, n, threads, speeds, other))
+    alone = [sum(r[3]) for r in results if r[1] == 1 and None not in r[3]]
+    baseline = sum(alone) / len(alone) if alone else None
+    host = f"{platform.node()}, {cores} cores, python {platform.python_version()}"
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {host}, {time.monotonic() - started:.0f} s")
-    print(f"{'torch threads per trainer':<32}{'alone':>10}{'together':>12}{'each':>22}{'together/alone':>16}")
-    summary = {}
-    for mode, (threads, alone, together) in results.items():
-        shown = "0 (CoreShare)" if threads == 0 else str(threads)
-        if None in alone or None in together:
-            print(f"{mode + ': ' + shown:<32}  (no complete step in the window: raise --duration)")
+    print(f"{'arm':<16}{'trainers':>9}{'threads each':>14}{'samples/s':>11}{'each':>16}{'vs alone':>10}"
+          f"{'other load':>12}")  # fmt: skip
+    summary = []
+    for name, n, threads, speeds, other in results:
+        shown = "0 (auto)" if threads == 0 else str(threads)
+        if None in speeds:
+            print(f"{name:<16}{n:>9}{shown:>14}  no complete step in the window (raise --duration)")
             continue
-        total = sum(together)
-        ratio = total / alone[0]
-        each = " + ".join(f"{x:.1f}" for x in together)
-        print(f"{mode + ': ' + shown:<32}{alone[0]:>10.1f}{total:>12.1f}{each:>22}{ratio:>16.2f}")
-        summary[mode] = {"threads": threads, "alone": alone[0], "together": together, "ratio": ratio}
-    print(json.dumps({"cores": cores, "trainers": args.trainers, **summary}))
+        total = sum(speeds)
+        ratio = total / baseline if baseline else float("nan")
+        each = " + ".join(f"{x:.1f}" for x in speeds) if n > 1 else ""
+        print(f"{name:<16}{n:>9}{shown:>14}{total:>11.1f}{each:>16}{ratio:>10.2f}{other:>12.2f}")
+        summary.append({"arm": name, "trainers": n, "threads": threads, "samples_per_second": speeds,
+                        "vs_alone": ratio, "other_load": other})  # fmt: skip
+    print(json.dumps({"cores": cores, "baseline": baseline, "arms": summary}))
     return 0
 
 

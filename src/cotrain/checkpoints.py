@@ -290,19 +290,13 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, t
 def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module, Any]:
     """The checkpoint's model (weights loaded) and its tokenizer."""
     from cotrain.config import RunConfig
-    from cotrain.models import build_model
+    from cotrain.models import model_for_tokenizer
 
     tokenizer = checkpoint_tokenizer(path, meta)
     if tokenizer_hash(tokenizer) != meta.get("tokenizer_hash"):
         raise CheckpointError(f"checkpoint {path}: its tokenizer does not match the recorded hash")
     run = RunConfig.from_dict(meta["config"]["run"])
-    model = build_model(
-        run,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    model = model_for_tokenizer(run, tokenizer)
     load_into(path, model, meta=meta)
     model.eval()
     return model, tokenizer

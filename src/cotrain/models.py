@@ -61,6 +61,17 @@ def max_positions(config: transformers.PretrainedConfig) -> int:
     return n
 
 
+def model_for_tokenizer(run: RunConfig, tokenizer: Any) -> torch.nn.Module:
+    """The run's model for ``tokenizer``: its vocabulary size and special token ids."""
+    return build_model(
+        run,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
 def build_model(
     run: RunConfig,
     vocab_size: int,

@@ -6,9 +6,9 @@
 - ``compute``: a trainer's micro-steps (forward, backward, mixed precision) and its batches.
 """
 
-from cotrain.engine.compute import accumulate_gradients, batches
+from cotrain.engine.compute import accumulate_gradients, batches, gradient_norm
 from cotrain.engine.join import SwarmConnection, take_swarm_run, take_swarm_settings
-from cotrain.engine.peer import SwarmPeer, gradient_norm
+from cotrain.engine.peer import SwarmPeer
 from cotrain.engine.strategy import STRATEGIES, SyncStrategy
 
 __all__ = [

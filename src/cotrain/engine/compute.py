@@ -3,7 +3,7 @@ under mixed precision. ``cotrain train`` and the overhead benchmark's plain-PyTo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader
@@ -54,3 +54,22 @@ def accumulate_gradients(
     precision.unscale(model)  # fp16: the true gradients, before clipping and before the swarm
     precision.update()
     return step_loss
+
+
+def gradient_norm(params: Sequence[torch.Tensor], max_norm: float) -> float:
+    """The gradients' total norm, clipping them to ``max_norm`` when it is positive: one reduction whose
+    result also says whether any gradient is NaN or infinite."""
+    params = [p for p in params if p.grad is not None]
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if not params:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+
+
+def flat_tensors(params: Iterable) -> list[torch.Tensor]:
+    """Parameters given as tensors or as optimizer parameter groups, as one flat list."""
+    out: list[torch.Tensor] = []
+    for item in params:
+        out.extend(item["params"] if isinstance(item, dict) else [item])
+    return out

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import threading
 import time
 import weakref
@@ -39,30 +38,13 @@ from typing import Any
 import torch
 
 from cotrain.config import PeerConfig, RunConfig
+from cotrain.engine.compute import flat_tensors, gradient_norm
+from cotrain.engine.shutdown import shutdown_in_order
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 CATCH_UP_WAIT = 5.0  # seconds a newcomer waits to see other peers before deciding it is the first
-
-
-def gradient_norm(params: Sequence[torch.Tensor], max_norm: float) -> float:
-    """The gradients' total norm, clipping them to ``max_norm`` when it is positive: one reduction whose
-    result also says whether any gradient is NaN or infinite."""
-    params = [p for p in params if p.grad is not None]
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    if not params:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
-
-
-def _tensors(params: Iterable) -> list[torch.Tensor]:
-    """Parameters given as tensors or as optimizer parameter groups, as one flat list."""
-    out: list[torch.Tensor] = []
-    for item in params:
-        out.extend(item["params"] if isinstance(item, dict) else [item])
-    return out
 
 
 class SwarmPeer:
@@ -195,10 +177,13 @@ class SwarmPeer:
         batch_size_per_step: int | None,
         stop: threading.Event | None = None,
         grad_scaler: Any = None,
+        events: Callable[[str, dict], None] | None = None,
     ) -> SwarmPeer:
         """A peer of ``cotrain train``: settings from its resolved config, on an already joined ``connection``
         (which it owns from now on). It has not caught up yet: call ``resume`` (optional), ``catch_up``, then
-        ``start``. ``grad_scaler``: fp16's loss scaler (an overflow then drops the step quietly)."""
+        ``start``. ``grad_scaler``: fp16's loss scaler (an overflow then drops the step quietly); ``events``:
+        called with each event's name and fields (started, adopted, dropped, leaving), e.g. to write them as
+        JSON lines."""
         self = cls.__new__(cls)
         self._open(
             model,
@@ -213,6 +198,8 @@ class SwarmPeer:
             run.max_grad_norm,
             grad_scaler,
         )
+        if events is not None:
+            self.events = events
         return self
 
     def _open(
@@ -242,11 +229,12 @@ class SwarmPeer:
         self.healer: Any = None
         self.guard: Any = None
         self.faults = Faults()
+        self.events: Callable[[str, dict], None] = lambda name, fields: None
         self.last_report: dict | None = None
         self.reports = 0
         self._loss_sum, self._mini_steps, self._contribution = 0.0, 0, 0
         params = list(params)
-        self._params = _tensors(params)
+        self._params = flat_tensors(params)
         try:
             if self.connection is None:
                 self.connection = SwarmConnection(run.run_id, peer, role="api", stop=self._stop)
@@ -262,11 +250,11 @@ class SwarmPeer:
                 self._stop.is_set,
             )
         except BaseException:
-            _shutdown(self.strategy, self.connection)
+            shutdown_in_order(self.strategy, self.connection)
             self._closed = True
             raise
         # a peer left running at exit still stops its averagers and DHT processes in order
-        self._finalizer = weakref.finalize(self, _shutdown, self.strategy, self.connection)
+        self._finalizer = weakref.finalize(self, shutdown_in_order, self.strategy, self.connection)
         threading.Thread(
             target=_cancel_rounds_when_set, args=(self._stop, self.strategy), daemon=True, name="stop-rounds"
         ).start()
@@ -325,14 +313,18 @@ class SwarmPeer:
         me = self.dht.peer_id.to_bytes()
         served = max((e for p, e in served_epochs(self.dht, self.run.run_id).items() if p != me), default=0)
         swarm_step = max(self.strategy.swarm_step, int(served))  # with no trainer left, a monitor may serve
+        loaded = False
         if swarm_step > self.global_step:
             logger.info(
                 f"The swarm is at step {swarm_step} ({self.strategy.num_peers} peers): loading its current "
                 f"state (waiting up to {self.peer_config.load_state_timeout:.0f} s)"
             )
+            before = self.global_step
             self.strategy.load_state_from_peers()
+            loaded = self.global_step > before
             logger.info(f"Starting from global step {self.global_step}")
         self._last_epoch = self.global_step
+        self.events("started", {"step": self.global_step, "swarm_step": swarm_step, "loaded": loaded})
 
     def start(self) -> None:
         """Start healing (re-joining after a partition) and the NaN guard's first backup."""
@@ -379,6 +371,7 @@ class SwarmPeer:
             if loss_ok and self.grad_scaler is not None:
                 logger.debug(f"fp16 gradients overflowed; loss scale now {self.grad_scaler.get_scale():g}")
             else:
+                self.events("dropped", {"step": self.global_step, "loss": loss, "grad_norm": grad_norm})
                 shown = f"{loss:.4g}" if loss is not None else "-"
                 logger.warning(
                     f"Non-finite loss or gradients on this micro-batch (loss {shown}, gradient norm "
@@ -467,8 +460,10 @@ class SwarmPeer:
         """Back from being cut off: the swarm's state wins over what this peer did alone."""
         self.healer.resync.clear()
         logger.info("Loading the swarm's current state after being cut off")
-        if self.strategy.adopt_swarm_state(self._stop.is_set):
+        adopted = self.strategy.adopt_swarm_state(self._stop.is_set)
+        if adopted:
             logger.info(f"Adopted the swarm's state at global step {self.global_step}")
+        self.events("adopted", {"step": self.global_step, "loaded": adopted})
         self._last_epoch = self.global_step
         self._loss_sum, self._mini_steps = 0.0, 0
 
@@ -490,6 +485,7 @@ class SwarmPeer:
             return any(served_epochs(self.dht, self.run.run_id).get(p, -1) >= step for p in monitors)
 
         if has_it():
+            self.events("leaving", {"step": step, "monitor_has_it": True})
             return True
         self.connection.announce_leaving()
         logger.info(
@@ -500,8 +496,10 @@ class SwarmPeer:
         while time.monotonic() < deadline and not self._stop.wait(1.0):
             if has_it():
                 logger.info(f"The monitor holds global step {step}")
+                self.events("leaving", {"step": step, "monitor_has_it": True})
                 return True
         logger.warning(f"No monitor took global step {step} within {timeout:.0f} s")
+        self.events("leaving", {"step": step, "monitor_has_it": False})
         return False
 
     # --- checkpoints ------------------------------------------------------------------------------
@@ -559,41 +557,3 @@ def _cancel_rounds_when_set(stop: threading.Event, strategy: Any) -> None:
     while True:
         strategy.cancel_rounds()
         time.sleep(0.2)
-
-
-class _DroppedTasks(logging.Filter):
-    """After a peer's shutdown, asyncio reports the network tasks still pending in this process when the
-    interpreter exits; they were ended on purpose, so these lines are dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Task was destroyed but it is pending")
-
-
-def _quiet_exit_hook(previous: Callable) -> Callable:
-    """sys.unraisablehook minus hivemind's futures that, collected at exit after their event loop closed,
-    complain that it is closed; anything else goes to the previous hook."""
-
-    def hook(unraisable: Any) -> None:
-        exc = unraisable.exc_value
-        if (
-            isinstance(exc, RuntimeError)
-            and "Event loop is closed" in str(exc)
-            and "MPFuture" in repr(unraisable.object)
-        ):
-            return
-        previous(unraisable)
-
-    hook.cotrain_quiet = True
-    return hook
-
-
-def _shutdown(strategy: Any, connection: Any) -> None:
-    asyncio_logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _DroppedTasks) for f in asyncio_logger.filters):
-        asyncio_logger.addFilter(_DroppedTasks())
-    if not getattr(sys.unraisablehook, "cotrain_quiet", False):
-        sys.unraisablehook = _quiet_exit_hook(sys.unraisablehook)
-    if strategy is not None:
-        strategy.shutdown()
-    if connection is not None:
-        connection.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -20,10 +21,10 @@ from cotrain.engine import SwarmConnection, SwarmPeer, accumulate_gradients, bat
 from cotrain.errors import UserError
 from cotrain.hardware import Precision, auto_micro_batch, gpu_probe, pad_batch, parallel, resolve_devices
 from cotrain.models import (
-    build_model,
     check_positions,
     collator_for_run,
     forward_loss,
+    model_for_tokenizer,
     optimizer_factory,
     parameter_groups,
     scheduler_factory,
@@ -41,6 +42,9 @@ class Trainer:
         self.connection: SwarmConnection | None = None
         self.peer: SwarmPeer | None = None
         self.metrics: JsonlSink | None = None
+        self.events: JsonlSink | None = (
+            None  # OUTPUT_DIR/events.jsonl: joined, started, dropped, ..., stopped
+        )
         self.board = None  # TensorBoard event files in --logging-dir
 
     def run(self) -> int:
@@ -49,8 +53,9 @@ class Trainer:
         resume_meta = ck.verify(config.peer.resume_from) if config.peer.resume_from else None
         # first: an unreachable swarm is the first thing to report
         self.connection = SwarmConnection(config.run.run_id, config.peer, role="trainer", stop=self.stop)
-        take_swarm_settings(self.connection, config)  # only an address: the swarm's, from its config record
+        took = take_swarm_settings(self.connection, config)  # only an address: the swarm's, from its record
         run, peer = config.run, config.peer
+        self.events = JsonlSink(Path(peer.output_dir) / "events.jsonl")
         if peer.torch_threads:
             torch.set_num_threads(peer.torch_threads)
         data = self._open_dataset()
@@ -61,13 +66,7 @@ class Trainer:
 
         # before joining averaging: a peer whose swarm-wide settings differ from the swarm's is refused
         self.connection.agree(run, tokenizer_hash(tokenizer))
-        model = build_model(
-            run,
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
+        model = model_for_tokenizer(run, tokenizer)
         check_positions(model, run.max_seq_length)
         model.train()
         train_model = parallel(model, devices)  # several GPUs: DataParallel over them
@@ -87,6 +86,7 @@ class Trainer:
             batch_size_per_step=step_samples,
             stop=self.stop,
             grad_scaler=precision.scaler,
+            events=self._event,
         )
         logger.info(
             f"Trainer {swarm.peer_id} joined run {run.run_id!r}: "
@@ -94,6 +94,10 @@ class Trainer:
             f"{data.num_examples} training examples, "
             f"micro-batch {micro} x {peer.gradient_accumulation_steps} "
             f"on {', '.join(map(str, devices))} in {precision.name}"
+        )
+        joined = {"peer_id": swarm.peer_id, "run_id": run.run_id, "preset": run.preset, "took_settings": took}
+        self._event(
+            "joined", {**joined, "micro_batch": micro, "accumulation": peer.gradient_accumulation_steps}
         )
         if not peer.client_mode:
             logger.info(f"Others can join through this trainer: --initial-peers {' '.join(swarm.maddrs)}")
@@ -119,6 +123,7 @@ class Trainer:
             bar.update(swarm.global_step, swarm.strategy.swarm_samples, swarm.num_peers)
             if max_samples and seen >= max_samples:
                 logger.info(f"Done {peer.num_train_epochs:g} passes over this peer's data; stopping")
+                self._event("stopping", {"step": swarm.global_step, "reason": "num_train_epochs"})
                 swarm.leave_final_state()
                 break
             if not stepped:
@@ -129,6 +134,7 @@ class Trainer:
                 saved_step = swarm.global_step
             if peer.max_steps and swarm.global_step >= peer.max_steps:
                 logger.info(f"Reached --max-steps {peer.max_steps}; stopping")
+                self._event("stopping", {"step": swarm.global_step, "reason": "max_steps"})
                 swarm.leave_final_state()
                 break
         bar.close()
@@ -245,6 +251,7 @@ class Trainer:
             raise UserError(f"checkpoint {path} was made with another tokenizer than this dataset's")
         self.peer.load_checkpoint(path, meta)
         logger.info(f"Resumed from local checkpoint {path} (global step {self.peer.global_step})")
+        self._event("resumed", {"path": str(path), "step": self.peer.global_step})
 
     def _save_local(self, tokenizer) -> None:
         peer = self.config.peer
@@ -260,6 +267,11 @@ class Trainer:
         except OSError as e:  # a full disk must not stop training
             logger.warning(f"Saving a local checkpoint failed: {e}")
 
+    def _event(self, name: str, fields: dict) -> None:
+        """One line of OUTPUT_DIR/events.jsonl: what happened to this trainer, for scripts and tests."""
+        if self.events is not None:
+            self.events.write(0, {"event": name, "time": time.time(), **fields})
+
     def _write_report(self, report: dict) -> None:
         """The global step's line in OUTPUT_DIR/metrics.jsonl, and in TensorBoard when it was logged."""
         row = {k: v for k, v in report.items() if k != "logged"}
@@ -273,6 +285,8 @@ class Trainer:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.events is not None:
+            self.events.close()
         if self.board is not None:
             self.board.close()
         if self.peer is not None:
