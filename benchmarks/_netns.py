@@ -564,3 +564,39 @@ class CpuSampler(threading.Thread):
         a, b = inside[0], inside[-1]
         span = b[0] - a[0]
         return (b[1] - a[1]) / span, (b[2] - a[2]) / span
+
+
+def print_started() -> float:
+    """Print when, where and under what load a benchmark starts; returns its start time (time.time())."""
+    import datetime
+    import platform
+
+    load = os.getloadavg()
+    print(
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+        f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        flush=True,
+    )
+    return time.time()
+
+
+def print_finished(started: float) -> None:
+    """Print how long a benchmark took and the load average after it."""
+    load = os.getloadavg()
+    print(
+        f"took {time.time() - started:.0f} s; load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+
+
+def prepare_namespaces(script: str, limit_s: float) -> None:
+    """A namespace benchmark's start: root and iproute2 checked, exit handlers installed, namespaces of an
+    earlier run that died removed."""
+    import shutil
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("tc"):
+        sys.exit(f"{script} needs root and iproute2 (ip, tc) to create network namespaces")
+    install_exit_handlers(limit_s)
+    removed = remove_stale()
+    if removed:
+        print(f"removed namespaces left by an earlier run: {', '.join(removed)}")

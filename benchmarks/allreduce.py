@@ -29,10 +29,7 @@ for this traffic without the all-reduce's logic. ``--transport quic`` runs the p
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -539,19 +536,8 @@ def main() -> None:
         return peer_main(args)
     if args.quick:
         args.peers, args.dtypes, args.rounds = [2, 4], ["fp16"], 1
-    if os.geteuid() != 0 or not shutil.which("tc"):
-        sys.exit("allreduce.py needs root and iproute2 (ip, tc) to create network namespaces")
-    _netns.install_exit_handlers(args.limit)
-    removed = _netns.remove_stale()
-    if removed:
-        print(f"removed namespaces left by an earlier run: {', '.join(removed)}")
-    started = time.time()
-    load = os.getloadavg()
-    print(
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
-        f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
-        flush=True,
-    )
+    _netns.prepare_namespaces("allreduce.py", args.limit)
+    started = _netns.print_started()
     rows = []
     tmp = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="cotrain-allreduce-"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -566,11 +552,8 @@ def main() -> None:
         raise
     if not args.logs:
         shutil.rmtree(tmp, ignore_errors=True)
-    load = os.getloadavg()
     print_table(rows)
-    print(
-        f"took {time.time() - started:.0f} s; load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    )
+    _netns.print_finished(started)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

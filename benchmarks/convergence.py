@@ -23,11 +23,9 @@ spread of each configuration. A PNG of all curves goes to ``--plot`` (default do
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -40,7 +38,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import TimeUp, die_with_parent, install_exit_handlers  # noqa: E402
+from _netns import TimeUp, die_with_parent, install_exit_handlers, print_finished, print_started  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -378,13 +376,7 @@ def main() -> None:
     if not WIKITEXT.exists():
         sys.exit(f"{WIKITEXT} not found")
     install_exit_handlers(args.limit)
-    load = os.getloadavg()
-    started = time.time()
-    print(
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
-        f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
-        flush=True,
-    )
+    started = print_started()
     tmp = Path(tempfile.mkdtemp(prefix="cotrain-convergence-"))
     runs = []
     try:
@@ -400,10 +392,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(runs))
     finish(runs, args)
     shutil.rmtree(tmp, ignore_errors=True)
-    load = os.getloadavg()
-    print(
-        f"took {time.time() - started:.0f} s; load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    )
+    print_finished(started)
 
 
 def finish(runs: list[dict], args) -> None:

@@ -29,9 +29,6 @@ averaged over the peers. Modes, run one after the other on the same links:
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -254,19 +251,8 @@ def main() -> None:
         return peer_main(args)
     if args.quick:
         args.target_batch_size, args.steps = 1024, 2
-    if os.geteuid() != 0 or not shutil.which("tc"):
-        sys.exit("utilization.py needs root and iproute2 (ip, tc) to create network namespaces")
-    _netns.install_exit_handlers(args.limit)
-    removed = _netns.remove_stale()
-    if removed:
-        print(f"removed namespaces left by an earlier run: {', '.join(removed)}")
-    load = os.getloadavg()
-    started = time.time()
-    print(
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
-        f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
-        flush=True,
-    )
+    _netns.prepare_namespaces("utilization.py", args.limit)
+    started = _netns.print_started()
     tmp = Path(tempfile.mkdtemp(prefix="cotrain-utilization-"))
     rows = []
     try:
@@ -276,11 +262,8 @@ def main() -> None:
         print(f"peers' logs kept in {tmp}", file=sys.stderr)
         raise
     shutil.rmtree(tmp, ignore_errors=True)
-    load = os.getloadavg()
     print_table(rows, args)
-    print(
-        f"took {time.time() - started:.0f} s; load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    )
+    _netns.print_finished(started)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,17 @@
   instead of on the runners they hold, so a peer stopped in the middle of an averaging round ended its
   averager process with an AttributeError traceback. The replacement cancels what is still pending and
   finalizes the runners that exist.
+- After ``load_state_from_peers``, ``TrainingStateAverager`` steps a newcomer's LR scheduler forward to the
+  swarm's epoch before its optimizer ever stepped, and PyTorch warns ("lr_scheduler.step() before
+  optimizer.step()") with a source line. The schedule it reaches is right; the warning is dropped for that
+  module only, so a user's own misuse elsewhere still warns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 
 from hivemind.averaging.averager import DecentralizedAverager
 
@@ -28,6 +33,12 @@ async def _shutdown(self: DecentralizedAverager, timeout: float | None) -> None:
 
 
 def apply() -> None:
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",
+        category=UserWarning,
+        module=r"hivemind\.optim\.state_averager",
+    )
     if DecentralizedAverager._shutdown is not _shutdown:
         DecentralizedAverager._shutdown = _shutdown
         logger.debug("hivemind averager shutdown replaced")
