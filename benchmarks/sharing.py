@@ -12,7 +12,7 @@ supervisor, then SIGKILL to whatever of its tree is left).
     python benchmarks/sharing.py [--trainers 2] [--duration 30] [--data DIR] [--auto] [--idle-wait 20]
 
 Arms, in this order: one trainer alone, the trainers together oversubscribed, the trainers together sharing,
-one trainer alone again (the baseline is the mean of the two lone runs, so drift in between shows). The
+one trainer alone again (the baseline is the lone run that other programs disturbed least). The
 oversubscribed arm passes ``--torch-threads CORES`` (what torch takes by default); the shared arm passes
 ``--torch-threads cores // trainers`` explicitly, or with --auto ``--torch-threads 0`` (every arm then
 relies on the trainer's own sharing, cotrain.cores.CoreShare). The machine may be shared: before each arm
@@ -36,27 +36,11 @@ from pathlib import Path
 
 import psutil
 
+from chaos import prepare_data  # noqa: E402  (the demo corpus at 128 tokens, as the chaos run uses)
 from cotrain.cores import machine_cores, share_of
 
 LOCALHOST = "/ip4/127.0.0.1/tcp/0"
 FIRST_STEP_TIMEOUT = 120.0
-
-
-def prepare_data(out: Path) -> Path:
-    from cotrain.data import prepare_from_source
-
-    data = out / "data"
-    prepare_from_source(
-        demo=True,
-        text_files=None,
-        out_dir=data,
-        max_length=128,
-        seed=0,
-        tokenizer_path=None,
-        vocab_size=4000,
-        progress=False,
-    )
-    return data
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -223,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             wait_idle(args.idle_wait)
             speeds, other = measure(n, threads, data, work / f"arm{i}", args.duration, args.target_batch_size)
             results.append((name, n, threads, speeds, other))
-    alone = [sum(r[3]) for r in results if r[1] == 1 and None not in r[3]]
-    baseline = sum(alone) / len(alone) if alone else None
+    lone = [r for r in results if r[1] == 1 and None not in r[3]]
+    baseline = sum(min(lone, key=lambda r: r[4])[3]) if lone else None  # the least disturbed lone run
     host = f"{platform.node()}, {cores} cores, python {platform.python_version()}"
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {host}, {time.monotonic() - started:.0f} s")
     print(f"{'arm':<16}{'trainers':>9}{'threads each':>14}{'samples/s':>11}{'each':>16}{'vs alone':>10}"

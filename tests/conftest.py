@@ -264,3 +264,25 @@ def demo_data(tmp_path_factory) -> Path:
         progress=False,
     )
     return out
+
+
+def output_dir(role: Role) -> Path:
+    """The --output-dir (or the seed spelling --output_dir) of a role's command line; the last one wins."""
+    flags = [i for i, a in enumerate(role.args) if a in ("--output-dir", "--output_dir")]
+    assert flags, f"no --output-dir in {role.args}"
+    return Path(role.args[flags[-1] + 1])
+
+
+def trainer_rows(where: Role | Path) -> list[dict]:
+    """The global steps a trainer completed, in order: the rows of its OUTPUT_DIR/metrics.jsonl (step, loss,
+    group_size, contribution, ...). ``where``: the trainer's Role or its output folder. A folder that several
+    trainers used in turn holds all their rows."""
+    folder = output_dir(where) if isinstance(where, Role) else Path(where)
+    return read_rows(folder / "metrics.jsonl")
+
+
+def events(where: Role | Path, name: str | None = None) -> list[dict]:
+    """A trainer's events (OUTPUT_DIR/events.jsonl: joined, resumed, started, adopted, dropped, stopping,
+    leaving), in order; only those called ``name`` when it is given."""
+    folder = output_dir(where) if isinstance(where, Role) else Path(where)
+    return [e for e in read_rows(folder / "events.jsonl") if name is None or e["event"] == name]

@@ -26,6 +26,7 @@ from conftest import (
     read_rows,
     saw_peers,
     trainer_args,
+    trainer_rows,
     wait_until,
 )
 from cotrain.access import NO_TOKEN, Authority, PrivateKey, check_token, read_token_file, registry_path
@@ -331,7 +332,7 @@ def private_swarm(demo_data, tmp_path_factory):
             return (
                 swarm_step(swarm) >= 2
                 and saw_peers(metric_rows(swarm["metrics"]), 2)
-                and all("averaged with 2 peers" in roles[n].text() for n in ("alice", "carol"))
+                and all(any(r["group_size"] == 2 for r in trainer_rows(roles[n])) for n in ("alice", "carol"))
             )
 
         wait_until(trained_together, 360, what="two trainers with tokens averaging in the private swarm")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import FAST, LOCALHOST, WIKITEXT, Role, alive, at_least, wait_until
+from conftest import FAST, LOCALHOST, WIKITEXT, Role, alive, at_least, trainer_rows, wait_until
 from cotrain.data import AlbertCollator, DataError, ExampleStream, prepare_dataset, read_wikitext
 from cotrain.data.fetch import download
 from cotrain.data.stream import shard_order
@@ -193,13 +193,14 @@ def test_trainer_starts_before_the_second_shard_is_served(
         tmp_path / "trainer.log",
     )  # fmt: skip
     try:
-        wait_until(lambda: "step 1 | loss" in role.text(), 150, what="the trainer's first optimizer step")
+        wait_until(lambda: trainer_rows(role), 150, what="the trainer's first optimizer step")
+        assert trainer_rows(role)[0]["step"] == 1
         waiting = [p for p, _ in server.requests if p.lstrip("/") in shards and p.lstrip("/") not in served]
         assert len(set(served)) == 1, served  # only the first shard had been served at step 1
         assert waiting, "the trainer had not asked for a second shard yet"
         release.set()
         assert role.proc.wait(timeout=90) == 0, role.text()
-        assert "step 2 | loss" in role.text()
+        assert [r["step"] for r in trainer_rows(role)] == [1, 2]
         assert len(set(served)) >= 2
     finally:
         release.set()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, LOCALHOST, WIKITEXT, Role, alive, wait_until
+from conftest import FAST, LOCALHOST, WIKITEXT, Role, alive, trainer_rows, wait_until
 from cotrain import cli
 from cotrain import config as cfg
 from cotrain.errors import UserError
@@ -242,12 +242,6 @@ def test_init_from_a_local_pretrained_folder(tmp_path, tokenizers):
 # --- two trainers of each family's CPU twin, as processes on 127.0.0.1 ---
 
 SLOW_STEPS = 6
-STEP_LINE = re.compile(r"step (\d+) \| loss ([\d.naninf]+) \| averaged with (\d+) peers")
-
-
-def trainer_steps(role: Role) -> list[tuple[int, float, int]]:
-    """(global step, mean loss, group size) from a trainer's per-step log lines."""
-    return [(int(s), float(loss), int(g)) for s, loss, g in STEP_LINE.findall(role.text())]
 
 
 @pytest.fixture(scope="module")
@@ -312,19 +306,20 @@ def test_two_trainers_of_each_family_train_together_and_export(family, prepared,
         roles.append(second)
 
         def done() -> bool:  # both trained a few steps, and at least one of them was averaged by the two
-            steps = [trainer_steps(r) for r in roles]
-            enough = all(len(s) >= 3 for s in steps) and max(s for s, _, _ in steps[0]) >= SLOW_STEPS
-            return enough and any(g == 2 for s in steps for _, _, g in s)
+            rows = [trainer_rows(r) for r in roles]
+            enough = all(len(s) >= 3 for s in rows) and max(r["step"] for r in rows[0]) >= SLOW_STEPS
+            return enough and any(r["group_size"] == 2 for s in rows for r in s)
 
         try:
             wait_until(done, 300, what=f"{SLOW_STEPS} global steps")
         except AssertionError as e:
             raise AssertionError(f"{e}\n{first.text()[-3000:]}\n{second.text()[-3000:]}") from None
-        a, b = trainer_steps(first), trainer_steps(second)
-        assert max(g for _, _, g in a + b) == 2, (a, b)  # the two averaged together
-        assert {s for s, _, _ in a} & {s for s, _, _ in b}, (a, b)  # and shared global steps
-        start = sum(loss for _, loss, _ in a[:2]) / 2  # from scratch
-        end = sum(loss for _, loss, _ in a[-2:] + b[-2:]) / 4
+        a, b = trainer_rows(first), trainer_rows(second)
+        assert max(r["group_size"] for r in a + b) == 2, (a, b)  # the two averaged together
+        assert {r["step"] for r in a} & {r["step"] for r in b}, (a, b)  # and shared global steps
+        losses_a, losses_b = ([r["loss"] for r in rows if r["loss"] is not None] for rows in (a, b))
+        start = sum(losses_a[:2]) / 2  # from scratch
+        end = sum(losses_a[-2:] + losses_b[-2:]) / 4
         assert end < start, (family, a, b)
         pids = [pid for r in roles for pid in r.tree()]
         for role in roles:  # both at once, as when a user stops the swarm

@@ -20,7 +20,18 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, read_rows, trainer_args, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    Role,
+    events,
+    monitor_address,
+    monitor_args,
+    read_rows,
+    trainer_args,
+    trainer_rows,
+    wait_until,
+)
 from cotrain.config import resolve
 from cotrain.engine import gradient_norm
 from cotrain.roles.monitor import MAX_STEPS_AHEAD, aggregate, plausible
@@ -147,12 +158,6 @@ def test_a_differing_config_is_refused_naming_every_field():
 # ---- a live swarm
 
 
-def trainer_steps(role: Role) -> list[tuple[int, float, int]]:
-    """(step, mean loss, group size) from a trainer's per-step log lines."""
-    found = re.findall(r"step (\d+) \| loss (\S+) \| averaged with (\d+) peers", role.text())
-    return [(int(s), float(loss), int(g)) for s, loss, g in found]
-
-
 @pytest.fixture(scope="module")
 def swarm(demo_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("integrity")
@@ -186,7 +191,7 @@ def swarm(demo_data, tmp_path_factory):
 
         def both_past_the_poison() -> bool:
             steps = [
-                max((s for s, _, _ in trainer_steps(roles[n])), default=0) for n in ("honest", "poisoned")
+                max((r["step"] for r in trainer_rows(roles[n])), default=0) for n in ("honest", "poisoned")
             ]
             saved = [len(list((out / n / "checkpoints").glob("step-0*4"))) for n in ("honest", "poisoned")]
             return min(steps) >= 4 and min(saved) >= 1
@@ -217,13 +222,18 @@ def test_nan_gradients_stay_with_their_peer(swarm):
     honest, poisoned = swarm["roles"]["honest"], swarm["roles"]["poisoned"]
     assert "Fault injection: a NaN gradient" in poisoned.text(), poisoned.text()[-3000:]
     assert "Non-finite loss or gradients on this micro-batch" in poisoned.text()
+    # exactly the poisoned micro-batch was dropped (its loss finite, its gradients not), by that peer only
+    dropped = events(poisoned, "dropped")
+    assert len(dropped) == 1 and dropped[0]["step"] >= 2, dropped
+    assert math.isfinite(dropped[0]["loss"]) and not math.isfinite(dropped[0]["grad_norm"]), dropped
+    assert not events(honest, "dropped")
     for role in (honest, poisoned):
-        steps = trainer_steps(role)
-        assert all(math.isfinite(loss) for _, loss, _ in steps), steps
+        steps = trainer_rows(role)
+        assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in steps), steps
         # parameters that turned non-finite would be restored from a backup, with this line: not here
         assert "non-finite parameters" not in role.text(), role.text()[-3000:]
     # the two peers averaged after the injection: NaN sent to the swarm would have reached the honest one
-    assert any(g == 2 and s >= 2 for s, _, g in trainer_steps(honest)), trainer_steps(honest)
+    assert any(r["group_size"] == 2 and r["step"] >= 2 for r in trainer_rows(honest)), trainer_rows(honest)
     for name in ("honest", "poisoned"):
         steps = finite_checkpoints(swarm["out"] / name)
         assert max(steps) >= 4, (name, steps)

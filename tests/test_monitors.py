@@ -18,10 +18,12 @@ from conftest import (
     LOCALHOST,
     Role,
     alive,
+    events,
     monitor_address,
     monitor_args,
     read_rows,
     trainer_args,
+    trainer_rows,
     wait_until,
 )
 
@@ -30,18 +32,8 @@ pytestmark = [pytest.mark.slow]
 RUN = "monitors-test"
 
 
-def trainer_steps(role: Role) -> list[tuple[int, int]]:
-    """(global step, averaging group size) from a trainer's per-step log lines."""
-    out = []
-    for line in role.text().splitlines():
-        if "[INFO] step " in line and "averaged with" in line:
-            parts = line.split("|")
-            out.append((int(parts[0].split("step")[-1]), int(parts[2].split("with")[1].split()[0])))
-    return out
-
-
 def top(role: Role) -> int:
-    return max((s for s, _ in trainer_steps(role)), default=-1)
+    return max((r["step"] for r in trainer_rows(role)), default=-1)
 
 
 def last_step(path) -> int:
@@ -124,21 +116,20 @@ def test_a_trainer_joins_through_the_surviving_monitor(story):
     out, roles = story["out"], story["roles"]
     swarm_step = last_step(out / "monitor_b" / "metrics.jsonl")
     late = story["trainer"]("trainer2", story["b"], 3)
-    text = wait_until(
-        lambda: "Starting from global step" in late.text() and late.text(),
-        360,
-        what="the third trainer to load the swarm's state",
-    )
-    start = int(text.split("Starting from global step")[1].split()[0])
-    assert start >= swarm_step - 1, text
+    started = wait_until(
+        lambda: events(late, "started"), 360, what="the third trainer to load the swarm's state"
+    )[0]
+    assert started["loaded"], (started, late.text()[-3000:])
+    start = started["step"]
+    assert start >= swarm_step - 1, started
     steps = wait_until(
-        lambda: [(s, g) for s, g in trainer_steps(late) if g >= 2],
+        lambda: [r["step"] for r in trainer_rows(late) if r["group_size"] >= 2],
         180,
         what="the third trainer to average with another peer",
     )
-    assert steps[0][0] > start, steps
-    others = {s for name in ("trainer0", "trainer1") for s, _ in trainer_steps(roles[name])}
-    assert {s for s, _ in trainer_steps(late)} & others, "the third trainer's steps are not the swarm's"
+    assert steps[0] > start, (start, steps)
+    others = {r["step"] for name in ("trainer0", "trainer1") for r in trainer_rows(roles[name])}
+    assert {r["step"] for r in trainer_rows(late)} & others, "the third trainer's steps are not the swarm's"
     wait_until(
         lambda: any(r["alive_peers"] == 3 for r in read_rows(out / "monitor_b" / "metrics.jsonl")),
         120,

@@ -10,6 +10,7 @@ trainer in bf16 with an automatic micro-batch.
 from __future__ import annotations
 
 import math
+import re
 
 import psutil
 import pytest
@@ -19,11 +20,13 @@ from conftest import (
     LOCALHOST,
     Role,
     check_announced,
+    events,
     monitor_address,
     monitor_args,
     read_rows,
     saw_peers,
     trainer_args,
+    trainer_rows,
     wait_until,
 )
 from test_options import PEER, seed_commands
@@ -60,17 +63,6 @@ class SeedRole(Role):
         _, config = cli.parse(args)
         listen = parse_maddrs(config.peer.host_maddrs, "listen")
         assert listen and all(m.startswith("/ip4/127.0.0.1/") for m in listen), listen
-
-
-def step_lines(text: str) -> list[tuple[int, float, int]]:
-    """(step, loss, group size) of a trainer's step lines."""
-    out = []
-    for line in text.splitlines():
-        if "] step " in line and "| loss" in line:
-            parts = line.split("|")
-            step = int(parts[0].split("step")[-1])
-            out.append((step, float(parts[1].split()[1]), int(parts[2].split("with")[1].split()[0])))
-    return out
 
 
 def p2pd_args(role: Role) -> list[str]:
@@ -296,7 +288,7 @@ def swarm(demo_data, tmp_path_factory):
                 and max(r["step"] for r in rows) >= STEPS
                 and saw_peers(rows, 2)
                 and any(r["step"] > CORRUPT_AT + 1 for r in seed_rows)
-                and len(step_lines(roles["bf16"].text())) >= 3
+                and len(trainer_rows(roles["bf16"])) >= 3
             )
 
         wait_until(done, 600, interval=1.0, what=f"{STEPS} global steps")
@@ -315,8 +307,11 @@ def test_the_seed_command_lines_train_a_swarm(swarm):
     assert f"Monitor of run {RUN!r} is up" in monitor
     seed = swarm["roles"]["seed"].text()
     assert "Traceback" not in seed and "Traceback" not in monitor
-    # --logging_steps 100 with --logging_first_step: exactly the first global step is logged
-    assert len(step_lines(seed)) == 1, step_lines(seed)
+    # --logging_steps 100 with --logging_first_step: exactly the first global step is logged (the log a user
+    # reads), while OUTPUT_DIR/metrics.jsonl holds every step
+    first = trainer_rows(swarm["out"] / "seed-trainer")[0]["step"]
+    logged = re.findall(r"\] step (\d+) \| loss ", seed)
+    assert logged == [str(first)], (logged, first)
     # --logging_dir: TensorBoard event files of the logged step
     assert list((swarm["out"] / "seed-trainer-logs").glob("events.out.tfevents.*"))
 
@@ -333,7 +328,8 @@ def test_a_peer_with_nan_parameters_restores_its_backup_and_keeps_contributing(s
     assert after and all(r["loss"] is not None and math.isfinite(r["loss"]) for r in after), rows
     assert any(r["group_size"] == 2 for r in after), after  # still averaging with its peer
     # the swarm's model stayed finite: the other trainer's losses and the monitor's aggregate
-    assert all(math.isfinite(loss) for _, loss, _ in step_lines(swarm["roles"]["bf16"].text()))
+    other = trainer_rows(swarm["roles"]["bf16"])
+    assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in other), other
     assert all(math.isfinite(r["loss"]) for r in read_rows(swarm["metrics"]) if r["loss"] is not None)
 
 
@@ -341,10 +337,12 @@ def test_a_bf16_trainer_with_an_automatic_micro_batch_averages_with_its_peer(swa
     text = swarm["roles"]["bf16"].text()
     assert "--per-device-train-batch-size auto: 4 per micro-batch x 2 accumulated" in text, text[-2000:]
     assert "micro-batch 4 x 2 on cpu in bf16" in text
+    joined = events(swarm["roles"]["bf16"], "joined")
+    assert [(e["micro_batch"], e["accumulation"]) for e in joined] == [(4, 2)], joined
     assert "Loading micro-batches with 1 DataLoader worker processes" in text
-    steps = step_lines(text)
-    assert max(group for _, _, group in steps) == 2, steps
-    assert all(math.isfinite(loss) for _, loss, _ in steps)
+    steps = trainer_rows(swarm["roles"]["bf16"])
+    assert max(r["group_size"] for r in steps) == 2, steps
+    assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in steps), steps
 
 
 def test_the_relay_switch_reaches_p2pd(swarm):

@@ -19,10 +19,12 @@ from conftest import (
     REPO,
     Role,
     cotrain_env,
+    events,
     monitor_address,
     monitor_args,
     read_rows,
     trainer_args,
+    trainer_rows,
     wait_until,
 )
 from cotrain.errors import UserError
@@ -97,18 +99,9 @@ def test_the_deploy_guide_command_lines_parse():
         cli.parse(argv)  # an unknown flag or a bad value exits here
 
 
-def peer_id_in_log(role: Role) -> str:
-    return role.text().split("Trainer ", 1)[1].split()[0]
-
-
-def trainer_groups(role: Role) -> list[tuple[int, int]]:
-    """(global step, averaging group size) from a trainer's per-step log lines."""
-    out = []
-    for line in role.text().splitlines():
-        if "[INFO] step " in line and "averaged with" in line:
-            parts = line.split("|")
-            out.append((int(parts[0].split("step")[-1]), int(parts[2].split("with")[1].split()[0])))
-    return out
+def joined_peer_id(role: Role, timeout: float, what: str) -> str:
+    """The peer id a trainer joined with (its ``joined`` event), once it has joined."""
+    return wait_until(lambda: events(role, "joined"), timeout, what=what)[0]["peer_id"]
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +145,7 @@ def test_a_client_mode_trainer_averages_with_a_normal_one(swarm):
     roles, metrics = swarm["roles"], swarm["out"] / "monitor" / "metrics.jsonl"
     for name in ("server", "client"):
         wait_until(
-            lambda name=name: any(g == 2 for _, g in trainer_groups(roles[name])),
+            lambda name=name: any(r["group_size"] == 2 for r in trainer_rows(roles[name])),
             400,
             what=f"the {name} trainer to average in a group of 2",
         )
@@ -174,16 +167,14 @@ def test_identity_files_are_created_private(swarm):
     for name in ("monitor.id", "server.id"):
         path = swarm["out"] / "keys" / name
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
-    assert ensure_identity(swarm["out"] / "keys" / "server.id").to_base58() == peer_id_in_log(
-        swarm["roles"]["server"]
-    )
+    joined = joined_peer_id(swarm["roles"]["server"], 300, "the trainer to join")
+    assert ensure_identity(swarm["out"] / "keys" / "server.id").to_base58() == joined
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_second_peer_with_a_used_identity_is_refused(swarm):
-    server = swarm["roles"]["server"]
-    wait_until(lambda: "Trainer " in server.text(), 300, what="the trainer to be online")
+    joined_peer_id(swarm["roles"]["server"], 300, "the trainer to be online")
     rc, out = run_cotrain(
         "train",
         "--preset",
@@ -210,14 +201,12 @@ def test_a_second_peer_with_a_used_identity_is_refused(swarm):
 @pytest.mark.timeout(480)
 def test_a_restarted_trainer_keeps_its_peer_id(swarm):
     roles, out = swarm["roles"], swarm["out"]
-    wait_until(lambda: "Trainer " in roles["server"].text(), 300, what="the trainer to be online")
-    before = peer_id_in_log(roles["server"])
+    before = joined_peer_id(roles["server"], 300, "the trainer to be online")
     roles["server"].stop(timeout=60)
     again = swarm["trainer"](
         "server_again", swarm["initial"], 1, "--identity-path", str(out / "keys" / "server.id")
     )
-    wait_until(lambda: "Trainer " in again.text(), 360, what="the restarted trainer to join")
-    assert peer_id_in_log(again) == before
+    assert joined_peer_id(again, 360, "the restarted trainer to join") == before
     assert "already used by a running peer" not in again.text()
 
 

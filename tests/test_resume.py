@@ -17,7 +17,17 @@ import math
 import pytest
 import torch
 
-from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    Role,
+    events,
+    monitor_address,
+    monitor_args,
+    trainer_args,
+    trainer_rows,
+    wait_until,
+)
 from cotrain import checkpoints as ck
 
 pytestmark = [pytest.mark.slow]
@@ -25,18 +35,14 @@ pytestmark = [pytest.mark.slow]
 RUN = "resume-test"
 
 
-def first_losses(role: Role) -> list[tuple[int, float]]:
-    out = []
-    for line in role.text().splitlines():
-        if "[INFO] step " in line and "| loss " in line:
-            parts = line.split("|")
-            out.append((int(parts[0].split("step")[-1]), float(parts[1].split()[1])))
-    return out
+def losses(rows: list[dict]) -> list[float]:
+    """The mean losses of a trainer's global steps (``trainer_rows``), in order."""
+    return [r["loss"] for r in rows if r["loss"] is not None]
 
 
-def start_step(role: Role) -> int:
-    text = role.text()
-    return int(text.split("Starting from global step")[1].split()[0])
+def started(role: Role, timeout: float, what: str) -> dict:
+    """A trainer's ``started`` event (the global step it trains from after catching up), once written."""
+    return wait_until(lambda: events(role, "started"), timeout, what=what)[0]
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +116,8 @@ def test_1_the_monitor_checkpoints_while_two_trainers_train(story):
     assert meta["config"]["run"]["run_id"] == RUN and meta["tokenizer_hash"]
     story["saved"] = path
     story["initial"] = initial
-    story["start_loss"] = first_losses(t1)[0][1]  # from scratch
-    story["saved_loss"] = sum(loss for _, loss in first_losses(t1)[-2:] + first_losses(t2)[-2:]) / 4
+    story["start_loss"] = losses(trainer_rows(t1))[0]  # from scratch
+    story["saved_loss"] = sum(losses(trainer_rows(t1))[-2:] + losses(trainer_rows(t2))[-2:]) / 4
     assert monitor.proc.poll() is None, monitor.text()
     assert "Saved checkpoint" in monitor.text()
 
@@ -129,11 +135,11 @@ def test_2_a_newcomer_starts_from_the_monitors_state(story):
         "10",
         env={"COTRAIN_DEBUG_SAVE_ON_START": "1"},
     )
-    text = wait_until(lambda: "Starting from global step" in t3.text() and t3.text(), 90, what="t3 to load")
-    assert "loading its current state" in text
+    start = started(t3, 90, "t3 to load")
+    assert start["loaded"], (start, t3.text()[-3000:])
     step = ck.verify(saved)["step"]
     # hivemind counts one step more when the killed trainers' progress records (valid for 60 s) are ahead
-    assert start_step(t3) in (step, step + 1), text
+    assert start["step"] in (step, step + 1), start
     local = wait_until(lambda: ck.list_checkpoints(story["out"] / "t3" / "checkpoints"), 30, what="t3's dump")
     weights, moments = ck.read_tensors(saved)
     got_weights, got_moments = ck.read_tensors(local[0])
@@ -151,11 +157,13 @@ def test_2_a_newcomer_starts_from_the_monitors_state(story):
     assert nonzero(moments, sq) > 0.5
     assert nonzero(got_moments, sq) >= 0.99 * nonzero(moments, sq)  # small moments not flushed to zero
     # its first two steps: the first may hold a single micro-batch (hivemind counts the killed trainers' step)
-    losses = wait_until(lambda: len(first_losses(t3)) >= 2 and first_losses(t3), 60, what="t3's first steps")
+    found = wait_until(
+        lambda: len(losses(trainer_rows(t3))) >= 2 and losses(trainer_rows(t3)), 60, what="t3's first steps"
+    )
     # from scratch the loss is ~ln(vocab) + ln(2) (masked LM + sentence order); t3 continues from the swarm's
-    first, start, saved_loss = (losses[0][1] + losses[1][1]) / 2, story["start_loss"], story["saved_loss"]
-    assert first < math.log(4000) + math.log(2) - 0.15 and first < start - 0.15, (losses, start, saved_loss)
-    assert abs(first - saved_loss) < abs(first - start), (losses, start, saved_loss)
+    first, start, saved_loss = (found[0] + found[1]) / 2, story["start_loss"], story["saved_loss"]
+    assert first < math.log(4000) + math.log(2) - 0.15 and first < start - 0.15, (found, start, saved_loss)
+    assert abs(first - saved_loss) < abs(first - start), (found, start, saved_loss)
 
 
 @pytest.mark.timeout(150)
@@ -175,8 +183,8 @@ def test_3_a_crash_mid_write_leaves_the_previous_checkpoint_and_resume_serves_it
     text = wait_until(lambda: "Resumed from checkpoint" in m2.text() and m2.text(), 60, what="m2 to resume")
     assert f"Resumed from checkpoint {saved} (global step {ck.verify(saved)['step']})" in text
     t4 = story["trainer"]("t4", initial, 4)
-    wait_until(lambda: "Starting from global step" in t4.text(), 90, what="t4 to load m2's state")
-    assert start_step(t4) == ck.verify(saved)["step"], t4.text()
+    start = started(t4, 90, "t4 to load m2's state")
+    assert start["loaded"] and start["step"] == ck.verify(saved)["step"], (start, t4.text()[-3000:])
     t4.kill_all()
     m2.stop()
     assert m2.proc.returncode == 0 and "Traceback" not in m2.log_path.read_text()
@@ -186,6 +194,7 @@ def test_3_a_crash_mid_write_leaves_the_previous_checkpoint_and_resume_serves_it
 def test_4_a_trainer_resumes_from_its_newest_local_checkpoint(story):
     local = ck.list_checkpoints(story["out"] / "t3" / "checkpoints")
     newest = ck.verify(local[-1])["step"]
+    known = len(trainer_rows(story["out"] / "t3"))  # t3's rows: t5 appends its own to the same folder
     # alone (no initial peers): nothing newer to catch up with; the later --output-dir wins
     t5 = story["trainer"](
         "t5", [], 5, "--output-dir", str(story["out"] / "t3"), "--max-steps", str(newest + 1)
@@ -193,6 +202,7 @@ def test_4_a_trainer_resumes_from_its_newest_local_checkpoint(story):
     t5.proc.wait(timeout=100)
     text = t5.text()
     assert f"Resumed from local checkpoint {local[-1]} (global step {newest})" in text, text
-    steps = first_losses(t5)
-    assert steps and steps[0][0] == newest + 1, text
+    assert [(e["path"], e["step"]) for e in events(t5, "resumed")] == [(str(local[-1]), newest)], text
+    steps = trainer_rows(t5)[known:]
+    assert steps and steps[0]["step"] == newest + 1, (steps, text[-3000:])
     assert t5.proc.returncode == 0 and "Traceback" not in text

@@ -35,7 +35,7 @@ def child_config(config: Config, **peer_values: Any) -> Config:
     peer = {
         "host_maddrs": [LOCALHOST],
         "announce_maddrs": [],
-        "torch_threads": config.peer.torch_threads or 1,
+        "torch_threads": config.peer.torch_threads,  # 0: the trainers share this machine's cores equally
     }
     return dataclasses.replace(config, peer=dataclasses.replace(config.peer, **{**peer, **peer_values}))
 

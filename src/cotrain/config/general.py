@@ -21,7 +21,11 @@ class GeneralConfig:
         roles=ROLES_ALL + ("prepare",),
         seed="--seed",
     )
-    torch_threads: int = opt(0, "CPU threads for torch on this peer (0: torch's default).")
+    torch_threads: int = opt(
+        0,
+        "CPU threads for torch on this peer (0: an equal share of this machine's cores among the cotrain "
+        "peers running on it, followed as peers start and stop).",
+    )
     verbose: bool = opt(False, "Log hivemind's status lines at INFO instead of DEBUG.")
 
     def problems(self) -> list[str]:

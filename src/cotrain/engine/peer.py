@@ -229,12 +229,19 @@ class SwarmPeer:
         self.healer: Any = None
         self.guard: Any = None
         self.faults = Faults()
+        self.cores: Any = None  # this peer's share of the machine's cores, when it has no --torch-threads
         self.events: Callable[[str, dict], None] = lambda name, fields: None
         self.last_report: dict | None = None
         self.reports = 0
         self._loss_sum, self._mini_steps, self._contribution = 0.0, 0, 0
         params = list(params)
         self._params = flat_tensors(params)
+        if peer.torch_threads:
+            torch.set_num_threads(peer.torch_threads)
+        else:  # several peers on one machine share its cores instead of oversubscribing them
+            from cotrain.cores import CoreShare
+
+            self.cores = CoreShare().start()
         try:
             if self.connection is None:
                 self.connection = SwarmConnection(run.run_id, peer, role="api", stop=self._stop)
@@ -250,11 +257,13 @@ class SwarmPeer:
                 self._stop.is_set,
             )
         except BaseException:
-            shutdown_in_order(self.strategy, self.connection)
+            shutdown_in_order(self.strategy, self.connection, self.cores)
             self._closed = True
             raise
         # a peer left running at exit still stops its averagers and DHT processes in order
-        self._finalizer = weakref.finalize(self, shutdown_in_order, self.strategy, self.connection)
+        self._finalizer = weakref.finalize(
+            self, shutdown_in_order, self.strategy, self.connection, self.cores
+        )
         threading.Thread(
             target=_cancel_rounds_when_set, args=(self._stop, self.strategy), daemon=True, name="stop-rounds"
         ).start()
@@ -353,6 +362,8 @@ class SwarmPeer:
         if batch_size is None and self.strategy.batch_size_per_step is None:
             raise UserError("give step(batch_size=...) or SwarmPeer(batch_size_per_step=...)")
         samples = batch_size if batch_size is not None else self.strategy.batch_size_per_step
+        if self.cores is not None:
+            self.cores.apply()  # another peer of this machine started or left: follow the new share
         if self.healer is not None and self.healer.resync.is_set():
             self._adopt_swarm_state()
         self.faults.poison_gradients(self._params, self.global_step)

@@ -35,7 +35,7 @@ def _quiet_exit_hook(previous: Callable) -> Callable:
     return hook
 
 
-def shutdown_in_order(strategy: Any, connection: Any) -> None:
+def shutdown_in_order(strategy: Any, connection: Any, cores: Any = None) -> None:
     """Stop a peer: its strategy (pending rounds cancelled, averagers ended), then its DHT; the network tasks
     that this leaves pending at interpreter exit are not reported."""
     asyncio_logger = logging.getLogger("asyncio")
@@ -47,3 +47,5 @@ def shutdown_in_order(strategy: Any, connection: Any) -> None:
         strategy.shutdown()
     if connection is not None:
         connection.close()
+    if cores is not None:
+        cores.close()

@@ -12,8 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from cotrain import checkpoints as ck
 from cotrain import faults
 from cotrain.config import AUTO, Config, load_preset
@@ -56,8 +54,6 @@ class Trainer:
         took = take_swarm_settings(self.connection, config)  # only an address: the swarm's, from its record
         run, peer = config.run, config.peer
         self.events = JsonlSink(Path(peer.output_dir) / "events.jsonl")
-        if peer.torch_threads:
-            torch.set_num_threads(peer.torch_threads)
         data = self._open_dataset()
         tokenizer = self._checked_tokenizer(data)
         devices = resolve_devices(peer.devices)
