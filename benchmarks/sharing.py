@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 
-from chaos import prepare_data  # noqa: E402  (the demo corpus at 128 tokens, as the chaos run uses)
+from chaos import prepare_data  # (the demo corpus at 128 tokens, as the chaos run uses)
 from cotrain.cores import machine_cores, share_of
 
 LOCALHOST = "/ip4/127.0.0.1/tcp/0"

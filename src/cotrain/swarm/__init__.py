@@ -1,1 +1,11 @@
-"""The thin layer over hivemind: the DHT, signed records and the collaborative optimizer."""
+"""Thin adapters over hivemind that take plain values (never cotrain's config, models, checkpoints or data):
+
+- ``dht``: starting this process's DHT node with cotrain's defaults, clear errors, the visible addresses;
+- ``keys``: every DHT key of a run, named from its run id in one place;
+- ``records``, ``configrecord``: the signed, schema-checked records peers publish (metrics, evaluations, the
+  run config) and their validators;
+- ``state``: the swarm's state as ``cotrain status`` and the dashboard read it;
+- ``optimizer``, ``averaging``, ``fixes``: hivemind.Optimizer and its averagers as cotrain configures them;
+- ``healing``, ``backup``, ``served``: re-joining after a partition, the NaN guard, who serves the state;
+- ``identity``, ``logs``: persistent peer ids; hivemind's expected network failures as one line.
+"""
