@@ -33,3 +33,27 @@ def test_a_hivemind_failure_with_a_traceback_is_one_line_and_other_records_keep_
     assert "Averaging step failed (TimeoutError: could not find a group)\n" in text
     # records of other loggers pass untouched, traceback and all
     assert text.count("Traceback") == 1 and text.index("their own failure") < text.index("Traceback")
+
+
+def test_a_hivemind_error_whose_text_spans_lines_is_one_line():
+    """libp2p's connection errors reach hivemind's log with line breaks (its daemon's text): one line each."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(OneLineErrors())
+    try:
+        raise ConnectionError("failed to dial 12D3KooW...:\n  * [/ip4/127.0.0.1/tcp/1] dial refused")
+    except ConnectionError:
+        failed = logging.LogRecord(
+            "hivemind.p2p", logging.WARNING, __file__, 1, "Failed to connect", None, sys.exc_info()
+        )
+    handler.handle(failed)
+    plain = logging.LogRecord(
+        "hivemind.dht", logging.WARNING, __file__, 1, "peer left:\n%s", ("details",), None
+    )
+    handler.handle(plain)
+    lines = stream.getvalue().splitlines()
+    assert lines == [
+        "Failed to connect (ConnectionError: failed to dial 12D3KooW...: * [/ip4/127.0.0.1/tcp/1] "
+        "dial refused)",
+        "peer left: details",
+    ]

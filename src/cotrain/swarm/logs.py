@@ -5,16 +5,23 @@ from __future__ import annotations
 import logging
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and runs of spaces as single spaces."""
+    return " ".join(str(text).split())
+
+
 class OneLineErrors(logging.Filter):
     """hivemind logs expected network failures (a peer left, no group found) and some of its own races
-    (through asyncio's logger) with full tracebacks; show them as one line unless --verbose."""
+    (through asyncio's logger) with full tracebacks, and passes on libp2p's errors, whose text spans lines;
+    show each as one line unless --verbose."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.name.startswith(("hivemind", "asyncio")):
-            exc = record.exc_info[1]
-            record.msg = (
-                f"{record.getMessage()} ({type(exc).__name__}: {exc})" if exc else record.getMessage()
-            )
+        if not record.name.startswith(("hivemind", "asyncio")):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        if exc is not None or "\n" in message:
+            record.msg = one_line(f"{message} ({type(exc).__name__}: {exc})" if exc else message)
             record.args = None
             record.exc_info = None
             record.exc_text = None
