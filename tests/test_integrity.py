@@ -233,7 +233,13 @@ def test_nan_gradients_stay_with_their_peer(swarm):
         # parameters that turned non-finite would be restored from a backup, with this line: not here
         assert "non-finite parameters" not in role.text(), role.text()[-3000:]
     # the two peers averaged after the injection: NaN sent to the swarm would have reached the honest one
-    assert any(r["group_size"] == 2 and r["step"] >= 2 for r in trainer_rows(honest)), trainer_rows(honest)
+    # (started together, they may each step alone until their progress trackers see each other)
+    wait_until(
+        lambda: any(r["group_size"] == 2 and r["step"] >= 2 for r in trainer_rows(honest)),
+        180,
+        what="the honest trainer averaging with the poisoned one after the injection",
+    )
+    assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in trainer_rows(honest))
     for name in ("honest", "poisoned"):
         steps = finite_checkpoints(swarm["out"] / name)
         assert max(steps) >= 4, (name, steps)

@@ -360,10 +360,11 @@ def colab_line() -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_the_seed_colab_line_joins_a_swarm_with_another_matchmaking_time(demo_data, tmp_path):
-    """The Colab trainer line as written (client mode, --averaging_expiration 10, --batch_size_lead 300, ...),
-    plus a dataset, the CPU-sized preset, a local address and a lead below the target, joins a swarm whose
-    monitor and other trainer wait 2 s for matchmaking, and averages with them: matchmaking time, averaging
-    timeout and batch lead are each peer's own, not part of the run's agreed settings."""
+    """The Colab trainer line as written (client mode, --averaging_expiration 10, --batch_size_lead 300, no
+    preset), plus a dataset, a local address and a lead below the CPU-sized target, joins a swarm whose
+    monitor and other trainer wait 2 s for matchmaking, and averages with them: it takes the run's settings
+    (the tiny preset) from the swarm, and matchmaking time, averaging timeout and batch lead are each peer's
+    own, not part of the run's agreed settings."""
     run, tiny = "colab-line", ["--preset", "albert-tiny", "--host-maddrs", LOCALHOST]
     roles: list[Role] = []
     try:
@@ -388,7 +389,8 @@ def test_the_seed_colab_line_joins_a_swarm_with_another_matchmaking_time(demo_da
                     *colab,
                     "--dataset_path",
                     str(demo_data),
-                    *tiny,
+                    "--host-maddrs",
+                    LOCALHOST,
                     "--batch_size_lead",
                     "16",
                     "--torch-threads",
@@ -412,6 +414,7 @@ def test_the_seed_colab_line_joins_a_swarm_with_another_matchmaking_time(demo_da
         wait_until(averaged, 200, interval=1.0, what="the Colab-line trainer to average in a group of 2+")
         text = roles[1].text()
         assert "differs from the swarm" not in text and "Traceback" not in text
+        assert "settings from the swarm" in text and "preset albert-tiny" in text, text[-3000:]
     finally:
         for role in roles:
             role.stop()
