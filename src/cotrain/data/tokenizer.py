@@ -75,19 +75,26 @@ def _build_backend(vocab_size: int, texts: Iterable[str], progress: Progress) ->
     return tokenizer
 
 
-def _wrap(backend: Tokenizer) -> PreTrainedTokenizerFast:
+def _wrap(
+    backend: Tokenizer,
+    specials: tuple[str, str, str, str, str] = (UNK, PAD, CLS, SEP, MASK),
+    names: tuple[str, ...] = ("input_ids", "token_type_ids", "attention_mask"),
+) -> PreTrainedTokenizerFast:
+    """A trained backend as a transformers tokenizer: ``specials`` = (unk, pad, cls, sep, mask); cls and sep
+    also serve as bos and eos."""
+    unk, pad, cls, sep, mask = specials
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        unk_token=UNK,
-        pad_token=PAD,
-        cls_token=CLS,
-        sep_token=SEP,
-        mask_token=MASK,
-        bos_token=CLS,
-        eos_token=SEP,
+        unk_token=unk,
+        pad_token=pad,
+        cls_token=cls,
+        sep_token=sep,
+        mask_token=mask,
+        bos_token=cls,
+        eos_token=sep,
         model_max_length=MODEL_MAX_LENGTH,
         padding_side="right",
-        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+        model_input_names=list(names),
     )
 
 
@@ -144,23 +151,9 @@ def _build_bpe(vocab_size: int, texts: Iterable[str], progress: Progress) -> Tok
 def _wrap_other(backend: Tokenizer, kind: str) -> PreTrainedTokenizerFast:
     if kind == "wordpiece":
         pad, unk, cls, sep, mask = WORDPIECE_SPECIALS
-        names = ["input_ids", "token_type_ids", "attention_mask"]
-    else:
-        cls, pad, sep, unk, mask = BPE_SPECIALS
-        names = ["input_ids", "attention_mask"]
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token=unk,
-        pad_token=pad,
-        cls_token=cls,
-        sep_token=sep,
-        mask_token=mask,
-        bos_token=cls,
-        eos_token=sep,
-        model_max_length=MODEL_MAX_LENGTH,
-        padding_side="right",
-        model_input_names=names,
-    )
+        return _wrap(backend, (unk, pad, cls, sep, mask))
+    cls, pad, sep, unk, mask = BPE_SPECIALS
+    return _wrap(backend, (unk, pad, cls, sep, mask), ("input_ids", "attention_mask"))
 
 
 def train_tokenizer(
