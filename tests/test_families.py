@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import FAST, LOCALHOST, WIKITEXT, Role, alive, trainer_rows, wait_until
+from cotrain import checkpoints as ck
 from cotrain import cli
 from cotrain import config as cfg
 from cotrain.errors import UserError
@@ -28,6 +29,8 @@ TWINS = {
     "distilbert-base": "distilbert-tiny",
     "roberta-base": "roberta-tiny",
     "gpt2-small": "gpt2-tiny",
+    "llama-150m": "llama-tiny",
+    "qwen-500m": "qwen-tiny",
 }
 # published sizes (millions of parameters) with each family's standard vocabulary
 KNOWN_SIZES = {
@@ -37,6 +40,9 @@ KNOWN_SIZES = {
     "distilbert-base": (66.0, 30522),
     "roberta-base": (125.0, 50265),
     "gpt2-small": (124.0, 50257),
+    # computed from the shapes in tests/test_decoders.py (llama-150m has no published checkpoint)
+    "llama-150m": (148.26, 32000),
+    "qwen-500m": (494.0, 151936),  # Qwen2-0.5B, tied embeddings counted once
 }
 TOKENIZER_MODEL = {"unigram": "Unigram", "wordpiece": "WordPiece", "bpe": "BPE"}
 
@@ -100,7 +106,7 @@ def _batch(family: str, tokenizer) -> list[dict]:
     if family == "albert":
         enc = tokenizer(a, b)
         return [{**enc, "sentence_order_label": label} for label in (0, 1)]
-    if family == "gpt2":
+    if FAMILIES[family].objective == "clm":
         ids = tokenizer(a + " " + b, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return [{"input_ids": ids}, {"input_ids": ids[::-1]}]
     return [tokenizer(a), tokenizer(b)]
@@ -182,7 +188,10 @@ def test_optimizers_and_schedules_by_name():
 
 def test_bad_family_objective_or_schedule_is_one_clear_error(tmp_path):
     cases = [
-        ({"model_family": "xlnet"}, "model_family must be one of albert, bert, distilbert, roberta, gpt2"),
+        (
+            {"model_family": "xlnet"},
+            "model_family must be one of albert, bert, distilbert, roberta, gpt2, llama, qwen2, got 'xlnet'",
+        ),
         ({"objective": "clm"}, "model_family bert trains objective 'mlm', not 'clm'"),
         ({"lr_scheduler": "step"}, "lr_scheduler must be linear or cosine"),
     ]
@@ -342,6 +351,12 @@ def test_two_trainers_of_each_family_train_together_and_export(family, prepared,
     assert type(model).__name__ == FAMILIES[family].model_class
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.get_input_embeddings().num_embeddings == len(tokenizer)
+    # the same logits as the exported checkpoint's own model on a fixed batch
+    exported = Path(json.loads((out / "cotrain.json").read_text())["checkpoint"])
+    checkpoint_model, _ = ck.build_from_checkpoint(exported, ck.verify(exported))
+    inputs = tokenizer(["the game was released in japan .", "it is a tactical game ."], padding=True)
+    inputs = {k: torch.tensor(v) for k, v in inputs.items()}
     with torch.no_grad():
-        logits = model(**tokenizer("the game was released in japan .", return_tensors="pt"))[0]
+        logits = model(**inputs)[0]
+        torch.testing.assert_close(logits, checkpoint_model(**inputs)[0])
     assert logits.shape[-1] == len(tokenizer) and torch.isfinite(logits).all()

@@ -305,7 +305,8 @@ def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a Hugging Face model folder (config.json, model.safetensors, tokenizer files) that the
     family's Auto class loads (``AutoModelForPreTraining`` for ALBERT, ``AutoModelForMaskedLM`` for BERT,
-    DistilBERT and RoBERTa, ``AutoModelForCausalLM`` for GPT-2). Written beside ``out_dir``, then renamed."""
+    DistilBERT and RoBERTa, ``AutoModelForCausalLM`` for GPT-2, Llama and Qwen2). Written beside ``out_dir``,
+    then renamed."""
     from cotrain.data.fsutil import check_replaceable, replace_dir, temp_dir_beside
     from cotrain.families import FAMILIES
 

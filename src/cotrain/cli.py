@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "out_dir",
         help="folder to write: the family's Auto class loads it (AutoModelForPreTraining for ALBERT, "
-        "AutoModelForMaskedLM for BERT/DistilBERT/RoBERTa, AutoModelForCausalLM for GPT-2)",
+        "AutoModelForMaskedLM for BERT/DistilBERT/RoBERTa, AutoModelForCausalLM for GPT-2, Llama and "
+        "Qwen2)",
     )
     add_token_parser(sub)
     return parser

@@ -21,6 +21,7 @@ class Family:
     auto_class: str  # the transformers Auto class that loads an exported folder
     inputs: tuple[str, ...]  # the batch columns its forward takes
     description: str
+    attention: str = ""  # the attention implementation it is built with (transformers' default when "")
 
 
 FAMILIES: dict[str, Family] = {
@@ -75,6 +76,28 @@ FAMILIES: dict[str, Family] = {
             "AutoModelForCausalLM",
             ("input_ids", "attention_mask", "labels"),
             "GPT-2: causal LM on contiguous packed blocks",
+        ),
+        Family(
+            "llama",
+            "clm",
+            "bpe",
+            "LlamaConfig",
+            "LlamaForCausalLM",
+            "AutoModelForCausalLM",
+            ("input_ids", "attention_mask", "labels"),
+            "Llama: RoPE, SwiGLU, RMSNorm decoder; causal LM on contiguous packed blocks",
+            attention="sdpa",
+        ),
+        Family(
+            "qwen2",
+            "clm",
+            "bpe",
+            "Qwen2Config",
+            "Qwen2ForCausalLM",
+            "AutoModelForCausalLM",
+            ("input_ids", "attention_mask", "labels"),
+            "Qwen2: Llama-style decoder with grouped-query attention and q/k/v biases; causal LM",
+            attention="sdpa",
         ),
     )
 }

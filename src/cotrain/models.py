@@ -18,7 +18,16 @@ from cotrain.families import FAMILIES, Family
 
 logger = logging.getLogger(__name__)
 
-NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")
+# no weight decay: biases and normalization weights (LayerNorm; Llama's and Qwen2's RMSNorm: *norm.weight)
+NO_DECAY = (
+    "bias",
+    "LayerNorm.weight",
+    "layer_norm.weight",
+    "ln_1.weight",
+    "ln_2.weight",
+    "ln_f.weight",
+    "norm.weight",
+)
 SCHEDULES = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup}
 
 
@@ -50,7 +59,8 @@ def model_config(
             special[name] = value
         elif (getattr(defaults, name, None) or 0) >= vocab_size:  # GPT-2's 50256 past a smaller vocabulary
             special[name] = None
-    return config_class(vocab_size=vocab_size, **special, **run.model)
+    attention = {"attn_implementation": family.attention} if family.attention else {}
+    return config_class(vocab_size=vocab_size, **special, **attention, **run.model)
 
 
 def max_positions(config: transformers.PretrainedConfig) -> int:
@@ -93,6 +103,19 @@ def build_model(
     return model
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """--gradient-checkpointing: keep only each layer's inputs for the backward pass and recompute the rest
+    (less memory for activations, about a third more compute)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UserError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+    enable = getattr(model, "activation_checkpointing_enable", None)  # its name from transformers 5.23 on
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    logger.info(f"Gradient checkpointing on for {type(model).__name__}")
+
+
 def check_positions(model: torch.nn.Module, max_seq_length: int) -> None:
     """UserError unless the model takes sequences of ``max_seq_length`` tokens (said before training, rather
     than an index error in the middle of it)."""
@@ -120,7 +143,10 @@ def _pretrained(run: RunConfig, family: Family, vocab_size: int) -> torch.nn.Mod
     if found != kind:
         raise UserError(f"--init-from {run.init_from} holds a {found} model, but this run trains {kind}")
     try:
-        model = model_class.from_pretrained(source, local_files_only=local.is_dir(), dtype=torch.float32)
+        attention = {"attn_implementation": family.attention} if family.attention else {}
+        model = model_class.from_pretrained(
+            source, local_files_only=local.is_dir(), dtype=torch.float32, **attention
+        )
     except Exception as e:
         raise UserError(f"--init-from {run.init_from}: cannot load the model ({_first_line(e)})") from None
     if model.get_input_embeddings().num_embeddings != vocab_size:
@@ -145,7 +171,7 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 def collator_for_run(run: RunConfig, tokenizer: Any, seed: int = 0) -> Callable:
     """The family's collator: SOP+MLM pairs (ALBERT), masked LM (BERT, DistilBERT, RoBERTa; whole-word
-    masking with ``run.whole_word_mask``) or causal LM blocks (GPT-2)."""
+    masking with ``run.whole_word_mask``) or causal LM blocks (GPT-2, Llama, Qwen2)."""
     from cotrain.data import collator_for
 
     return collator_for(
@@ -159,7 +185,8 @@ def collator_for_run(run: RunConfig, tokenizer: Any, seed: int = 0) -> Callable:
 
 def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The family's training loss on one collated micro-batch: the model gets the columns its forward
-    takes (ALBERT: masked LM + sentence order; BERT, DistilBERT, RoBERTa: masked LM; GPT-2: causal LM)."""
+    takes (ALBERT: masked LM + sentence order; BERT, DistilBERT, RoBERTa: masked LM; GPT-2, Llama, Qwen2:
+    causal LM)."""
     out = model(**model_inputs(model, batch))
     if out.loss is None:
         raise ValueError(f"the batch lacks the labels {type(model).__name__} needs: {sorted(batch)}")
@@ -174,7 +201,7 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on everything but biases and LayerNorm weights, as in the seed recipe."""
+    """Weight decay on everything but biases and normalization weights, as in the seed recipe."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         (no_decay if any(nd in name for nd in NO_DECAY) else decay).append(param)

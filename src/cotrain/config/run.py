@@ -32,14 +32,14 @@ class RunConfig:
     )
     model_family: str = opt(
         "albert",
-        "Model family: albert (sentence order + masked LM), bert, distilbert, roberta (masked LM) or gpt2 "
-        "(causal LM).",
+        "Model family: albert (sentence order + masked LM), bert, distilbert, roberta (masked LM), gpt2, "
+        "llama or qwen2 (causal LM).",
         roles=(),
     )
     objective: str = opt(
         "sop+mlm",
-        "Training objective, the family's: sop+mlm (albert), mlm (bert, distilbert, roberta) or clm (gpt2); "
-        "`cotrain prepare` makes these examples.",
+        "Training objective, the family's: sop+mlm (albert), mlm (bert, distilbert, roberta) or clm (gpt2, "
+        "llama, qwen2); `cotrain prepare` makes these examples.",
         roles=(),
     )
     model: dict = opt(

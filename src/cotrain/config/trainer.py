@@ -49,6 +49,12 @@ class TrainerConfig:
         roles=("train",),
         seed="--bf16",
     )
+    gradient_checkpointing: bool = opt(
+        False,
+        "Recompute each layer's activations in the backward pass instead of keeping them: less GPU memory "
+        "for a bigger model or micro-batch, about a third more compute (not for ALBERT).",
+        roles=("train",),
+    )
     dataloader_num_workers: int = opt(
         0,
         "Worker processes that load and collate micro-batches from a local --dataset-path "

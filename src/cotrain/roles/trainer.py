@@ -21,6 +21,7 @@ from cotrain.hardware import Precision, auto_micro_batch, gpu_probe, pad_batch, 
 from cotrain.models import (
     check_positions,
     collator_for_run,
+    enable_gradient_checkpointing,
     forward_loss,
     model_for_tokenizer,
     optimizer_factory,
@@ -65,6 +66,8 @@ class Trainer:
         model = model_for_tokenizer(run, tokenizer)
         check_positions(model, run.max_seq_length)
         model.train()
+        if peer.gradient_checkpointing:  # before the micro-batch probe, which then measures with it on
+            enable_gradient_checkpointing(model)
         train_model = parallel(model, devices)  # several GPUs: DataParallel over them
         collator = collator_for_run(run, tokenizer, seed=peer.seed)
         if peer.per_device_train_batch_size == AUTO:
