@@ -286,3 +286,15 @@ def events(where: Role | Path, name: str | None = None) -> list[dict]:
     leaving), in order; only those called ``name`` when it is given."""
     folder = output_dir(where) if isinstance(where, Role) else Path(where)
     return [e for e in read_rows(folder / "events.jsonl") if name is None or e["event"] == name]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (tiny models run fastest so, and the cores are shared with the peers
+    of other tests); the previous count afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -48,11 +48,8 @@ SHAPES = {
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Tiny models run fastest on one thread (see conftest.one_torch_thread)."""
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))

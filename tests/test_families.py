@@ -48,12 +48,8 @@ TOKENIZER_MODEL = {"unigram": "Unigram", "wordpiece": "WordPiece", "bpe": "BPE"}
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one thread (and the cores are shared with the peers of other tests)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Tiny models run fastest on one thread (see conftest.one_torch_thread)."""
 
 
 @pytest.fixture(scope="module")
