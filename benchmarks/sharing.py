@@ -36,22 +36,11 @@ from pathlib import Path
 
 import psutil
 
-from chaos import prepare_data  # (the demo corpus at 128 tokens, as the chaos run uses)
+from chaos import prepare_data, read_rows  # the demo corpus at 128 tokens, JSON lines
 from cotrain.cores import machine_cores, share_of
 
 LOCALHOST = "/ip4/127.0.0.1/tcp/0"
 FIRST_STEP_TIMEOUT = 120.0
-
-
-def read_rows(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written
-                pass
-    return rows
 
 
 class Trainer:
