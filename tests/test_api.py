@@ -50,7 +50,7 @@ def test_importing_cotrain_loads_neither_torch_nor_hivemind():
         ({"optimizer": "adam"}, "optimizer must be a function"),
         ({"run_id": "a.b"}, "run_id 'a.b'"),
         ({"target_batch_size": 0}, "target_batch_size must be positive"),
-        ({"grad_compression": "int3"}, "grad_compression must be fp16 or none"),
+        ({"grad_compression": "int3"}, "grad_compression must be one of fp16, 8bit, none"),
         ({"scheduler": 3}, "scheduler must be a function"),
         ({"delay_everything": True}, "unknown setting 'delay_everything'"),
     ],

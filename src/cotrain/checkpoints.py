@@ -3,10 +3,13 @@
 A checkpoint is a folder ``step-000123/`` holding
 
 - ``model.safetensors``: the model's weights (full precision),
-- ``optimizer.safetensors``: the optimizer's tensors (LAMB/Adam moments), named ``KEY/PARAMETER``,
+- ``optimizer.safetensors``: the optimizer's tensors (LAMB/Adam moments; with ``--strategy diloco``, the
+  outer optimizer's momentum), named ``KEY/PARAMETER``,
+- ``inner_optimizer.safetensors`` (diloco only): the inner optimizer's tensors, named the same way,
 - ``tokenizer/``: the tokenizer's files (``save_pretrained``), so a checkpoint is self-contained,
 - ``checkpoint.json``: the global step, the resolved config, the tokenizer hash, the optimizer's scalars and
-  parameter groups, the scheduler's state, and the sha256 of every other file (checked on load).
+  parameter groups, the scheduler's state (diloco: the inner optimizer's and its schedule's under
+  ``inner``), and the sha256 of every other file (checked on load).
 
 It is written into a temporary folder beside its final place, every file fsynced, then renamed: a crash
 leaves either a complete checkpoint or a ``.step-000123.tmp-*`` folder that is never read (and is removed the
@@ -39,6 +42,7 @@ FORMAT = "cotrain-checkpoint/1"
 META = "checkpoint.json"
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
+INNER_OPTIMIZER = "inner_optimizer.safetensors"
 TOKENIZER = "tokenizer"
 EXPORT_MARKER = "cotrain.json"  # in every folder `cotrain export` writes
 NAME = re.compile(r"^step-(\d+)$")
@@ -129,8 +133,10 @@ def save_checkpoint(
     keep: int = 3,
     source: str = "",
     params: Sequence[torch.Tensor] | None = None,
+    inner: tuple[torch.optim.Optimizer, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of ``step`` atomically under ``root``; keep the newest ``keep``. Returns its folder.
+    ``inner``: DiLoCo's inner (optimizer, scheduler), saved beside the (outer) ``optimizer``.
 
     The caller holds whatever lock keeps the model and the optimizer still while this copies them."""
     root = Path(root)
@@ -148,6 +154,11 @@ def save_checkpoint(
         save_model(model, str(tmp / MODEL))
         opt_tensors, opt_meta = _optimizer_parts(model, optimizer, params)
         save_file(opt_tensors, str(tmp / OPTIMIZER))
+        inner_meta = None
+        if inner is not None:
+            inner_tensors, inner_opt_meta = _optimizer_parts(model, inner[0], None)
+            save_file(inner_tensors, str(tmp / INNER_OPTIMIZER))
+            inner_meta = {"optimizer": inner_opt_meta, "scheduler": _scheduler_state(inner[1])}
         tokenizer.save_pretrained(str(tmp / TOKENIZER))
         files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         meta = {
@@ -159,7 +170,8 @@ def save_checkpoint(
             "config": config,
             "tokenizer_hash": tokenizer_hash(tokenizer),
             "optimizer": opt_meta,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scheduler": _scheduler_state(scheduler),
+            "inner": inner_meta,
             "files": files,
         }
         (tmp / META).write_text(json.dumps(meta, indent=1, default=_json_default))
@@ -174,6 +186,10 @@ def save_checkpoint(
         raise
     prune(root, keep)
     return final
+
+
+def _scheduler_state(scheduler: Any) -> dict | None:
+    return scheduler.state_dict() if scheduler is not None else None
 
 
 def _json_default(value: Any) -> Any:
@@ -241,10 +257,12 @@ def load_into(
     scheduler: Any = None,
     meta: dict | None = None,
     params: Sequence[torch.Tensor] | None = None,
+    inner: tuple[torch.optim.Optimizer, Any] | None = None,
 ) -> dict:
     """Load a checkpoint (verified unless ``meta`` is given) into a model built with the same shapes, and
     its optimizer and scheduler. Returns the checkpoint's metadata. With ``params`` (the model's parameters
-    in the optimizer's order, for an optimizer holding copies of them), the copies get the loaded weights."""
+    in the optimizer's order, for an optimizer holding copies of them), the copies get the loaded weights.
+    ``inner``: DiLoCo's inner (optimizer, scheduler), loaded when the checkpoint has them."""
     path = Path(path)
     meta = meta if meta is not None else verify(path)
     try:
@@ -256,20 +274,7 @@ def load_into(
             "was it made with another preset or tokenizer?"
         ) from None
     if optimizer is not None:
-        names = parameter_names(model, optimizer, params)
-        index = {name: i for i, name in enumerate(names)}
-        tensors = load_file(str(path / OPTIMIZER))
-        opt_meta = meta["optimizer"]
-        state: dict[int, dict[str, Any]] = {}
-        for key, tensor in tensors.items():
-            kind, _, name = key.partition("/")
-            state.setdefault(index[name], {})[kind] = tensor
-        for name, scalars in opt_meta["scalars"].items():
-            state.setdefault(index[name], {}).update(scalars)
-        groups = [dict(g, params=[index[n] for n in g["params"]]) for g in opt_meta["param_groups"]]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-            raise CheckpointError(f"checkpoint {path} has other optimizer parameter groups than this model")
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        _load_optimizer(path, model, optimizer, params, OPTIMIZER, meta["optimizer"])
         if params is not None:
             copies = [p for group in optimizer.param_groups for p in group["params"]]
             with torch.no_grad():
@@ -278,7 +283,34 @@ def load_into(
                         copy.copy_(param)
     if scheduler is not None and meta.get("scheduler"):
         scheduler.load_state_dict(meta["scheduler"])
+    if inner is not None and meta.get("inner"):
+        _load_optimizer(path, model, inner[0], None, INNER_OPTIMIZER, meta["inner"]["optimizer"])
+        if inner[1] is not None and meta["inner"].get("scheduler"):
+            inner[1].load_state_dict(meta["inner"]["scheduler"])
     return meta
+
+
+def _load_optimizer(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor] | None,
+    filename: str,
+    opt_meta: dict,
+) -> None:
+    names = parameter_names(model, optimizer, params)
+    index = {name: i for i, name in enumerate(names)}
+    tensors = load_file(str(path / filename))
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        kind, _, name = key.partition("/")
+        state.setdefault(index[name], {})[kind] = tensor
+    for name, scalars in opt_meta["scalars"].items():
+        state.setdefault(index[name], {}).update(scalars)
+    groups = [dict(g, params=[index[n] for n in g["params"]]) for g in opt_meta["param_groups"]]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise CheckpointError(f"checkpoint {path} has other optimizer parameter groups than this model")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -8,6 +8,7 @@ from typing import ClassVar
 from cotrain.config.fields import negative, not_positive, opt
 
 AVERAGING_ROLES = ("train", "demo")
+GRAD_COMPRESSIONS = ("fp16", "8bit", "none")
 
 
 @dataclass
@@ -31,8 +32,9 @@ class AveragingConfig:
     )
     grad_compression: str = opt(
         "fp16",
-        "Compression of the gradients and parameters this peer sends: fp16 or none (optimizer statistics "
-        "and downloaded state always travel in full precision).",
+        "Compression of the gradients (diloco: the parameter changes) and parameters this peer sends: fp16, "
+        "8bit (hivemind's uniform 8-bit quantization) or none (optimizer statistics and downloaded state "
+        "always travel in full precision).",
         roles=("train", "monitor", "eval", "demo"),
     )
     target_group_size: int = opt(
@@ -125,8 +127,9 @@ class AveragingConfig:
 
     def problems(self) -> list[str]:
         problems = []
-        if self.grad_compression not in ("fp16", "none"):
-            problems.append(f"grad_compression must be fp16 or none, got {self.grad_compression!r}")
+        if self.grad_compression not in GRAD_COMPRESSIONS:
+            choices = ", ".join(GRAD_COMPRESSIONS)
+            problems.append(f"grad_compression must be one of {choices}, got {self.grad_compression!r}")
         problems += not_positive(
             self,
             "matchmaking_time",

@@ -10,6 +10,7 @@ from cotrain.families import family_problems
 
 # settings that were swarm-wide once and are each peer's own now: a [run] table (an older file or preset)
 # may still name them, and they are then read as [peer] settings
+STRATEGY_NAMES = ("sync", "diloco")  # cotrain.engine.strategy.STRATEGIES holds their classes
 MOVED_TO_PEER = ("matchmaking_time", "averaging_timeout", "grad_compression")
 
 
@@ -88,6 +89,25 @@ class RunConfig:
     total_steps: int = opt(
         125000, "Global steps of the whole schedule (decay to zero).", seed="--total_steps"
     )
+    strategy: str = opt(
+        "sync",
+        "Training strategy: sync (gradients averaged at every global step, the seed recipe) or diloco (each "
+        "peer takes --local-steps steps of the preset's optimizer alone, then the swarm averages the change "
+        "of the parameters and takes one outer Nesterov step: about --local-steps times less traffic).",
+    )
+    local_steps: int = opt(
+        50,
+        "diloco: inner optimizer steps between two outer rounds (H). A round ends when the swarm has "
+        "accumulated local_steps x target_batch_size samples; warmup_steps and total_steps count inner "
+        "steps.",
+    )
+    outer_lr: float = opt(0.7, "diloco: learning rate of the outer SGD (Nesterov) step.")
+    outer_momentum: float = opt(0.9, "diloco: Nesterov momentum of the outer SGD step.")
+    outer_overlap: bool = opt(
+        False,
+        "diloco: run a round's all-reduce in the background while the next round's inner steps compute, "
+        "and apply its outer step one round late, so compute never waits for the network.",
+    )
 
     @classmethod
     def from_dict(cls, values: dict) -> "RunConfig":
@@ -111,6 +131,13 @@ class RunConfig:
             problems.append(f"mlm_probability must be between 0 and 1, got {self.mlm_probability}")
         if self.optimizer not in ("lamb", "adamw"):
             problems.append(f"optimizer must be lamb or adamw, got {self.optimizer!r}")
+        if self.strategy not in STRATEGY_NAMES:
+            problems.append(f"strategy must be one of {', '.join(STRATEGY_NAMES)}, got {self.strategy!r}")
+        problems += not_positive(self, "local_steps")
+        if self.outer_lr <= 0:
+            problems.append(f"outer_lr must be positive, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            problems.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.lr_scheduler not in ("linear", "cosine"):
             problems.append(f"lr_scheduler must be linear or cosine, got {self.lr_scheduler!r}")
         return problems + family_problems(self.model_family, self.objective)

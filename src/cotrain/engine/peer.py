@@ -38,12 +38,14 @@ from typing import Any
 import torch
 
 from cotrain.config import PeerConfig, RunConfig
+from cotrain.config.averaging import GRAD_COMPRESSIONS
 from cotrain.engine.compute import flat_tensors, gradient_norm
 from cotrain.engine.shutdown import shutdown_in_order
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
 
+STRATEGY_SETTINGS = ("strategy", "local_steps", "outer_lr", "outer_momentum")
 CATCH_UP_WAIT = 5.0  # seconds a newcomer waits to see other peers before deciding it is the first
 
 
@@ -60,14 +62,20 @@ class SwarmPeer:
     ``initial_peers`` (multiaddrs of peers in the swarm; none for the first peer), ``host_maddrs`` (where
     to listen), ``announce_maddrs``, ``client_mode`` (for peers that cannot accept connections),
     ``identity_path``, ``batch_size_per_step`` (the default for ``step``), ``matchmaking_time``,
-    ``averaging_timeout``, ``grad_compression`` ("fp16" or "none"), ``load_state_timeout``,
+    ``averaging_timeout``, ``grad_compression`` ("fp16", "8bit" or "none"), ``load_state_timeout``,
     ``statistics_expiration``, ``startup_timeout``, ``bandwidth``, ``batch_size_lead``, ``nat_port_map``,
     ``use_ipfs``, ``verbose``, ``max_grad_norm`` (clip each step's gradients to this norm; 0: no clipping).
     With ``load_state=False`` a newcomer keeps its own weights instead of loading the swarm's. Any other
     per-peer setting of ``cotrain train`` goes by its config name (``cotrain.config.PeerConfig``), e.g.
     ``delay_optimizer_step=True``, ``offload_optimizer=True``, ``target_group_size=16``,
     ``backup_every_steps=10`` (keep a backup to restore when the parameters turn NaN; 0, the default here:
-    none)."""
+    none).
+
+    ``strategy="diloco"`` trains with DiLoCo instead of synchronous averaging: ``optimizer`` and ``scheduler``
+    are then the inner ones, stepped at every ``step``; after ``local_steps`` x ``target_batch_size`` samples
+    of the swarm, the peers average their parameters' change and take an outer SGD step with Nesterov
+    momentum (``outer_lr``, ``outer_momentum``); ``outer_overlap=True`` runs that all-reduce in the
+    background and applies it one round late. ``global_step`` then counts outer rounds."""
 
     def __init__(
         self,
@@ -97,6 +105,11 @@ class SwarmPeer:
         use_ipfs: bool = False,
         verbose: bool = False,
         max_grad_norm: float = 0.0,
+        strategy: str = "sync",
+        local_steps: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_overlap: bool = False,
         **settings: Any,
     ) -> None:
         import dataclasses
@@ -115,8 +128,10 @@ class SwarmPeer:
             problems.append(f"target_batch_size must be positive, got {target_batch_size}")
         if batch_size_per_step is not None and batch_size_per_step <= 0:
             problems.append(f"batch_size_per_step must be positive, got {batch_size_per_step}")
-        if grad_compression not in ("fp16", "none"):
-            problems.append(f"grad_compression must be fp16 or none, got {grad_compression!r}")
+        if grad_compression not in GRAD_COMPRESSIONS:
+            problems.append(
+                f"grad_compression must be one of {', '.join(GRAD_COMPRESSIONS)}, got {grad_compression!r}"
+            )
         if matchmaking_time <= 0 or averaging_timeout <= 0 or load_state_timeout <= 0:
             problems.append("matchmaking_time, averaging_timeout and load_state_timeout must be positive")
         known = {f.name for f in dataclasses.fields(PeerConfig)}
@@ -148,7 +163,18 @@ class SwarmPeer:
             from cotrain.swarm.logs import one_line_errors
 
             one_line_errors()
-        run = RunConfig(run_id=run_id, target_batch_size=target_batch_size)
+        run = RunConfig(
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            strategy=strategy,
+            local_steps=local_steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            outer_overlap=outer_overlap,
+        )
+        strategy_problems = [p for p in run.problems() if p.split()[0] in STRATEGY_SETTINGS]
+        if strategy_problems:
+            raise UserError("; ".join(strategy_problems))
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         self._open(
@@ -245,10 +271,9 @@ class SwarmPeer:
         try:
             if self.connection is None:
                 self.connection = SwarmConnection(run.run_id, peer, role="api", stop=self._stop)
-            self.strategy = strategy_class(getattr(run, "strategy", "sync"))(
+            self.strategy = strategy_class(run.strategy)(
                 self.connection.dht,
-                run.run_id,
-                run.target_batch_size,
+                run,
                 peer,
                 params,
                 optimizer,
@@ -430,6 +455,8 @@ class SwarmPeer:
             client_mode=self.connection.client_mode,
             time=time.time(),
             peer_id=self.peer_id[:128],
+            inner_steps=strategy.inner_steps,
+            round_bytes=strategy.round_bytes,
         )
         publish_metrics(
             self.dht, self.run.run_id, self.connection.public_key, record, peer.statistics_expiration
@@ -455,6 +482,9 @@ class SwarmPeer:
             "rejoins": self.healer.rejoins if self.healer is not None else 0,
             "peer_id": record.peer_id,
             "time": record.time,
+            "strategy": strategy.name,
+            "inner_steps": record.inner_steps,
+            "round_bytes": record.round_bytes,
             "logged": logged,
         }
         self._loss_sum, self._mini_steps = 0.0, 0
@@ -520,26 +550,30 @@ class SwarmPeer:
         from cotrain import checkpoints as ck
 
         with self.strategy.training_state() as (optimizer, scheduler, params):
-            ck.load_into(path, self.model, optimizer, scheduler, meta=meta, params=params)
+            ck.load_into(
+                path, self.model, optimizer, scheduler, meta=meta, params=params, inner=self.strategy.inner
+            )
         self.strategy.resumed_at(int(meta["step"]))
         self._last_epoch = self.global_step
 
     def save_checkpoint(self, root: str | Path, config: dict, tokenizer: Any, keep: int, source: str) -> Path:
-        """Save the state this peer trains (the averaged parameters, optimizer, schedule) as a checkpoint."""
+        """Save the swarm's state as this peer holds it (the averaged or global parameters, the optimizer and
+        schedule, diloco's inner optimizer) as a checkpoint."""
         from cotrain import checkpoints as ck
 
-        with self.strategy.training_state() as (optimizer, scheduler, params):
+        with self.strategy.checkpoint_state() as parts:
             return ck.save_checkpoint(
                 root,
                 self.global_step,
                 self.model,
-                optimizer,
-                scheduler,
+                parts.optimizer,
+                parts.scheduler,
                 config,
                 tokenizer,
                 keep=keep,
                 source=source,
-                params=params,
+                params=parts.params,
+                inner=parts.inner,
             )
 
     # --- the end ----------------------------------------------------------------------------------

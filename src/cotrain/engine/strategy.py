@@ -3,13 +3,17 @@
 A strategy owns the swarm-facing optimizer and the training state it averages; the engine (SwarmPeer) calls
 it and never reaches into hivemind itself. ``sync`` is the seed recipe's large-batch synchronous SGD:
 ``hivemind.Optimizer`` accumulates the swarm's samples until ``target_batch_size``, averages gradients in
-groups, and every peer takes the same optimizer step. A second strategy is a class with the same methods,
-registered in ``STRATEGIES``.
+groups, and every peer takes the same optimizer step. ``diloco`` (cotrain.swarm.diloco) takes ``local_steps``
+steps of the inner optimizer alone, then averages the parameters' change over the round and takes one outer
+Nesterov step. A strategy is a class with the methods of ``Strategy``, registered in ``STRATEGIES``; its
+``state_holder`` builds the averager through which the monitor and the evaluation peer download, keep and
+serve the swarm's state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -17,76 +21,31 @@ from typing import Any
 
 import torch
 
-from cotrain.config import PeerConfig
+from cotrain.config import PeerConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 
 
-class SyncStrategy:
-    """Synchronous large-batch training with ``hivemind.Optimizer`` (cotrain's ``SwarmOptimizer``)."""
+@dataclasses.dataclass
+class CheckpointParts:
+    """What a checkpoint saves and a resume loads into: the model holds the parameters to save (the swarm's
+    global ones), ``optimizer`` and ``scheduler`` the swarm's optimizer, ``params`` the model's parameters in
+    the optimizer's order (when it holds copies), ``inner`` DiLoCo's inner (optimizer, scheduler)."""
 
-    name = "sync"
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    params: list[torch.Tensor]
+    inner: tuple[torch.optim.Optimizer, Any] | None = None
 
-    def __init__(
-        self,
-        dht: Any,
-        run_id: str,
-        target_batch_size: int,
-        peer: PeerConfig,
-        params: Iterable,
-        optimizer: Callable,
-        scheduler: Callable | None,
-        batch_size_per_step: int | None,
-        should_stop: Callable[[], bool],
-    ) -> None:
-        from cotrain.swarm.averaging import gradient_averager_factory
-        from cotrain.swarm.optimizer import (
-            LOAD_STATE_COMPRESSION,
-            SwarmOptimizer,
-            gradient_compression,
-            request_timeout,
-            state_compression,
-            tracker_options,
-        )
 
-        averager_opts: dict = {
-            "target_group_size": peer.target_group_size,
-            "request_timeout": request_timeout(peer.matchmaking_time),
-        }
-        if peer.bandwidth > 0:
-            averager_opts["bandwidth"] = peer.bandwidth
-        self.run_id = run_id
-        self.opt = SwarmOptimizer(
-            dht=dht,
-            # hivemind keeps client_mode=None (read as "not a client") unless a value is given, and then uses
-            # the DHT's: a client would try to serve its state and fail at its first global step
-            client_mode=dht.client_mode,
-            run_id=run_id,
-            params=list(params),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            target_batch_size=max(1, target_batch_size - peer.batch_size_lead),
-            batch_size_per_step=batch_size_per_step,
-            matchmaking_time=peer.matchmaking_time,
-            averaging_timeout=peer.averaging_timeout,
-            load_state_timeout=peer.load_state_timeout,
-            grad_compression=gradient_compression(peer.grad_compression),
-            state_averaging_compression=state_compression(peer.grad_compression),
-            load_state_compression=LOAD_STATE_COMPRESSION,
-            average_state_every=1,
-            offload_optimizer=peer.offload_optimizer,
-            delay_optimizer_step=peer.delay_optimizer_step or peer.delay_grad_averaging,
-            delay_grad_averaging=peer.delay_grad_averaging,
-            delay_state_averaging=peer.delay_state_averaging,
-            averager_opts=averager_opts,
-            # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
-            grad_averager_factory=gradient_averager_factory(averager_opts),
-            tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
-            performance_ema_alpha=peer.performance_ema_alpha,
-            verbose=peer.verbose,
-        )
-        self.opt.should_stop = should_stop
-        self.load_state_timeout = peer.load_state_timeout
+class Strategy:
+    """What the engine reads and calls of a strategy; ``self.opt`` is its hivemind-style optimizer (with
+    ``local_epoch``, ``tracker``, ``state_averager``, ``last_group_size``, ``rounds_averaged/failed``)."""
+
+    name = ""
+    opt: Any
+    run_id: str
+    load_state_timeout: float
 
     # --- what the engine reads ---------------------------------------------------------------------
 
@@ -127,13 +86,24 @@ class SyncStrategy:
         return self.opt.batch_size_per_step
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.opt.state_averager.optimizer
+    def hivemind_optimizer(self) -> Any:
+        """The underlying optimizer (for the healer and the NaN guard, which work on it)."""
+        return self.opt
 
     @property
-    def hivemind_optimizer(self) -> Any:
-        """The underlying ``hivemind.Optimizer`` (for the healer and the NaN guard, which work on it)."""
-        return self.opt
+    def inner_steps(self) -> int:
+        """Inner optimizer steps (diloco; 0 for sync)."""
+        return 0
+
+    @property
+    def round_bytes(self) -> int:
+        """Payload this peer sent in its last outer all-reduce (diloco; 0 for sync)."""
+        return 0
+
+    @property
+    def inner(self) -> tuple[torch.optim.Optimizer, Any] | None:
+        """DiLoCo's inner (optimizer, scheduler), which a checkpoint also holds; None for sync."""
+        return None
 
     # --- what the engine calls ----------------------------------------------------------------------
 
@@ -151,6 +121,96 @@ class SyncStrategy:
         from cotrain.swarm.healing import adopt_swarm_state
 
         return adopt_swarm_state(self.opt, self.run_id, self.load_state_timeout, should_stop)
+
+    def shutdown(self) -> None:
+        self.cancel_rounds()
+        try:
+            self.opt.shutdown()
+        except Exception as e:
+            logger.debug(f"optimizer shutdown: {e!r}")
+
+    def cancel_rounds(self) -> None:
+        raise NotImplementedError
+
+    def training_state(self) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def checkpoint_state(self) -> contextlib.AbstractContextManager[CheckpointParts]:
+        raise NotImplementedError
+
+    def resumed_at(self, step: int) -> None:
+        raise NotImplementedError
+
+
+class SyncStrategy(Strategy):
+    """Synchronous large-batch training with ``hivemind.Optimizer`` (cotrain's ``SwarmOptimizer``)."""
+
+    name = "sync"
+
+    def __init__(
+        self,
+        dht: Any,
+        run: RunConfig,
+        peer: PeerConfig,
+        params: Iterable,
+        optimizer: Callable,
+        scheduler: Callable | None,
+        batch_size_per_step: int | None,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        from cotrain.swarm.averaging import gradient_averager_factory
+        from cotrain.swarm.optimizer import (
+            LOAD_STATE_COMPRESSION,
+            SwarmOptimizer,
+            gradient_compression,
+            request_timeout,
+            state_compression,
+            tracker_options,
+        )
+
+        averager_opts: dict = {
+            "target_group_size": peer.target_group_size,
+            "request_timeout": request_timeout(peer.matchmaking_time),
+        }
+        if peer.bandwidth > 0:
+            averager_opts["bandwidth"] = peer.bandwidth
+        run_id, target_batch_size = run.run_id, run.target_batch_size
+        self.run_id = run_id
+        self.opt = SwarmOptimizer(
+            dht=dht,
+            # hivemind keeps client_mode=None (read as "not a client") unless a value is given, and then uses
+            # the DHT's: a client would try to serve its state and fail at its first global step
+            client_mode=dht.client_mode,
+            run_id=run_id,
+            params=list(params),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            target_batch_size=max(1, target_batch_size - peer.batch_size_lead),
+            batch_size_per_step=batch_size_per_step,
+            matchmaking_time=peer.matchmaking_time,
+            averaging_timeout=peer.averaging_timeout,
+            load_state_timeout=peer.load_state_timeout,
+            grad_compression=gradient_compression(peer.grad_compression),
+            state_averaging_compression=state_compression(peer.grad_compression),
+            load_state_compression=LOAD_STATE_COMPRESSION,
+            average_state_every=1,
+            offload_optimizer=peer.offload_optimizer,
+            delay_optimizer_step=peer.delay_optimizer_step or peer.delay_grad_averaging,
+            delay_grad_averaging=peer.delay_grad_averaging,
+            delay_state_averaging=peer.delay_state_averaging,
+            averager_opts=averager_opts,
+            # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
+            grad_averager_factory=gradient_averager_factory(averager_opts),
+            tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
+            performance_ema_alpha=peer.performance_ema_alpha,
+            verbose=peer.verbose,
+        )
+        self.opt.should_stop = should_stop
+        self.load_state_timeout = peer.load_state_timeout
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.opt.state_averager.optimizer
 
     def cancel_rounds(self) -> None:
         """Cancel pending averaging rounds, so a blocked step returns and shutdown proceeds in order."""
@@ -179,12 +239,167 @@ class SyncStrategy:
         if not opt.client_mode:
             averager.state_sharing_priority = opt.local_epoch
 
-    def shutdown(self) -> None:
-        self.cancel_rounds()
-        try:
-            self.opt.shutdown()
-        except Exception as e:
-            logger.debug(f"optimizer shutdown: {e!r}")
+    @contextlib.contextmanager
+    def checkpoint_state(self) -> Iterator[CheckpointParts]:
+        with self.training_state() as (optimizer, scheduler, params):
+            yield CheckpointParts(optimizer, scheduler, params)
+
+    @staticmethod
+    def state_holder(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:
+        """The monitor's and evaluation peer's copy of the swarm's state: a hivemind TrainingStateAverager
+        with the trainers' prefix, optimizer and schedule, in full precision, not serving until it holds a
+        state."""
+        from hivemind.compression import NoCompression
+        from hivemind.optim.state_averager import TrainingStateAverager
+
+        from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
+        from cotrain.swarm.keys import state_averager_prefix
+        from cotrain.swarm.optimizer import request_timeout
+
+        return TrainingStateAverager(
+            dht=dht,
+            prefix=state_averager_prefix(run.run_id),
+            optimizer=optimizer_factory(run),
+            params=parameter_groups(model, run.weight_decay),
+            scheduler=scheduler_factory(run),
+            state_compression=NoCompression(),  # full precision: optimizer moments must not be flushed
+            min_matchmaking_time=peer.matchmaking_time,
+            request_timeout=request_timeout(peer.matchmaking_time),
+            allow_state_sharing=False,  # until there is a state worth serving
+            status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
+            start=True,
+        )
+
+
+class DiLoCoStrategy(Strategy):
+    """DiLoCo (cotrain.swarm.diloco): ``run.local_steps`` inner steps of the preset's optimizer and schedule,
+    then an outer Nesterov step on the swarm's averaged change; a round is ``local_steps x
+    target_batch_size`` samples of the swarm."""
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        dht: Any,
+        run: RunConfig,
+        peer: PeerConfig,
+        params: Iterable,
+        optimizer: Callable,
+        scheduler: Callable | None,
+        batch_size_per_step: int | None,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        from cotrain.swarm.diloco import DiLoCoOptimizer
+        from cotrain.swarm.optimizer import (
+            gradient_compression,
+            request_timeout,
+            state_compression,
+            tracker_options,
+        )
+
+        averager_opts: dict = {
+            "target_group_size": peer.target_group_size,
+            "request_timeout": request_timeout(peer.matchmaking_time),
+        }
+        if peer.bandwidth > 0:
+            averager_opts["bandwidth"] = peer.bandwidth
+        self.run_id, self.load_state_timeout = run.run_id, peer.load_state_timeout
+        self.opt = DiLoCoOptimizer(
+            dht=dht,
+            run_id=run.run_id,
+            params=list(params),
+            inner_optimizer=optimizer,
+            inner_scheduler=scheduler,
+            local_steps=run.local_steps,
+            round_samples=max(1, run.local_steps * run.target_batch_size - peer.batch_size_lead),
+            outer_lr=run.outer_lr,
+            outer_momentum=run.outer_momentum,
+            overlap=run.outer_overlap,
+            matchmaking_time=peer.matchmaking_time,
+            averaging_timeout=peer.averaging_timeout,
+            load_state_timeout=peer.load_state_timeout,
+            compression=gradient_compression(peer.grad_compression),
+            state_compression=state_compression(peer.grad_compression),
+            batch_size_per_step=batch_size_per_step,
+            averager_opts=averager_opts,
+            tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
+            performance_ema_alpha=peer.performance_ema_alpha,
+            verbose=peer.verbose,
+        )
+        self.opt.should_stop = should_stop
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer (the preset's), which steps at every call of ``step``."""
+        return self.opt.inner_optimizer
+
+    @property
+    def inner_steps(self) -> int:
+        return int(self.opt.inner_steps)
+
+    @property
+    def round_bytes(self) -> int:
+        return int(self.opt.last_round_bytes)
+
+    @property
+    def inner(self) -> tuple[torch.optim.Optimizer, Any] | None:
+        return self.opt.inner_optimizer, self.opt.inner_scheduler
+
+    def cancel_rounds(self) -> None:
+        self.opt.cancel_rounds()
+
+    @contextlib.contextmanager
+    def training_state(self) -> Iterator[tuple[torch.optim.Optimizer, Any, list[torch.Tensor]]]:
+        """(outer optimizer, None, the model's parameters), locked: the outer optimizer holds the global
+        parameters."""
+        averager = self.opt.state_averager
+        with averager.lock_averaged_tensors:
+            yield averager.optimizer, None, averager.main_parameters
+
+    @contextlib.contextmanager
+    def checkpoint_state(self) -> Iterator[CheckpointParts]:
+        """The global parameters in the model (the local ones come back afterwards), the outer optimizer, and
+        the inner optimizer with its schedule."""
+        averager = self.opt.state_averager
+        with self.opt.global_in_model(), averager.lock_inner:
+            yield CheckpointParts(
+                averager.optimizer,
+                None,
+                list(averager.main_parameters),
+                (averager.inner_optimizer, averager.inner_scheduler),
+            )
+
+    def resumed_at(self, step: int) -> None:
+        self.opt.resumed_at(step)
+
+    @staticmethod
+    def state_holder(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:
+        """The monitor's copy of a DiLoCo swarm's state: global parameters (in ``model``), outer momentum,
+        round, and an inner optimizer and schedule (never stepped: they hold what a trainer served)."""
+        from hivemind.compression import NoCompression
+
+        from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
+        from cotrain.swarm.diloco import DiLoCoStateAverager, outer_optimizer_factory
+        from cotrain.swarm.keys import state_averager_prefix
+        from cotrain.swarm.optimizer import request_timeout
+
+        groups = parameter_groups(model, run.weight_decay)
+        inner = optimizer_factory(run)(groups)
+        return DiLoCoStateAverager(
+            dht=dht,
+            prefix=state_averager_prefix(run.run_id),
+            optimizer=outer_optimizer_factory(run.outer_lr, run.outer_momentum),
+            params=groups,
+            inner_optimizer=inner,
+            inner_scheduler=scheduler_factory(run)(inner),
+            local_steps=run.local_steps,
+            state_compression=NoCompression(),
+            min_matchmaking_time=peer.matchmaking_time,
+            request_timeout=request_timeout(peer.matchmaking_time),
+            allow_state_sharing=False,
+            status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
+            start=True,
+        )
 
 
 def _tracker_settings(peer: PeerConfig) -> dict:
@@ -198,7 +413,7 @@ def _tracker_settings(peer: PeerConfig) -> dict:
     }
 
 
-STRATEGIES: dict[str, type] = {"sync": SyncStrategy}
+STRATEGIES: dict[str, type[Strategy]] = {"sync": SyncStrategy, "diloco": DiLoCoStrategy}
 
 
 def strategy_class(name: str) -> type:

@@ -205,6 +205,7 @@ class Evaluator:
 
     def _save(self, step: int, tokenizer) -> None:
         from cotrain import checkpoints as ck
+        from cotrain.roles.keeper import inner_parts
 
         averager = self.keeper.averager
         ck.save_checkpoint(
@@ -217,6 +218,8 @@ class Evaluator:
             tokenizer,
             keep=1000,
             source="eval",
+            params=averager.main_parameters,
+            inner=inner_parts(averager),
         )
 
     def close(self) -> None:

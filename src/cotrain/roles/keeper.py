@@ -1,8 +1,10 @@
 """The monitor's copy of the swarm's training state: loaded from peers every N global steps, saved to disk as
 a checkpoint, and served to newcomers, so a swarm whose trainers all left resumes from it.
 
-The state lives in a hivemind ``TrainingStateAverager`` with the same prefix, parameters, optimizer and
-schedule as the trainers' ``hivemind.Optimizer`` uses (``{run_id}_state_averager``): hivemind's own
+The state lives in the run's strategy's state holder (for sync, a hivemind ``TrainingStateAverager`` with
+the same prefix, parameters, optimizer and schedule as the trainers' ``hivemind.Optimizer`` uses,
+``{run_id}_state_averager``; for diloco, the global parameters with the outer and inner optimizers):
+hivemind's own
 ``load_state_from_peers`` fills it, and hivemind's own state sharing serves it, with priority = the saved
 global step (trainers that are further along are asked first). The averager is created in the main thread
 (hivemind requires it); downloads and saves run in a worker thread of their own, so a slow download never
@@ -18,21 +20,25 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
-from hivemind.compression import NoCompression
-from hivemind.optim.state_averager import TrainingStateAverager
 
 from cotrain import checkpoints as ck
 from cotrain.config import Config
 from cotrain.data.tokenizer import tokenizer_hash
+from cotrain.engine.strategy import strategy_class
 from cotrain.errors import UserError
-from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
+from cotrain.models import build_model
 from cotrain.swarm import fixes
-from cotrain.swarm.keys import state_averager_prefix
-from cotrain.swarm.optimizer import request_timeout
 
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 10.0  # after a failed download, wait at least this long (or for a newer step) before the next
+
+
+def inner_parts(averager: Any) -> tuple | None:
+    """DiLoCo's inner (optimizer, scheduler) that a state holder carries, for its checkpoints."""
+    if not hasattr(averager, "inner_optimizer"):
+        return None
+    return averager.inner_optimizer, averager.inner_scheduler
 
 
 class StateKeeper:
@@ -50,19 +56,9 @@ class StateKeeper:
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
         self.model = build_model(run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
         fixes.apply()
-        self.averager = TrainingStateAverager(
-            dht=dht,
-            prefix=state_averager_prefix(run.run_id),
-            optimizer=optimizer_factory(run),
-            params=parameter_groups(self.model, run.weight_decay),
-            scheduler=scheduler_factory(run),
-            state_compression=NoCompression(),  # full precision: optimizer moments must not be flushed
-            min_matchmaking_time=peer.matchmaking_time,
-            request_timeout=request_timeout(peer.matchmaking_time),
-            allow_state_sharing=False,  # until there is a state worth serving
-            status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
-            start=True,
-        )
+        # the strategy's state: sync's optimizer and schedule, or diloco's global parameters, outer
+        # momentum and inner optimizer (cotrain.engine.strategy)
+        self.averager = strategy_class(run.strategy).state_holder(dht, run, peer, self.model)
         self.saved_step = -1
         self.global_step = -1
         self.final_wanted = False  # trainers are leaving: their final state is due now
@@ -80,10 +76,20 @@ class StateKeeper:
         path, meta = found
         if meta.get("tokenizer_hash") != tokenizer_hash(self.tokenizer):
             raise UserError(f"checkpoint {path} was made with another tokenizer than this run's")
-        with self.averager.lock_averaged_tensors:
-            ck.load_into(path, self.model, self.averager.optimizer, self.averager.scheduler, meta=meta)
-            self.averager.local_epoch = int(meta["step"])
-        self.averager._load_local_tensors_into_averager_()
+        averager = self.averager
+        with averager.lock_averaged_tensors:
+            ck.load_into(
+                path,
+                self.model,
+                averager.optimizer,
+                averager.scheduler,
+                meta=meta,
+                params=averager.main_parameters,
+                inner=inner_parts(averager),
+            )
+            averager.local_epoch = int(meta["step"])
+        if not averager.reuse_tensors:
+            averager._load_local_tensors_into_averager_()
         self.saved_step = int(meta["step"])
         self._serve()
         logger.info(f"Resumed from checkpoint {path} (global step {self.saved_step}); serving it to peers")
@@ -156,6 +162,8 @@ class StateKeeper:
                 self.tokenizer,
                 keep=self.config.peer.keep_checkpoints,
                 source="monitor",
+                params=self.averager.main_parameters,
+                inner=inner_parts(self.averager),
             )
         self.saved_step = step
         if step >= self.global_step:

@@ -51,6 +51,12 @@ def grad_averager_prefix(run_id: str) -> str:
     return f"{run_id}_grad_averager"
 
 
+def outer_averager_prefix(run_id: str) -> str:
+    """The prefix of the DiLoCo strategy's averager of pseudo-gradients (the parameters' change over a round):
+    its matchmaking keys and all-reduce handlers."""
+    return f"{run_id}_outer_averager"
+
+
 def served_state_key(run_id: str) -> str:
     """The peers that offer the run's training state for download, each with its priority (its global step):
     hivemind's averager declares itself under ``f"{prefix}.all_averagers"``."""

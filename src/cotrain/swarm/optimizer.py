@@ -7,7 +7,13 @@ from collections.abc import Callable
 
 import hivemind
 import torch
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression, RoleAdaptiveCompression
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    RoleAdaptiveCompression,
+    Uniform8BitQuantization,
+)
 
 from cotrain.swarm import fixes
 
@@ -73,14 +79,17 @@ LOAD_STATE_COMPRESSION = NoCompression()
 
 
 def gradient_compression(name: str) -> CompressionBase:
-    """Gradients averaged in fp16 with --grad-compression fp16 (the default)."""
+    """What --grad-compression sends gradients (diloco: pseudo-gradients) as: fp16 (the default), 8bit
+    (hivemind's uniform 8-bit quantization) or none."""
+    if name == "8bit":
+        return Uniform8BitQuantization()
     return Float16Compression() if name == "fp16" else NoCompression()
 
 
 def state_compression(name: str) -> CompressionBase:
-    """State averaging: parameters in fp16 with --grad-compression fp16; tensors tagged as optimizer
+    """State averaging: parameters in fp16 with --grad-compression fp16 or 8bit; tensors tagged as optimizer
     statistics (LAMB/Adam moments, when averaged) and anything untagged stay in full precision."""
-    if name != "fp16":
+    if name == "none":
         return NoCompression()
     return RoleAdaptiveCompression(
         parameter=Float16Compression(), optimizer=NoCompression(), default=NoCompression()

@@ -40,6 +40,8 @@ class LocalMetrics(BaseModel):
     client_mode: StrictBool = False
     time: confloat(ge=0.0, strict=True) = 0.0
     peer_id: constr(max_length=128, strict=True) = ""  # the trainer's libp2p peer id (base58)
+    inner_steps: conint(ge=0, le=MAX_STEP, strict=True) = 0  # diloco: inner optimizer steps so far
+    round_bytes: conint(ge=0, le=10**13, strict=True) = 0  # diloco: payload sent in the last outer all-reduce
 
 
 class MetricsSchema(BaseModel):

@@ -1,0 +1,552 @@
+"""DiLoCo on hivemind: H local steps of the inner optimizer, then one outer step on the averaged change.
+
+Each peer keeps two copies of the parameters: the model's (local, moved by the inner optimizer, LAMB or
+AdamW with the preset's schedule, at every ``step``) and the swarm's global parameters (host memory, moved
+only by the outer optimizer: SGD with Nesterov momentum). A round ends when the swarm has accumulated
+``round_samples`` samples (hivemind's ``ProgressTracker``, as for a synchronous global step). Then every peer
+computes its pseudo-gradient ``global - local`` (its own change over the round, sign as a gradient),
+averages it with the others in one hivemind all-reduce (weighted by the samples it trained on, compressed on
+the wire), and applies the outer step to the global parameters, which every peer then trains from. With
+identical inputs the outer step is the same on every peer: the global parameters and the outer momentum stay
+the same everywhere, up to the rounding of the compressed average.
+
+``overlap``: a round's all-reduce runs in the background while the next round computes; its outer step is
+applied one round late, at the end of the next round, and the peer then continues from the new global
+parameters plus its own change since (so its work is never thrown away, and compute never waits).
+
+A round whose all-reduce fails (a peer of the group died, the network broke) is retried with whoever is
+left until ``averaging_timeout``; then the peer applies its own change alone. Client-mode peers take part:
+hivemind's all-reduce sends their parts to the full peers, which reduce them.
+
+The state a newcomer (or the monitor) downloads is the global parameters, the outer optimizer's momentum,
+the round number, and the serving peer's inner optimizer state and inner step (``DiLoCoStateAverager``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import CompressionBase, CompressionInfo, TensorRole
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import (
+    TrainingStateAverager,
+    dump_optimizer_state,
+    load_optimizer_state,
+)
+from hivemind.utils import get_dht_time
+
+from cotrain.swarm import fixes
+from cotrain.swarm.keys import outer_averager_prefix, state_averager_prefix
+
+logger = logging.getLogger(__name__)
+
+STRATEGY = "diloco"  # what a served state says it is, so that a state of another strategy is refused
+
+
+def outer_optimizer_factory(lr: float, momentum: float) -> Callable[[Iterable], torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum, no weight decay (the inner optimizer's)."""
+
+    def make(groups):
+        groups = [dict(g, weight_decay=0.0) if isinstance(g, dict) else g for g in groups]
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    return make
+
+
+@torch.no_grad()
+def initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's statistics without moving its parameters (a step at lr 0 on zero gradients),
+    so that its state has the same layout before and after a download."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(optimizer.state.get(p) for p in params):
+        return
+    saved = [(g["lr"], g.get("weight_decay")) for g in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        if "weight_decay" in g:
+            g["weight_decay"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+    for g, (lr, wd) in zip(optimizer.param_groups, saved, strict=True):
+        g["lr"] = lr
+        if wd is not None:
+            g["weight_decay"] = wd
+
+
+def set_schedule(scheduler: Any, inner_steps: int) -> None:
+    """Move an LR scheduler (a LambdaLR: the presets' warmup-then-decay) to ``inner_steps``."""
+    if scheduler is None:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()"
+        scheduler.last_epoch = int(inner_steps) - 1
+        scheduler.step()
+
+
+class DiLoCoStateAverager(TrainingStateAverager):
+    """A DiLoCo peer's state as hivemind serves and downloads it: the global parameters (the offloaded outer
+    optimizer's parameters), the outer optimizer's momentum and the round (``local_epoch``), with the inner
+    optimizer's statistics and its step riding along. The model's own parameters are the local ones."""
+
+    def __init__(
+        self,
+        *,
+        inner_optimizer: torch.optim.Optimizer,
+        inner_scheduler: Any,
+        local_steps: int,
+        **kwargs: Any,
+    ) -> None:
+        self.inner_optimizer, self.inner_scheduler = inner_optimizer, inner_scheduler
+        self.local_steps = local_steps
+        self.lock_inner = threading.Lock()
+        self.inner_steps = 0  # the inner schedule's position (the swarm's inner steps, local_steps per round)
+        self.on_loaded: Callable[[], None] = lambda: None  # the optimizer resets its round after a download
+        initialize_state(inner_optimizer)
+        super().__init__(offload_optimizer=True, custom_gradients=True, reuse_tensors=True, **kwargs)
+
+    @property
+    def global_parameters(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        with self.lock_inner:
+            inner_meta, inner_tensors = dump_optimizer_state(self.inner_optimizer)
+            inner_tensors = [t.detach().cpu().clone() for t in inner_tensors]
+            inner_steps = self.inner_steps
+        metadata.update(
+            strategy=STRATEGY, outer_tensors=len(tensors), inner_metadata=inner_meta, inner_steps=inner_steps
+        )
+        inner_infos = [
+            CompressionInfo.from_tensor(t, key=("inner", i), role=TensorRole.OPTIMIZER)
+            for i, t in enumerate(inner_tensors)
+        ]
+        return metadata, [*tensors, *inner_tensors], [*infos, *inner_infos]
+
+    def load_state_from_peers(self, **kwargs: Any) -> bool | None:
+        """Download the newest state a peer serves: global parameters (into the model too), outer momentum,
+        round, inner optimizer and schedule. Returns True when loaded (None when nothing was)."""
+        loaded = DecentralizedAverager.load_state_from_peers(self, **kwargs)
+        if loaded is None:
+            return None
+        metadata, flat = loaded
+        epoch, outer = metadata.get("epoch"), metadata.get("outer_tensors")
+        if metadata.get("strategy") != STRATEGY or not isinstance(outer, int):
+            logger.warning("A peer served a state that is not a DiLoCo state; not loading it")
+            return None
+        if not isinstance(epoch, int) or epoch < self.local_epoch:
+            logger.warning("Not loading a peer's state: its round is behind this peer's")
+            return None
+        params = self.global_parameters
+        n = len(params) + len(self.extra_tensors)
+        if len(flat) < outer or outer < n:
+            logger.error("A peer served an incomplete state; not loading it")
+            return None
+        with torch.no_grad(), self.lock_averaged_tensors:
+            try:
+                load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], flat[n:outer])
+            except (StopIteration, KeyError, IndexError, ValueError) as e:
+                logger.warning(f"A peer served inconsistent outer optimizer statistics ({e!r}); not loading")
+                return None
+            for local, new in zip([*params, *self.extra_tensors], flat[:n], strict=True):
+                local.copy_(new)
+        with self.lock_inner:
+            try:
+                load_optimizer_state(self.inner_optimizer, metadata.get("inner_metadata", []), flat[outer:])
+            except (StopIteration, KeyError, IndexError, ValueError) as e:
+                logger.info(f"Inner optimizer statistics not loaded ({e!r}); this peer starts them afresh")
+            steps = metadata.get("inner_steps")
+            self.inner_steps = steps if isinstance(steps, int) and steps >= 0 else epoch * self.local_steps
+            set_schedule(self.inner_scheduler, self.inner_steps)
+        self._apply_optimizer_parameters_()
+        self.local_epoch = epoch
+        self.on_loaded()
+        return True
+
+
+class DiLoCoOptimizer:
+    """A DiLoCo peer's optimizer (see the module's doc). Exposes what cotrain's healer, NaN guard and bounded
+    state download use of ``hivemind.Optimizer``: ``state_averager``, ``tracker``, ``local_epoch``,
+    ``client_mode``, ``load_state_from_peers``."""
+
+    grad_averager = None  # no per-step gradient averaging: the bounded state download skips it
+    use_gradient_averaging = False
+    scheduled_grads = None
+
+    def __init__(
+        self,
+        *,
+        dht: hivemind.DHT,
+        run_id: str,
+        params: Sequence,
+        inner_optimizer: Callable[[Iterable], torch.optim.Optimizer],
+        inner_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+        local_steps: int,
+        round_samples: int,
+        outer_lr: float,
+        outer_momentum: float,
+        overlap: bool,
+        matchmaking_time: float,
+        averaging_timeout: float,
+        load_state_timeout: float,
+        compression: CompressionBase,
+        state_compression: CompressionBase,
+        batch_size_per_step: int | None = None,
+        averager_opts: dict | None = None,
+        tracker_opts: dict | None = None,
+        performance_ema_alpha: float = 0.1,
+        verbose: bool = False,
+    ) -> None:
+        fixes.apply()
+        self.dht, self.run_id, self.client_mode = dht, run_id, bool(dht.client_mode)
+        self.local_steps, self.overlap = local_steps, overlap
+        self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
+        self.load_state_timeout, self.batch_size_per_step = load_state_timeout, batch_size_per_step
+        self.compression = compression
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            groups = [dict(g, params=list(g["params"])) for g in params]
+        else:
+            groups = [{"params": params}]
+        self.parameters = [p for g in groups for p in g["params"]]
+        loglevel = logging.INFO if verbose else logging.DEBUG
+        inner = inner_optimizer(groups)
+        schedule = inner_scheduler(inner) if inner_scheduler is not None else None
+        averager_opts = dict(averager_opts or {})
+        request_timeout = averager_opts.pop("request_timeout", 3.0)
+        self.state_averager = DiLoCoStateAverager(
+            dht=dht,
+            prefix=state_averager_prefix(run_id),
+            optimizer=outer_optimizer_factory(outer_lr, outer_momentum),
+            params=groups,
+            inner_optimizer=inner,
+            inner_scheduler=schedule,
+            local_steps=local_steps,
+            state_compression=state_compression,
+            min_matchmaking_time=matchmaking_time,
+            request_timeout=request_timeout,
+            client_mode=self.client_mode,
+            allow_state_sharing=not self.client_mode,
+            status_loglevel=loglevel,
+            start=True,
+        )
+        self.state_averager.on_loaded = self._after_download
+        with torch.no_grad():
+            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters]
+        # a dead group member is given up on after next_chunk_timeout (its parts then stay un-averaged and
+        # the round is retried without it), well within the round's averaging_timeout
+        chunk_timeout = max(5.0, averaging_timeout / 4)
+        self.outer_averager = DecentralizedAverager(
+            buffers,
+            dht,
+            prefix=outer_averager_prefix(run_id),
+            min_matchmaking_time=matchmaking_time,
+            request_timeout=request_timeout,
+            allreduce_timeout=averaging_timeout,
+            next_chunk_timeout=chunk_timeout,
+            compression=compression,
+            client_mode=self.client_mode,
+            start=True,
+            **averager_opts,
+        )
+        self.tracker = ProgressTracker(
+            dht=dht,
+            prefix=run_id,
+            target_batch_size=round_samples,
+            client_mode=self.client_mode,
+            status_loglevel=loglevel,
+            performance_ema_alpha=performance_ema_alpha,
+            start=True,
+            **(tracker_opts or {}),
+        )
+        self.numel = sum(p.numel() for p in self.parameters)
+        self.rounds_averaged = self.rounds_failed = 0
+        self.last_group_size = 1
+        self.last_round_bytes = 0  # payload sent in its last all-reduce (from the sizes and the compression)
+        self.bytes_sent = 0
+        self.samples = 0  # samples this peer trained on in the current round
+        self.inner_steps_this_round = 0
+        self._scheduled: Any = None  # matchmaking started ahead of the round's end
+        self._pending: Any = None  # overlap: the previous round's all-reduce, with this peer's own change
+        self._pending_own: list[torch.Tensor] | None = None
+        self._start = [p.detach().clone() for p in self.parameters] if overlap else None
+        self.should_stop: Callable[[], bool] = lambda: False
+        self.state_averager.state_sharing_priority = self.local_epoch
+
+    # --- what the engine reads --------------------------------------------------------------------
+
+    @property
+    def local_epoch(self) -> int:
+        """The outer round this peer is in (rounds completed since the start of the run)."""
+        return self.state_averager.local_epoch
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.state_averager.inner_optimizer
+
+    @property
+    def inner_scheduler(self) -> Any:
+        return self.state_averager.inner_scheduler
+
+    @property
+    def inner_steps(self) -> int:
+        return self.state_averager.inner_steps
+
+    # --- a step -------------------------------------------------------------------------------------
+
+    def step(self, batch_size: int | None = None) -> None:
+        """One inner step on the gradients in ``.grad``; at the end of a round, the outer round."""
+        batch_size = batch_size if batch_size is not None else self.batch_size_per_step
+        if self.tracker.global_epoch > self.local_epoch + 1:  # the swarm went on without this peer
+            logger.info(f"The swarm is at round {self.tracker.global_epoch}: loading its state")
+            self.load_state_from_peers()
+            return
+        with self.state_averager.lock_inner:
+            self.inner_optimizer.step()
+            if self.inner_scheduler is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.inner_scheduler.step()
+            self.state_averager.inner_steps += 1
+        self.inner_steps_this_round += 1
+        self.samples += int(batch_size)
+        self.tracker.report_local_progress(self.local_epoch, self.samples)
+        self._maybe_schedule_round()
+        if self.tracker.ready_to_update_epoch:
+            self.outer_round()
+
+    def zero_grad(self) -> None:
+        self.inner_optimizer.zero_grad(set_to_none=True)
+
+    def _others(self) -> bool:
+        return self.tracker.global_progress.num_peers > 1
+
+    def _maybe_schedule_round(self) -> None:
+        """Start matchmaking ahead of the round's end (as hivemind.Optimizer does for gradients), so the
+        group is formed when the peers get there."""
+        if self._scheduled is not None or not self._others():
+            return
+        if self._pending is not None and not self._pending.done():
+            return  # overlap: the averager is still busy with the previous round
+        eta = self.tracker.estimated_next_update_time
+        if eta - get_dht_time() <= self.matchmaking_time:
+            self._scheduled = self.outer_averager.step(
+                scheduled_time=max(eta, get_dht_time() + self.matchmaking_time / 2),
+                timeout=self.averaging_timeout,
+                wait=False,
+                require_trigger=True,
+            )
+
+    # --- the outer round -------------------------------------------------------------------------------
+
+    def outer_round(self) -> None:
+        """End this round: average the pseudo-gradients and take the outer step (or, with overlap, launch
+        this round's averaging and apply the previous one's)."""
+        with self.tracker.pause_updates():
+            own = self._own_change()
+            if self.overlap:
+                self._overlapped_round(own)
+            else:
+                averaged, size = self._average(own, self.samples)
+                self._outer_step(averaged)
+                self.state_averager._apply_optimizer_parameters_()  # the peer trains from the new global
+                self.last_group_size = size
+            self._next_round()
+
+    @torch.no_grad()
+    def _own_change(self) -> list[torch.Tensor]:
+        """This round's pseudo-gradient: where the round started minus where the peer is now."""
+        start = self._start if self.overlap else self.state_averager.global_parameters
+        return [(s - p.detach().cpu()).float() for s, p in zip(start, self.parameters, strict=True)]
+
+    def _average(self, own: list[torch.Tensor], weight: int) -> tuple[list[torch.Tensor], int]:
+        """Average ``own`` with the group, retrying with whoever is left until averaging_timeout; alone or
+        when it cannot, this peer's own change. Returns (the average, the group's size)."""
+        deadline = time.monotonic() + self.averaging_timeout
+        attempt = 0
+        while self._others() and not self.should_stop():
+            attempt += 1
+            control = self._launch(own, weight)
+            try:
+                result = control.result(max(0.0, deadline - time.monotonic()))
+                with self.outer_averager.get_tensors() as tensors:
+                    averaged = [t.clone() for t in tensors]
+                self._count_round(len(result))
+                return averaged, len(result)
+            except BaseException as e:  # a member left mid-round, no group formed, the timeout
+                if not control.done():
+                    control.cancel()
+                remaining = deadline - time.monotonic()
+                if remaining < self.matchmaking_time:
+                    logger.warning(
+                        f"Round {self.local_epoch}: averaging failed ({type(e).__name__}: {e}); "
+                        "applying this peer's own change"
+                    )
+                    break
+                logger.info(
+                    f"Round {self.local_epoch}: averaging attempt {attempt} failed ({type(e).__name__}); "
+                    f"retrying with the peers left ({remaining:.0f} s left)"
+                )
+        if self._others():
+            self.rounds_failed += 1
+        return own, 1
+
+    def _launch(self, own: list[torch.Tensor], weight: int) -> Any:
+        """Put ``own`` in the averager and start its all-reduce (in the group matched ahead if any)."""
+        control, self._scheduled = self._scheduled, None
+        if control is not None and (control.triggered or control.done()):
+            control = None
+        if control is None:
+            control = self.outer_averager.step(
+                timeout=self.averaging_timeout, wait=False, require_trigger=True
+            )
+        with self.outer_averager.get_tensors() as tensors:
+            for buffer, change in zip(tensors, own, strict=True):
+                buffer.copy_(change)
+        control.weight = float(max(weight, 0))
+        control.allow_allreduce()
+        return control
+
+    def _count_round(self, size: int) -> None:
+        self.rounds_averaged += 1
+        per_value = {"Float16Compression": 2, "NoCompression": 4}.get(type(self.compression).__name__, 1)
+        # butterfly all-reduce: a peer sends (n-1)/n of its vector and the averages of its part to n-1 others
+        sent = int(2 * self.numel * per_value * (size - 1) / size) if size > 1 else 0
+        self.last_round_bytes = sent
+        self.bytes_sent += sent
+
+    @torch.no_grad()
+    def _outer_step(self, averaged: list[torch.Tensor]) -> None:
+        sa = self.state_averager
+        with sa.lock_averaged_tensors:
+            for param, change in zip(sa.global_parameters, averaged, strict=True):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                param.grad.copy_(change)
+            sa.optimizer.step()
+
+    @torch.no_grad()
+    def _overlapped_round(self, own: list[torch.Tensor]) -> None:
+        """Apply the previous round's average (it had a whole round to arrive), continue from the new global
+        parameters plus this round's own change, and launch this round's all-reduce in the background."""
+        if self._pending_own is not None:
+            averaged, size = self._finish_pending()
+            self._outer_step(averaged)
+            self.last_group_size = size
+        sa = self.state_averager
+        with sa.lock_averaged_tensors:
+            for param, glob, change in zip(self.parameters, sa.global_parameters, own, strict=True):
+                param.copy_((glob - change).to(param.device, param.dtype))
+        self._start = [p.detach().cpu().clone() for p in self.parameters]
+        self._pending_own = own
+        self._pending = self._launch(own, self.samples) if self._others() else None
+
+    def _finish_pending(self) -> tuple[list[torch.Tensor], int]:
+        own, control = self._pending_own, self._pending
+        self._pending = self._pending_own = None
+        if control is None:
+            return own, 1
+        try:
+            result = control.result(self.averaging_timeout)
+            with self.outer_averager.get_tensors() as tensors:
+                averaged = [t.clone() for t in tensors]
+            self._count_round(len(result))
+            return averaged, len(result)
+        except BaseException as e:
+            if not control.done():
+                control.cancel()
+            logger.warning(
+                f"Round {self.local_epoch - 1}: averaging failed ({type(e).__name__}: {e}); "
+                "applying this peer's own change"
+            )
+            self.rounds_failed += 1
+            return own, 1
+
+    def _next_round(self) -> None:
+        sa = self.state_averager
+        sa.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
+        with sa.lock_inner:
+            sa.inner_steps = self.local_epoch * self.local_steps
+            set_schedule(self.inner_scheduler, sa.inner_steps)
+        self.samples = self.inner_steps_this_round = 0
+        self.tracker.update_epoch(new_epoch=self.local_epoch)
+        if not self.client_mode:
+            sa.state_sharing_priority = self.local_epoch
+
+    # --- downloads, shutdown -------------------------------------------------------------------------
+
+    def _after_download(self) -> None:
+        """A downloaded state replaces this peer's: the round starts again from the global parameters."""
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        self._pending = self._pending_own = None
+        if self.overlap:
+            self._start = [p.detach().cpu().clone() for p in self.state_averager.global_parameters]
+        self.samples = self.inner_steps_this_round = 0
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        """Download the swarm's state, bounded by load_state_timeout (cotrain.swarm.optimizer)."""
+        from cotrain.swarm.optimizer import load_state_bounded
+
+        self.cancel_rounds()
+        load_state_bounded(self, self.load_state_timeout, self.should_stop)
+
+    def _tag_along_with_zero_weight(self, control: Any) -> None:
+        if not control.done():
+            control.cancel()
+
+    def cancel_rounds(self) -> None:
+        for name in ("_scheduled", "_pending"):
+            control = getattr(self, name)
+            try:
+                if control is not None and not control.done():
+                    control.cancel()
+            except Exception as e:
+                logger.debug(f"cancelling an averaging round: {e!r}")
+        self._scheduled = None
+
+    def resumed_at(self, round_: int) -> None:
+        """After a checkpoint was loaded into the global parameters and optimizers: continue from it."""
+        sa = self.state_averager
+        sa.local_epoch = int(round_)
+        sa.inner_steps = sa.local_epoch * self.local_steps
+        sa._apply_optimizer_parameters_()
+        self._after_download()
+        self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+        if not self.client_mode:
+            sa.state_sharing_priority = self.local_epoch
+
+    @contextlib.contextmanager
+    def global_in_model(self):
+        """The global parameters in the model for the duration (to save them), the local ones back after."""
+        sa = self.state_averager
+        with torch.no_grad(), sa.lock_averaged_tensors:
+            local = [p.detach().clone() for p in self.parameters]
+            for param, glob in zip(self.parameters, sa.global_parameters, strict=True):
+                param.copy_(glob)
+            try:
+                yield
+            finally:
+                for param, saved in zip(self.parameters, local, strict=True):
+                    param.copy_(saved)
+
+    def shutdown(self) -> None:
+        self.cancel_rounds()
+        for part in (self.tracker, self.outer_averager, self.state_averager):
+            try:
+                part.shutdown()
+            except Exception as e:
+                logger.debug(f"{type(part).__name__} shutdown: {e!r}")

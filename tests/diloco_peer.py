@@ -1,0 +1,139 @@
+"""A DiLoCo peer for the live tests: cotrain.SwarmPeer with --strategy diloco on a small regression model.
+
+Each peer fits the same linear map from data of its own seed with AdamW (the inner optimizer). It records,
+for every outer round, what went into the all-reduce (its own pseudo-gradient and weight), what came out (the
+average and the group's size), and the global parameters and outer momentum before and after the outer step,
+as JSON lines in --out, so a test can recompute the outer step from the peers' own changes.
+
+    python tests/diloco_peer.py --out a.jsonl --rounds 3 [--initial-peers ADDR] [--client-mode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import cotrain
+
+DIM = 16
+
+
+def flat(tensors) -> list[float]:
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).tolist()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--client-mode", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local-steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--target-batch-size", type=int, default=16)
+    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds per inner step (simulated compute)")
+    p.add_argument("--overlap", action="store_true")
+    p.add_argument("--averaging-timeout", type=float, default=15.0)
+    p.add_argument("--save", help="save a checkpoint here at the end")
+    p.add_argument("--resume", help="load this checkpoint folder before training")
+    p.add_argument("--run-id", default="diloco-test")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)  # the same initial parameters on every peer
+    model = torch.nn.Linear(DIM, 1)
+    target = torch.arange(DIM, dtype=torch.float32) / DIM
+    data = torch.Generator().manual_seed(args.seed)
+    out = open(args.out, "a", buffering=1)
+
+    def emit(**row) -> None:
+        out.write(json.dumps(row) + "\n")
+
+    peer = cotrain.SwarmPeer(
+        model,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.0),
+        run_id=args.run_id,
+        target_batch_size=args.target_batch_size,
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        client_mode=args.client_mode,
+        batch_size_per_step=args.batch,
+        matchmaking_time=2.0,
+        averaging_timeout=args.averaging_timeout,
+        load_state_timeout=30.0,
+        startup_timeout=30.0,
+        strategy="diloco",
+        local_steps=args.local_steps,
+        outer_overlap=args.overlap,
+        torch_threads=1,
+    )
+    opt = peer.strategy.opt
+    average, outer_step = opt._average, opt._outer_step
+
+    def recorded_average(own, weight):
+        averaged, size = average(own, weight)
+        emit(event="average", round=opt.local_epoch, own=flat(own), weight=weight, averaged=flat(averaged), size=size)
+        return averaged, size
+
+    def recorded_outer_step(averaged):
+        sa = opt.state_averager
+        before = flat(sa.global_parameters)
+        outer_step(averaged)
+        momentum = [sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters]
+        emit(
+            event="outer",
+            round=opt.local_epoch,
+            before=before,
+            after=flat(sa.global_parameters),
+            momentum=flat(momentum),
+            applied=flat(averaged),
+        )
+
+    opt._average, opt._outer_step = recorded_average, recorded_outer_step
+    with peer:
+        if args.resume:
+            from cotrain import checkpoints as ck
+
+            meta = ck.verify(args.resume)
+            peer.load_checkpoint(args.resume, meta)
+            sa = opt.state_averager
+            emit(
+                event="resumed",
+                step=peer.global_step,
+                momentum=flat(sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters),
+            )
+        emit(event="ready", maddrs=peer.maddrs, step=peer.global_step, peer_id=peer.peer_id)
+        print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
+        start = peer.global_step
+        while peer.global_step < start + args.rounds:
+            x = torch.randn(args.batch, DIM, generator=data)
+            y = x @ target + 0.01 * torch.randn(args.batch, generator=data)
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            loss.backward()
+            time.sleep(args.step_sleep)
+            if peer.step(loss=loss.item()):
+                emit(event="step", **peer.last_report)
+        if args.save:
+            path = peer.save_checkpoint(args.save, {"run": {"run_id": args.run_id}}, _NoTokenizer(), 2, "test")
+            emit(event="saved", path=str(path), step=peer.global_step)
+    emit(event="done", step=peer.global_step)
+    out.close()
+    sys.exit(0)
+
+
+class _NoTokenizer:
+    """A checkpoint's tokenizer slot for a model without one."""
+
+    def save_pretrained(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "none.txt").write_text("no tokenizer\n")
+
+
+if __name__ == "__main__":
+    main()
