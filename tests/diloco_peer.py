@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -34,14 +33,14 @@ def main() -> None:
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--client-mode", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--local-steps", type=int, default=4)
+    p.add_argument("--local-steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--target-batch-size", type=int, default=16)
-    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds per inner step (simulated compute)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.05, help="seconds per inner step (simulated compute)"
+    )
     p.add_argument("--overlap", action="store_true")
     p.add_argument("--averaging-timeout", type=float, default=15.0)
-    p.add_argument("--save", help="save a checkpoint here at the end")
-    p.add_argument("--resume", help="load this checkpoint folder before training")
     p.add_argument("--run-id", default="diloco-test")
     args = p.parse_args()
 
@@ -77,8 +76,10 @@ def main() -> None:
     average, outer_step = opt._average, opt._outer_step
 
     def recorded_average(own, weight):
+        began = time.time()
         averaged, size = average(own, weight)
-        emit(event="average", round=opt.local_epoch, own=flat(own), weight=weight, averaged=flat(averaged), size=size)
+        row = {"own": flat(own), "weight": weight, "averaged": flat(averaged), "size": size}
+        emit(event="average", round=opt.local_epoch, began=began, ended=time.time(), **row)
         return averaged, size
 
     def recorded_outer_step(averaged):
@@ -93,21 +94,11 @@ def main() -> None:
             after=flat(sa.global_parameters),
             momentum=flat(momentum),
             applied=flat(averaged),
+            size=opt.last_group_size,
         )
 
     opt._average, opt._outer_step = recorded_average, recorded_outer_step
     with peer:
-        if args.resume:
-            from cotrain import checkpoints as ck
-
-            meta = ck.verify(args.resume)
-            peer.load_checkpoint(args.resume, meta)
-            sa = opt.state_averager
-            emit(
-                event="resumed",
-                step=peer.global_step,
-                momentum=flat(sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters),
-            )
         emit(event="ready", maddrs=peer.maddrs, step=peer.global_step, peer_id=peer.peer_id)
         print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
         start = peer.global_step
@@ -119,20 +110,9 @@ def main() -> None:
             time.sleep(args.step_sleep)
             if peer.step(loss=loss.item()):
                 emit(event="step", **peer.last_report)
-        if args.save:
-            path = peer.save_checkpoint(args.save, {"run": {"run_id": args.run_id}}, _NoTokenizer(), 2, "test")
-            emit(event="saved", path=str(path), step=peer.global_step)
     emit(event="done", step=peer.global_step)
     out.close()
     sys.exit(0)
-
-
-class _NoTokenizer:
-    """A checkpoint's tokenizer slot for a model without one."""
-
-    def save_pretrained(self, path: str) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "none.txt").write_text("no tokenizer\n")
 
 
 if __name__ == "__main__":

@@ -53,10 +53,12 @@ STRATEGY = "diloco"  # what a served state says it is, so that a state of anothe
 
 
 def outer_optimizer_factory(lr: float, momentum: float) -> Callable[[Iterable], torch.optim.Optimizer]:
-    """DiLoCo's outer optimizer: SGD with Nesterov momentum, no weight decay (the inner optimizer's)."""
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum, no weight decay (the inner optimizer's). Only the
+    groups' parameters are kept: an inner optimizer built on the same group dicts filled them with its own
+    learning rate and settings."""
 
     def make(groups):
-        groups = [dict(g, weight_decay=0.0) if isinstance(g, dict) else g for g in groups]
+        groups = [{"params": g["params"]} if isinstance(g, dict) else g for g in groups]
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     return make
@@ -223,7 +225,7 @@ class DiLoCoOptimizer:
             groups = [{"params": params}]
         self.parameters = [p for g in groups for p in g["params"]]
         loglevel = logging.INFO if verbose else logging.DEBUG
-        inner = inner_optimizer(groups)
+        inner = inner_optimizer([dict(g) for g in groups])
         schedule = inner_scheduler(inner) if inner_scheduler is not None else None
         averager_opts = dict(averager_opts or {})
         request_timeout = averager_opts.pop("request_timeout", 3.0)
@@ -360,10 +362,9 @@ class DiLoCoOptimizer:
             if self.overlap:
                 self._overlapped_round(own)
             else:
-                averaged, size = self._average(own, self.samples)
+                averaged, self.last_group_size = self._average(own, self.samples)
                 self._outer_step(averaged)
                 self.state_averager._apply_optimizer_parameters_()  # the peer trains from the new global
-                self.last_group_size = size
             self._next_round()
 
     @torch.no_grad()
@@ -443,9 +444,8 @@ class DiLoCoOptimizer:
         """Apply the previous round's average (it had a whole round to arrive), continue from the new global
         parameters plus this round's own change, and launch this round's all-reduce in the background."""
         if self._pending_own is not None:
-            averaged, size = self._finish_pending()
+            averaged, self.last_group_size = self._finish_pending()
             self._outer_step(averaged)
-            self.last_group_size = size
         sa = self.state_averager
         with sa.lock_averaged_tensors:
             for param, glob, change in zip(self.parameters, sa.global_parameters, own, strict=True):

@@ -1,0 +1,296 @@
+"""The DiLoCo strategy (cotrain.swarm.diloco), on its own and in live swarms on 127.0.0.1.
+
+Fast: the outer optimizer, the inner optimizer's initial state, the schedule's position, the settings' checks.
+Slow: peers of tests/diloco_peer.py (cotrain.SwarmPeer with strategy="diloco" on a small regression model)
+record what went into and out of every all-reduce and outer step; the tests recompute the average from the
+peers' own pseudo-gradients and the outer step from the average, check that a client-mode peer and a newcomer
+take part, that a peer killed mid-round stalls nobody past the averaging timeout, and that overlapped rounds
+keep the peers' global parameters together.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, cotrain_env, read_rows, wait_until
+from cotrain.config import RunConfig
+from cotrain.swarm.diloco import initialize_state, outer_optimizer_factory, set_schedule
+
+PEER = REPO / "tests" / "diloco_peer.py"
+FP16_TOL = 2e-3  # relative to the pseudo-gradients' scale: what fp16 rounding of the averaged part leaves
+
+
+# --- fast -------------------------------------------------------------------------------------------
+
+
+def test_outer_optimizer_is_nesterov_sgd_without_weight_decay():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = outer_optimizer_factory(0.7, 0.9)([{"params": params, "weight_decay": 0.01}])
+    assert isinstance(opt, torch.optim.SGD)
+    group = opt.param_groups[0]
+    assert (
+        group["nesterov"] and group["momentum"] == 0.9 and group["lr"] == 0.7 and group["weight_decay"] == 0
+    )
+
+
+def test_the_inner_state_is_created_without_moving_the_parameters():
+    model = torch.nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    initialize_state(opt)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+        assert set(opt.state[p]) >= {"exp_avg", "exp_avg_sq"}
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["weight_decay"] == 0.5
+
+
+def test_the_schedule_moves_to_an_inner_step():
+    from transformers import get_linear_schedule_with_warmup
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=10, num_training_steps=110)
+    set_schedule(sched, 5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
+    set_schedule(sched, 60)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.49)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"strategy": "fedavg"}, "strategy must be one of sync, diloco"),
+        ({"local_steps": 0}, "local_steps must be positive"),
+        ({"outer_lr": 0.0}, "outer_lr must be positive"),
+        ({"outer_momentum": 1.0}, "outer_momentum must be in [0, 1)"),
+    ],
+)
+def test_bad_strategy_settings_are_named(values, message):
+    assert any(message in p for p in RunConfig(**values).problems())
+
+
+def test_the_api_refuses_a_bad_strategy_before_the_network_starts():
+    import cotrain
+    from cotrain.errors import UserError
+
+    with pytest.raises(UserError, match="strategy must be one of"):
+        cotrain.SwarmPeer(
+            torch.nn.Linear(2, 2),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            run_id="diloco-api",
+            target_batch_size=8,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            strategy="fedavg",
+        )
+
+
+# --- live -------------------------------------------------------------------------------------------
+
+
+class Peer:
+    """tests/diloco_peer.py in a process of its own, writing its JSON lines to ``out``."""
+
+    def __init__(self, tmp: Path, name: str, *args: str):
+        self.out = tmp / f"{name}.jsonl"
+        self.log = open(tmp / f"{name}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), "--out", str(self.out), *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=cotrain_env(),
+            start_new_session=True,
+        )
+
+    def rows(self, event: str | None = None) -> list[dict]:
+        return [r for r in read_rows(self.out) if event is None or r["event"] == event]
+
+    def address(self, timeout: float = 60) -> list[str]:
+        return wait_until(lambda: self.rows("ready"), timeout, what=f"{self.out.stem} to start")[0]["maddrs"]
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-4000:]
+
+
+@pytest.fixture
+def peers(tmp_path):
+    started: list[Peer] = []
+
+    def start(name: str, *args: str) -> Peer:
+        started.append(Peer(tmp_path, name, *args))
+        return started[-1]
+
+    yield start
+    for peer in started:
+        peer.kill()
+        peer.log.close()
+
+
+def by_round(peer: Peer, event: str) -> dict[int, dict]:
+    return {r["round"]: r for r in peer.rows(event)}
+
+
+def outer_step(before: list[float], applied: list[float], momentum: torch.Tensor | None) -> torch.Tensor:
+    """SGD with Nesterov momentum (lr 0.7, momentum 0.9) from ``before`` along ``applied``, recomputed."""
+    param = torch.nn.Parameter(torch.tensor(before))
+    opt = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    param.grad = torch.zeros_like(param)
+    opt.step()  # as the engine initializes it: a zero momentum buffer
+    if momentum is not None:
+        opt.state[param]["momentum_buffer"].copy_(momentum)
+    param.grad = torch.tensor(applied)
+    opt.step()
+    return param.detach()
+
+
+def check_rounds(members: list[Peer], rounds: list[int]) -> None:
+    """In each of ``rounds`` every member averaged in one group of them all: the average is the
+    samples-weighted mean of their own changes, and their outer steps agree with a recompute and with each
+    other."""
+    averages = [by_round(p, "average") for p in members]
+    outers = [by_round(p, "outer") for p in members]
+    for r in rounds:
+        rows = [a[r] for a in averages]
+        assert all(row["size"] == len(members) for row in rows), [row["size"] for row in rows]
+        weights = torch.tensor([float(row["weight"]) for row in rows])
+        owns = torch.tensor([row["own"] for row in rows])
+        expected = (weights[:, None] * owns).sum(0) / weights.sum()
+        scale = owns.abs().max().item()
+        for row in rows:
+            torch.testing.assert_close(torch.tensor(row["averaged"]), expected, atol=FP16_TOL * scale, rtol=0)
+        for outer in outers:
+            row = outer[r]
+            previous = outer.get(r - 1)
+            momentum = torch.tensor(previous["momentum"]) if previous else None
+            recomputed = outer_step(row["before"], row["applied"], momentum)
+            torch.testing.assert_close(torch.tensor(row["after"]), recomputed, atol=1e-6, rtol=1e-5)
+        first = torch.tensor(outers[0][r]["after"])
+        for outer in outers[1:]:
+            torch.testing.assert_close(
+                torch.tensor(outer[r]["after"]), first, atol=2 * FP16_TOL * scale, rtol=0
+            )
+
+
+def joint_rounds(members: list[Peer]) -> list[int]:
+    """Rounds in which every member averaged in a group of them all (and had averaged the round before, so
+    the momentum the recompute starts from is known)."""
+    common = set.intersection(*(set(by_round(p, "average")) for p in members))
+    full = [
+        r for r in sorted(common) if all(by_round(p, "average")[r]["size"] == len(members) for p in members)
+    ]
+    return [r for r in full if all(r - 1 in by_round(p, "outer") or r == 0 for p in members)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_peers_average_pseudo_gradients_and_take_the_same_outer_step(peers):
+    a = peers("a", "--rounds", "5", "--step-sleep", "0.2")
+    b = peers("b", "--rounds", "4", "--seed", "1", "--step-sleep", "0.2", "--initial-peers", *a.address())
+    assert b.wait(180) == 0, b.text()
+    assert a.wait(60) == 0, a.text()
+    rounds = joint_rounds([a, b])
+    assert len(rounds) >= 2, (a.rows("average"), b.rows("average"))
+    check_rounds([a, b], rounds)
+    # the newcomer started at the swarm's round, from the swarm's global parameters
+    ready = b.rows("ready")[0]
+    assert ready["step"] >= 1
+    steps = [r for r in b.rows("step")]
+    assert steps and all(s["strategy"] == "diloco" and s["inner_steps"] > 0 for s in steps)
+    assert any(s["round_bytes"] > 0 for s in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_client_mode_peer_takes_part_in_the_rounds(peers):
+    a = peers("a", "--rounds", "6", "--step-sleep", "0.2")
+    address = a.address()
+    b = peers("b", "--rounds", "4", "--seed", "1", "--step-sleep", "0.2", "--initial-peers", *address)
+    c = peers(
+        "c",
+        "--rounds",
+        "4",
+        "--seed",
+        "2",
+        "--step-sleep",
+        "0.15",
+        "--client-mode",
+        "--initial-peers",
+        *address,
+    )
+    for p in (b, c):
+        assert p.wait(240) == 0, p.text()
+    assert a.wait(90) == 0, a.text()
+    rounds = joint_rounds([a, b, c])
+    assert rounds, [p.rows("average") for p in (a, b, c)]
+    check_rounds([a, b, c], rounds)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_peer_killed_mid_round_stalls_nobody_past_the_timeout(peers):
+    timeout = 12.0
+    common = ["--step-sleep", "0.2", "--averaging-timeout", str(timeout)]
+    a = peers("a", "--rounds", "8", *common)
+    address = a.address()
+    b = peers("b", "--rounds", "8", "--seed", "1", "--initial-peers", *address, *common)
+    c = peers("c", "--rounds", "20", "--seed", "2", "--initial-peers", *address, *common)
+    # once the three have averaged together, kill c in the middle of its next round
+    wait_until(lambda: any(r["size"] == 3 for r in c.rows("average")), 150, what="a round of three")
+    time.sleep(0.6)
+    c.kill()
+    killed_at = time.time()
+    for p in (a, b):
+        assert p.wait(200) == 0, p.text()
+    after = [r for p in (a, b) for r in p.rows("average") if r["ended"] > killed_at]
+    assert after, "no round after the kill"
+    # every round that was under way or started after the kill ended within the averaging timeout (plus the
+    # matchmaking of one retry), and the survivors went on averaging with each other
+    assert max(r["ended"] - r["began"] for r in after) < timeout + 6, after
+    assert any(r["size"] == 2 for r in after), after
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_overlapped_rounds_keep_the_global_parameters_together(peers):
+    a = peers("a", "--rounds", "6", "--step-sleep", "0.2", "--overlap")
+    b = peers(
+        "b",
+        "--rounds",
+        "5",
+        "--seed",
+        "1",
+        "--step-sleep",
+        "0.1",
+        "--overlap",
+        "--initial-peers",
+        *a.address(),
+    )
+    assert b.wait(180) == 0, b.text()
+    assert a.wait(60) == 0, a.text()
+    outers = [by_round(a, "outer"), by_round(b, "outer")]
+    common = sorted(set(outers[0]) & set(outers[1]))
+    grouped = [r for r in common if outers[0][r]["size"] == 2 and outers[1][r]["size"] == 2]
+    assert grouped, outers
+    for r in grouped:
+        first, second = torch.tensor(outers[0][r]["after"]), torch.tensor(outers[1][r]["after"])
+        scale = torch.tensor(outers[0][r]["applied"]).abs().max().item()
+        torch.testing.assert_close(first, second, atol=2 * FP16_TOL * scale + 1e-6, rtol=0)
+    losses = [s["loss"] for s in a.rows("step") if s["loss"] is not None]
+    assert losses[-1] < losses[0], losses
