@@ -18,6 +18,7 @@ kills), reads `cotrain status --json`, stops every role with SIGTERM and reports
 - the monitor's memory (RSS of its process tree and of its worker) over the run.
 
     python benchmarks/chaos.py [--duration 180] [--trainers 4] [--kill-every 15] [--data DIR] [--json FILE]
+                               [--strategy diloco --local-steps 2]
 
 It prints a table and one JSON line, and exits 0 only if the invariants hold.
 """
@@ -265,7 +266,8 @@ def run(args: argparse.Namespace) -> dict:
         name = f"trainer{i}"
         peer = Peer(
             name,
-            ["train", *COMMON, "--initial-peers", *initial, "--dataset-path", str(data), "--seed", str(i),
+            ["train", *COMMON, *strategy_args(args), "--initial-peers", *initial, "--dataset-path", str(data),
+             "--seed", str(i),
              "--per-device-train-batch-size", "8", "--statistics-expiration", "20",
              "--save-steps", "3", "--save-total-limit", "1", "--output-dir", str(out / name)],
             out / name,
@@ -276,7 +278,8 @@ def run(args: argparse.Namespace) -> dict:
 
     monitor = Peer(
         "monitor",
-        ["monitor", *COMMON, "--output-dir", str(out / "monitor"), "--refresh-period", "1",
+        ["monitor", *COMMON, *strategy_args(args), "--output-dir", str(out / "monitor"),
+         "--refresh-period", "1",
          "--dashboard-port", "-1", "--save-every", str(args.save_every), "--dataset-path", str(data)],
         out / "monitor",
     )  # fmt: skip
@@ -429,6 +432,13 @@ def table(r: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def strategy_args(args: argparse.Namespace) -> list[str]:
+    """The swarm's training strategy on the roles' command lines (diloco: with its local steps)."""
+    if args.strategy == "sync":
+        return []
+    return ["--strategy", args.strategy, "--local-steps", str(args.local_steps)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of churn (default 180)")
@@ -452,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for logs and metrics (default: a new temporary folder)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the choice of victims and kill times")
     parser.add_argument("--json", help="also write the summary to this file")
+    parser.add_argument("--strategy", choices=("sync", "diloco"), default="sync", help="the swarm's strategy")
+    parser.add_argument("--local-steps", type=int, default=2, help="diloco: inner steps per outer round")
     args = parser.parse_args(argv)
     if args.trainers < 2:
         parser.error("--trainers must be at least 2")

@@ -3,7 +3,8 @@
 The first test runs on 127.0.0.1: a DHT that lost every peer (as hivemind's does when its links fail) is back
 in the swarm after one check of its ``SwarmHealer``.
 
-The second puts several hosts on one machine: a trainer cut off from the swarm for 30 s re-joins it.
+The second puts several hosts on one machine: a trainer cut off from the swarm for 30 s re-joins it (once
+with each strategy: sync, and diloco with 2 inner steps per round).
 
 The test builds its own network: a namespace holding a bridge, and one namespace per host joined to it by a
 veth pair, with addresses that exist only inside these namespaces (10.91.0.0/24). Every link is shaped with
@@ -253,14 +254,17 @@ def hosts(network_guard):
 
 
 @pytest.mark.timeout(720)  # about 2 minutes on an idle machine; the limit is for a loaded one
-def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_data, tmp_path):
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_data, tmp_path, strategy):
     for i in range(3):
         assert "tbf" in hosts.qdiscs(i) and f"{RATE_MBIT}Mbit" in hosts.qdiscs(i)
 
     def listen(i: int) -> list[str]:
         return ["--host-maddrs", f"/ip4/{hosts.address(i)}/tcp/0"]
 
-    common = ["--preset", "albert-tiny", "--run-id", RUN_ID, *FAST]
+    common = ["--preset", "albert-tiny", "--run-id", RUN_ID, *FAST, "--strategy", strategy]
+    if strategy == "diloco":
+        common += ["--local-steps", "2"]
     roles: dict[str, HostRole] = {}
     monitor_out = tmp_path / "monitor"
     try:
