@@ -77,21 +77,27 @@ def main() -> None:
 
     def recorded_average(own, weight):
         began = time.time()
-        averaged, size = average(own, weight)
-        row = {"own": flat(own), "weight": weight, "averaged": flat(averaged), "size": size}
+        with opt.state_averager.lock_averaged_tensors:
+            mine = flat(opt.state_averager.global_parameters)
+        averaged, base, size = average(own, weight)
+        row = {"own": flat(own), "weight": weight, "averaged": flat(averaged), "size": size, "global": mine}
+        if base is not None:
+            row["averaged_global"] = flat(base)
         emit(event="average", round=opt.local_epoch, began=began, ended=time.time(), **row)
-        return averaged, size
+        return averaged, base, size
 
-    def recorded_outer_step(averaged):
+    def recorded_outer_step(averaged, base):
         sa = opt.state_averager
-        before = flat(sa.global_parameters)
-        outer_step(averaged)
+        before = flat(base) if base is not None else flat(sa.global_parameters)
+        momentum_before = flat(sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters)
+        outer_step(averaged, base)
         momentum = [sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters]
         emit(
             event="outer",
             round=opt.local_epoch,
             before=before,
             after=flat(sa.global_parameters),
+            momentum_before=momentum_before,
             momentum=flat(momentum),
             applied=flat(averaged),
             size=opt.last_group_size,

@@ -291,7 +291,7 @@ def test_help_groups_the_options_by_component():
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-@pytest.mark.parametrize("doc", ["models.md", "options.md"])
+@pytest.mark.parametrize("doc", ["models.md", "options.md", "diloco.md"])
 def test_the_toml_examples_in_the_docs_resolve(doc, tmp_path):
     blocks = re.findall(r"```toml\n(.*?)```", (DOCS / doc).read_text(), flags=re.S)
     assert blocks, f"docs/{doc} has no TOML example"
@@ -303,3 +303,39 @@ def test_the_toml_examples_in_the_docs_resolve(doc, tmp_path):
         if top:
             assert c.run.preset == top.group(1) and c.run.model_family == top.group(1).split("-")[0]
             assert _show(top.group(1), "--config", str(path))["run"]["preset"] == top.group(1)
+
+
+def test_the_diloco_demo_takes_short_rounds_unless_local_steps_is_given(tmp_path):
+    """`cotrain demo --strategy diloco` hands its peers --local-steps 5 (the demo's) instead of 50, unless the
+    user chose local_steps (command line or --config file); sync runs and other roles keep the default."""
+    from cotrain.cli import parse
+    from cotrain.config.demo import DEMO_LOCAL_STEPS
+    from cotrain.demo import demo_run_settings
+
+    def demo_local_steps(*argv: str) -> tuple[str, int]:
+        _, config = parse(["demo", *argv])
+        run = demo_run_settings(config).run
+        return run.strategy, run.local_steps
+
+    assert DEMO_LOCAL_STEPS == 5 and cfg.RunConfig().local_steps == 50
+    assert demo_local_steps("--strategy", "diloco") == ("diloco", 5)
+    assert demo_local_steps("--strategy", "diloco", "--local-steps", "50") == ("diloco", 50)
+    assert demo_local_steps("--strategy", "diloco", "--local_steps", "7") == ("diloco", 7)
+    assert demo_local_steps() == ("sync", 50)
+    toml = tmp_path / "d.toml"
+    toml.write_text('[run]\nstrategy = "diloco"\nlocal_steps = 12\n')
+    assert demo_local_steps("--config", str(toml)) == ("diloco", 12)
+    _, config = parse(["train", "--strategy", "diloco"])
+    assert config.run.local_steps == 50
+
+
+def test_demo_help_lists_the_strategy_flags_and_the_demo_default(capsys):
+    from cotrain.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--strategy", "--local-steps", "--outer-lr", "--outer-momentum", "--outer-overlap"):
+        assert flag in text, flag
+    assert "--grad-compression" in text and "8bit" in text
+    assert "With --strategy diloco and no --local-steps, the demo's rounds are --local-steps 5" in text

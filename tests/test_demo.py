@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from conftest import Role, alive, wait_until
+from conftest import Role, alive, monitor_address, wait_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -24,6 +26,7 @@ def test_demo_trains_a_real_swarm_and_reports(tmp_path):
         [line for line in text.splitlines() if line.startswith('{"event": "demo_summary"')][-1]
     )
     assert role.proc.returncode == 0, text
+    assert summary["strategy"] == "sync"
     assert summary["peers"] == 2 and summary["global_steps"] >= 5
     assert summary["max_group_size"] >= 2
     assert summary["loss_last"] < summary["loss_first"]
@@ -31,6 +34,65 @@ def test_demo_trains_a_real_swarm_and_reports(tmp_path):
     assert "Traceback" not in text
     for name in ("monitor", "trainer0", "trainer1"):
         assert "Traceback" not in (tmp_path / "demo" / f"{name}.log").read_text(), name
+
+
+@pytest.mark.timeout(600)
+def test_the_diloco_demo_averages_outer_rounds_and_reports_its_strategy(tmp_path):
+    """`cotrain demo --strategy diloco`: without --local-steps the demo's rounds are 5 x 64 samples (not
+    50 x 64); the two trainers average their parameter changes in groups of 2 and the loss falls. The
+    monitor's rows carry the strategy, the inner steps (5 per round) and the bytes each peer sent."""
+    from conftest import read_rows
+
+    role = Role(
+        [
+            "demo",
+            "--strategy",
+            "diloco",
+            "--steps",
+            "6",
+            "--output-dir",
+            str(tmp_path),
+            "--dashboard-port",
+            "-1",
+        ],
+        tmp_path / "demo.log",
+    )
+    try:
+        # while it trains: `cotrain status` given a preset still shows the swarm's strategy and its rounds
+        wait_until(lambda: "outer round 1: loss" in role.text(), 400, what="the demo's first outer round")
+        monitor = monitor_address(tmp_path / "demo" / "monitor", 10)
+        args = ["status", "--preset", "albert-tiny", "--json", "--initial-peers", *monitor]
+        status = subprocess.run(
+            [sys.executable, "-m", "cotrain", *args], capture_output=True, text=True, timeout=120
+        )
+        role.proc.wait(timeout=480)
+        text = role.text()
+    finally:
+        role.stop()
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert (state["strategy"], state["local_steps"], state["step_samples"]) == ("diloco", 5, 320), state
+    assert state["global_step"] >= 1 and state["num_peers"] == 2, state
+    summary = json.loads(
+        [line for line in text.splitlines() if line.startswith('{"event": "demo_summary"')][-1]
+    )
+    assert role.proc.returncode == 0, text
+    assert summary["strategy"] == "diloco" and summary["peers"] == 2 and summary["global_steps"] >= 6
+    assert summary["max_group_size"] >= 2
+    assert summary["loss_last"] < summary["loss_first"]
+    assert "--local-steps 5 (the demo's" in text and "outer round 1: loss" in text
+    root = tmp_path / "demo"
+    rows = [r for r in read_rows(root / "monitor" / "metrics.jsonl") if r.get("loss") is not None]
+    assert {r["strategy"] for r in rows} == {"diloco"}
+    averaged = [r for r in rows if r["max_group_size"] >= 2]
+    assert averaged and all(r["round_bytes"] > 0 and r["inner_steps"] >= 5 for r in averaged), rows
+    for name in ("trainer0", "trainer1"):
+        trained = read_rows(root / name / "metrics.jsonl")
+        assert trained and {r["strategy"] for r in trained} == {"diloco"}, name
+        inner = [r["inner_steps"] for r in trained]
+        assert inner == sorted(inner) and inner[-1] >= 5 * trained[-1]["step"], trained
+    for name in ("monitor", "trainer0", "trainer1"):
+        assert "Traceback" not in (root / f"{name}.log").read_text(), name
 
 
 @pytest.mark.timeout(300)

@@ -114,6 +114,8 @@ def _value_for(section: str, f: dataclasses.Field):
         "valid_fraction": 0.1,
         "objective": "mlm",
         "tokenizer_type": "wordpiece",
+        "strategy": "diloco",
+        "outer_momentum": 0.5,  # must stay below 1
     }
     if f.name in special:
         return special[f.name]

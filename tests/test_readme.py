@@ -27,3 +27,11 @@ def test_readme_holds_the_two_commands():
     assert "pip install torch==2.13.0" in text and "cotrain demo" in text
     ci = (README.parent / ".ci" / "run").read_text()
     assert "python -m pytest" in text and ci.strip().endswith("python -m pytest")
+
+
+def test_readme_shows_both_strategies_and_links_the_diloco_guide():
+    text = README.read_text()
+    assert "cotrain demo --strategy diloco" in text and '"strategy": "diloco"' in text
+    assert "[docs/diloco.md](docs/diloco.md)" in text
+    for flag in ("--strategy", "--local-steps", "--outer-lr", "--outer-momentum", "--outer-overlap"):
+        assert flag in text, flag

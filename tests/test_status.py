@@ -128,3 +128,80 @@ def test_status_ages_out_a_trainer_that_left():
     assert everyone_left["num_peers"] == 0 and everyone_left["samples_per_second"] == 0.0
     assert everyone_left["departed_peers"] == 3 and everyone_left["eta_seconds"] is None
     assert everyone_left["global_step"] == 9  # the last step any trainer reported
+
+
+def _diloco_records(now: float):
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+
+    from cotrain.swarm.records import LocalMetrics
+
+    def metrics(peer: str, inner: int, sent: int) -> LocalMetrics:
+        return LocalMetrics(
+            step=4, samples_per_second=10.0, samples_accumulated=640, loss=16.0, mini_steps=8, group_size=2,
+            time=now - 3, peer_id="12D3KooW" + peer * 44, inner_steps=inner, round_bytes=sent,
+        )  # fmt: skip
+
+    def progress(samples: int) -> LocalTrainingProgress:
+        return LocalTrainingProgress(
+            peer_id=b"\x00", epoch=4, samples_accumulated=samples, samples_per_second=10.0, time=now,
+            client_mode=False,
+        )  # fmt: skip
+
+    records = {b"a": metrics("A", 20, 3_500_000), b"b": metrics("B", 20, 3_400_000)}
+    return records, {b"a": progress(40), b"b": progress(40)}
+
+
+def test_a_diloco_swarm_shows_outer_rounds_inner_steps_and_bytes_per_round():
+    """With diloco a global step is an outer round of local_steps x target_batch_size samples: the snapshot's
+    progress and ETA count toward it, and the view carries the inner steps and the bytes each peer sent."""
+    from cotrain.swarm.state import snapshot
+
+    now = 1_000.0
+    records, live = _diloco_records(now)
+    state = snapshot("r", 64, records, live, now=now, strategy="diloco", local_steps=5)
+    assert state["strategy"] == "diloco" and state["local_steps"] == 5
+    assert state["step_samples"] == 320 and state["target_batch_size"] == 64
+    assert state["samples_accumulated"] == 80 and state["eta_seconds"] == pytest.approx(12.0)  # 240 / 20
+    assert state["inner_steps"] == 20
+    assert state["round_bytes"] == 3_500_000 and state["round_bytes_total"] == 6_900_000
+    assert {(p["inner_steps"], p["round_bytes"]) for p in state["peers"]} == {
+        (20, 3_500_000),
+        (20, 3_400_000),
+    }
+    text = describe(state)
+    assert text.splitlines()[0] == "run r: outer round 4 (strategy diloco)"
+    assert "5 local steps x 64 samples per round, 20 inner steps so far" in text
+    assert "last round sent 3.5 MB per peer (6.9 MB in all)" in text
+    assert "next round: 80 of 320 samples (25%)" in text
+    assert "sent/round" in text and "3.4 MB" in text
+
+    sync = snapshot("r", 64, records, live, now=now)  # the same records read as a sync run's
+    assert sync["strategy"] == "sync" and sync["step_samples"] == 64
+    assert "inner_steps" not in sync and "round_bytes" not in sync
+    assert all("round_bytes" not in p for p in sync["peers"])
+    text = describe(sync)
+    assert text.splitlines()[0] == "run r: global step 4 (strategy sync)"
+    assert "next step: 80 of 64 samples" in text and "sent/round" not in text and "MB" not in text
+
+
+def test_the_monitor_rows_and_the_dashboard_json_name_the_strategy():
+    from cotrain.dashboard.view import SwarmView
+    from cotrain.roles.monitor import aggregate, step_log_line
+
+    records, _ = _diloco_records(1_000.0)
+    line = aggregate(4, records, "diloco")
+    assert line["strategy"] == "diloco" and line["inner_steps"] == 20
+    assert line["round_bytes"] == 3_500_000 and line["round_bytes_total"] == 6_900_000
+    assert line["loss"] == pytest.approx(2.0) and line["max_group_size"] == 2
+    assert step_log_line(line).endswith("| 20 inner steps | last round sent 3.5 MB per peer, 6.9 MB in all")
+    sync = aggregate(4, records)
+    assert sync["strategy"] == "sync" and "inner_steps" not in sync and "round_bytes" not in sync
+    assert step_log_line(sync).endswith("samples/s")
+
+    view = SwarmView("r", "cotrain train ...", 64, "diloco", 5)
+    view.add_step(line)
+    data = view.to_json()
+    assert (data["strategy"], data["local_steps"], data["step_samples"]) == ("diloco", 5, 320)
+    assert data["steps"][0]["round_bytes"] == 3_500_000
+    data = SwarmView("r", "cotrain train ...", 64).to_json()
+    assert (data["strategy"], data["local_steps"], data["step_samples"]) == ("sync", 1, 64)

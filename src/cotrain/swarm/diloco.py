@@ -247,7 +247,8 @@ class DiLoCoOptimizer:
         )
         self.state_averager.on_loaded = self._after_download
         with torch.no_grad():
-            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters]
+            # the changes, then the global parameters (see _launch)
+            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters * 2]
         # a dead group member is given up on after next_chunk_timeout (its parts then stay un-averaged and
         # the round is retried without it), well within the round's averaging_timeout
         chunk_timeout = max(5.0, averaging_timeout / 4)
@@ -362,8 +363,8 @@ class DiLoCoOptimizer:
             if self.overlap:
                 self._overlapped_round(own)
             else:
-                averaged, self.last_group_size = self._average(own, self.samples)
-                self._outer_step(averaged)
+                averaged, base, self.last_group_size = self._average(own, self.samples)
+                self._outer_step(averaged, base)
                 self.state_averager._apply_optimizer_parameters_()  # the peer trains from the new global
             self._next_round()
 
@@ -373,9 +374,10 @@ class DiLoCoOptimizer:
         start = self._start if self.overlap else self.state_averager.global_parameters
         return [(s - p.detach().cpu()).float() for s, p in zip(start, self.parameters, strict=True)]
 
-    def _average(self, own: list[torch.Tensor], weight: int) -> tuple[list[torch.Tensor], int]:
-        """Average ``own`` with the group, retrying with whoever is left until averaging_timeout; alone or
-        when it cannot, this peer's own change. Returns (the average, the group's size)."""
+    def _average(self, own: list[torch.Tensor], weight: int) -> tuple[list[torch.Tensor], Any, int]:
+        """Average ``own`` (and the global parameters) with the group, retrying with whoever is left until
+        averaging_timeout. Returns (the average change, the average global parameters, the group's size);
+        alone or when it cannot, (this peer's own change, None, 1)."""
         deadline = time.monotonic() + self.averaging_timeout
         attempt = 0
         while self._others() and not self.should_stop():
@@ -383,10 +385,7 @@ class DiLoCoOptimizer:
             control = self._launch(own, weight)
             try:
                 result = control.result(max(0.0, deadline - time.monotonic()))
-                with self.outer_averager.get_tensors() as tensors:
-                    averaged = [t.clone() for t in tensors]
-                self._count_round(len(result))
-                return averaged, len(result)
+                return (*self._results(), self._count_round(len(result)))
             except BaseException as e:  # a member left mid-round, no group formed, the timeout
                 if not control.done():
                     control.cancel()
@@ -403,10 +402,19 @@ class DiLoCoOptimizer:
                 )
         if self._others():
             self.rounds_failed += 1
-        return own, 1
+        return own, None, 1
+
+    def _results(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(average change, average global parameters) from the averager's buffers after an all-reduce."""
+        n = len(self.parameters)
+        with self.outer_averager.get_tensors() as tensors:
+            return [t.clone() for t in tensors[:n]], [t.clone() for t in tensors[n:]]
 
     def _launch(self, own: list[torch.Tensor], weight: int) -> Any:
-        """Put ``own`` in the averager and start its all-reduce (in the group matched ahead if any)."""
+        """Put ``own`` and the global parameters in the averager and start its all-reduce (in the group
+        matched ahead if any). The global parameters are averaged too: where peers hold the same ones (the
+        rule) their average is exactly theirs, and peers that diverged (a round alone, in another group)
+        come back together at no extra round trip."""
         control, self._scheduled = self._scheduled, None
         if control is not None and (control.triggered or control.done()):
             control = None
@@ -414,25 +422,34 @@ class DiLoCoOptimizer:
             control = self.outer_averager.step(
                 timeout=self.averaging_timeout, wait=False, require_trigger=True
             )
-        with self.outer_averager.get_tensors() as tensors:
-            for buffer, change in zip(tensors, own, strict=True):
-                buffer.copy_(change)
-        control.weight = float(max(weight, 0))
+        with self.outer_averager.get_tensors() as tensors, self.state_averager.lock_averaged_tensors:
+            glob = self.state_averager.global_parameters
+            for buffer, value in zip(tensors, [*own, *glob], strict=True):
+                buffer.copy_(value)
+        control.weight = float(max(weight, 1))
         control.allow_allreduce()
         return control
 
-    def _count_round(self, size: int) -> None:
+    def _count_round(self, size: int) -> int:
+        """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
         self.rounds_averaged += 1
         per_value = {"Float16Compression": 2, "NoCompression": 4}.get(type(self.compression).__name__, 1)
-        # butterfly all-reduce: a peer sends (n-1)/n of its vector and the averages of its part to n-1 others
-        sent = int(2 * self.numel * per_value * (size - 1) / size) if size > 1 else 0
+        # butterfly all-reduce of 2 x numel values (changes and global parameters): a peer sends (n-1)/n of
+        # its vector, and the averages of its part to the n-1 others
+        sent = int(2 * 2 * self.numel * per_value * (size - 1) / size) if size > 1 else 0
         self.last_round_bytes = sent
         self.bytes_sent += sent
+        return size
 
     @torch.no_grad()
-    def _outer_step(self, averaged: list[torch.Tensor]) -> None:
+    def _outer_step(self, averaged: list[torch.Tensor], base: list[torch.Tensor] | None) -> None:
+        """The outer optimizer's step along ``averaged``, from ``base`` (the group's average global
+        parameters) when given."""
         sa = self.state_averager
         with sa.lock_averaged_tensors:
+            if base is not None:
+                for param, value in zip(sa.global_parameters, base, strict=True):
+                    param.copy_(value)
             for param, change in zip(sa.global_parameters, averaged, strict=True):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
@@ -444,8 +461,8 @@ class DiLoCoOptimizer:
         """Apply the previous round's average (it had a whole round to arrive), continue from the new global
         parameters plus this round's own change, and launch this round's all-reduce in the background."""
         if self._pending_own is not None:
-            averaged, self.last_group_size = self._finish_pending()
-            self._outer_step(averaged)
+            averaged, base, self.last_group_size = self._finish_pending()
+            self._outer_step(averaged, base)
         sa = self.state_averager
         with sa.lock_averaged_tensors:
             for param, glob, change in zip(self.parameters, sa.global_parameters, own, strict=True):
@@ -454,17 +471,14 @@ class DiLoCoOptimizer:
         self._pending_own = own
         self._pending = self._launch(own, self.samples) if self._others() else None
 
-    def _finish_pending(self) -> tuple[list[torch.Tensor], int]:
+    def _finish_pending(self) -> tuple[list[torch.Tensor], Any, int]:
         own, control = self._pending_own, self._pending
         self._pending = self._pending_own = None
         if control is None:
-            return own, 1
+            return own, None, 1
         try:
             result = control.result(self.averaging_timeout)
-            with self.outer_averager.get_tensors() as tensors:
-                averaged = [t.clone() for t in tensors]
-            self._count_round(len(result))
-            return averaged, len(result)
+            return (*self._results(), self._count_round(len(result)))
         except BaseException as e:
             if not control.done():
                 control.cancel()
@@ -473,7 +487,7 @@ class DiLoCoOptimizer:
                 "applying this peer's own change"
             )
             self.rounds_failed += 1
-            return own, 1
+            return own, None, 1
 
     def _next_round(self) -> None:
         sa = self.state_averager
