@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,6 +43,7 @@ def main() -> None:
     p.add_argument("--overlap", action="store_true")
     p.add_argument("--averaging-timeout", type=float, default=15.0)
     p.add_argument("--run-id", default="diloco-test")
+    p.add_argument("--until", help="train on (past --rounds) until this file exists")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -81,15 +83,17 @@ def main() -> None:
             mine = flat(opt.state_averager.global_parameters)
         averaged, base, size = average(own, weight)
         row = {"own": flat(own), "weight": weight, "averaged": flat(averaged), "size": size, "global": mine}
-        if base is not None:
-            row["averaged_global"] = flat(base)
+        if base is not None:  # the group's average outer state: global parameters, then momentum
+            row["averaged_global"] = flat(base[: len(base) // 2])
         emit(event="average", round=opt.local_epoch, began=began, ended=time.time(), **row)
         return averaged, base, size
 
     def recorded_outer_step(averaged, base):
         sa = opt.state_averager
-        before = flat(base) if base is not None else flat(sa.global_parameters)
-        momentum_before = flat(sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters)
+        n = len(sa.global_parameters)
+        before = flat(base[:n]) if base is not None else flat(sa.global_parameters)
+        momentum = [sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters]
+        momentum_before = flat(base[n:]) if base is not None else flat(momentum)
         outer_step(averaged, base)
         momentum = [sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters]
         emit(
@@ -108,7 +112,7 @@ def main() -> None:
         emit(event="ready", maddrs=peer.maddrs, step=peer.global_step, peer_id=peer.peer_id)
         print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
         start = peer.global_step
-        while peer.global_step < start + args.rounds:
+        while peer.global_step < start + args.rounds or (args.until and not Path(args.until).exists()):
             x = torch.randn(args.batch, DIM, generator=data)
             y = x @ target + 0.01 * torch.randn(args.batch, generator=data)
             loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)

@@ -202,27 +202,31 @@ def joint_rounds(members: list[Peer]) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers):
-    a = peers("a", "--rounds", "6", "--step-sleep", "0.2")
+def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, tmp_path):
+    done = tmp_path / "done"
+    a = peers("a", "--rounds", "3", "--step-sleep", "0.2", "--until", str(done))
     address = a.address()
-    b = peers("b", "--rounds", "4", "--seed", "1", "--step-sleep", "0.2", "--initial-peers", *address)
-    # a newcomer in client mode (it accepts no connections): it joins once the others have averaged
-    wait_until(lambda: any(r["size"] == 2 for r in b.rows("average")), 150, what="a round of two")
-    c = peers(
-        "c",
+    b = peers(
+        "b",
         "--rounds",
         "3",
         "--seed",
-        "2",
+        "1",
         "--step-sleep",
         "0.2",
-        "--client-mode",
+        "--until",
+        str(done),
         "--initial-peers",
         *address,
     )
-    for p in (b, c):
-        assert p.wait(240) == 0, p.text()
-    assert a.wait(90) == 0, a.text()
+    # a newcomer in client mode (it accepts no connections): it joins once the others have averaged
+    wait_until(lambda: any(r["size"] == 2 for r in b.rows("average")), 150, what="a round of two")
+    c_args = ["--rounds", "3", "--seed", "2", "--step-sleep", "0.2", "--client-mode", "--initial-peers"]
+    c = peers("c", *c_args, *address, *b.address())
+    assert c.wait(240) == 0, c.text()
+    done.touch()
+    for p in (a, b):
+        assert p.wait(90) == 0, p.text()
     # the average is the samples-weighted mean of the peers' own changes, the outer step its recompute
     pairs = joint_rounds([a, b])
     assert pairs, (a.rows("average"), b.rows("average"))

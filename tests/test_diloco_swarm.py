@@ -88,7 +88,8 @@ def test_1_checkpoints_evaluation_and_export_hold_the_global_state(story, demo_d
     rows = trainer_rows(t1)
     assert rows and all(r["strategy"] == "diloco" for r in rows)
     assert max(r["group_size"] for r in rows) == 2, rows
-    assert rows[-1]["inner_steps"] >= rows[-1]["step"] * LOCAL_STEPS
+    inner = [r["inner_steps"] for r in rows]
+    assert inner[0] > 0 and inner == sorted(inner) and inner[-1] > inner[0], inner
     path, meta = ck.latest_good(root)
     assert meta["config"]["run"]["strategy"] == "diloco" and meta["inner"]
     assert (path / ck.INNER_OPTIMIZER).is_file()

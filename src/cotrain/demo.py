@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cotrain.config import Config, write_toml
+from cotrain.config.demo import DEMO_LOCAL_STEPS
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,16 @@ def _prepare_data(config: Config, data: Path) -> None:
     )
 
 
-def summarize(rows: list[dict], peers: int, seconds: float) -> dict:
+def demo_run_settings(config: Config) -> Config:
+    """The config the demo's peers get: with --strategy diloco and no --local-steps given (on the command
+    line or in a --config file), rounds of DEMO_LOCAL_STEPS x target_batch_size samples: a short demo."""
+    run = config.run
+    if run.strategy != "diloco" or "local_steps" in config.run_given:
+        return config
+    return dataclasses.replace(config, run=dataclasses.replace(run, local_steps=DEMO_LOCAL_STEPS))
+
+
+def summarize(rows: list[dict], peers: int, seconds: float, strategy: str = "sync") -> dict:
     """The demo's result from the monitor's per-step metrics."""
     steps = [r for r in rows if r.get("loss") is not None]
     first, last = steps[:3], steps[-3:]
@@ -144,6 +154,7 @@ def summarize(rows: list[dict], peers: int, seconds: float) -> dict:
 
     return {
         "event": "demo_summary",
+        "strategy": strategy,
         "peers": peers,
         "global_steps": max((r["step"] for r in steps), default=0),
         "max_group_size": max((r.get("max_group_size", 1) for r in steps), default=1),
@@ -166,8 +177,22 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
         _say(f"no loss curve: {e!r}")
 
 
+def _step_line(row: dict, strategy: str) -> str:
+    """The demo's line for one of the monitor's rows: a global step, or with diloco an outer round."""
+    line = (
+        f"{'outer round' if strategy == 'diloco' else 'global step'} {row['step']}: loss {row['loss']:.3f}, "
+        f"{row['alive_peers']} peers, group of {row.get('max_group_size', 1)}, "
+        f"{row['samples_per_second']:.1f} samples/s"
+    )
+    if strategy == "diloco":
+        sent = row.get("round_bytes", 0) / 1e6
+        line += f", {row.get('inner_steps', 0)} inner steps, {sent:.1f} MB sent per peer in the last round"
+    return line
+
+
 def run_demo(config: Config) -> int:
-    demo = config.demo
+    config = demo_run_settings(config)
+    demo, strategy = config.demo, config.run.strategy
     root = Path(config.peer.output_dir) / "demo"
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -188,6 +213,12 @@ def run_demo(config: Config) -> int:
                 raise UserError(f"the monitor did not start; see {root / 'monitor.log'}")
             time.sleep(0.2)
         initial = [a for a in peers_file.read_text().split() if "/127.0.0.1/" in a]
+        if strategy == "diloco":
+            given = "" if "local_steps" in config.run_given else " (the demo's; --local-steps sets it)"
+            _say(
+                f"strategy diloco: --local-steps {config.run.local_steps}{given}, an outer round every "
+                f"{config.run.local_steps * config.run.target_batch_size} samples of the swarm"
+            )
         _say(f"monitor is up at {initial[0]}; starting {demo.peers} trainers")
         url_file = root / "monitor" / "dashboard_url.txt"
         if url_file.exists():
@@ -208,12 +239,9 @@ def run_demo(config: Config) -> int:
             rows = _read_jsonl(metrics)
             for r in rows[seen:]:
                 if r.get("loss") is not None:
-                    _say(
-                        f"global step {r['step']}: loss {r['loss']:.3f}, {r['alive_peers']} peers, "
-                        f"group of {r.get('max_group_size', 1)}, {r['samples_per_second']:.1f} samples/s"
-                    )
+                    _say(_step_line(r, strategy))
             seen = len(rows)
-            summary = summarize(rows, demo.peers, time.monotonic() - t0)
+            summary = summarize(rows, demo.peers, time.monotonic() - t0, strategy)
             if summary["global_steps"] >= demo.steps and summary["max_group_size"] >= 2:
                 break
             if time.monotonic() - t0 > demo.deadline:
@@ -232,8 +260,8 @@ def run_demo(config: Config) -> int:
             _say("stopping the swarm")
             swarm.stop()
     rows = _read_jsonl(metrics)
-    summary = summarize(rows, demo.peers, time.monotonic() - t0)
-    _plot(rows, root / "loss.png", f"cotrain demo: {demo.peers} peers, {config.run.preset}")
+    summary = summarize(rows, demo.peers, time.monotonic() - t0, strategy)
+    _plot(rows, root / "loss.png", f"cotrain demo: {demo.peers} peers, {config.run.preset}, {strategy}")
     print(json.dumps(summary), flush=True)
     ok = (
         summary["max_group_size"] >= 2

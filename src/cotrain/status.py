@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
-from cotrain.config import Config, PeerConfig
+from cotrain.config import Config, PeerConfig, RunConfig
 from cotrain.errors import UserError
 from cotrain.swarm.state import read_snapshot
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"  # a client accepts no connections: listening on loopback is enough
+STRATEGY_WAIT = 3.0  # seconds to wait for the swarm's config record when the user gave run settings
 
 
 def swarm_status(config: Config, attempts: int = 3) -> dict:
@@ -35,9 +37,13 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
     connection = SwarmConnection(config.run.run_id, peer, role="status", client_mode=True)
     try:
         run = config.run if config.run_given else take_swarm_run(connection, config.run)
+        if config.run_given:
+            run = _swarm_strategy(connection, run, config.run_given)
         state: dict = {}
         for attempt in range(attempts):  # right after joining, the routing table may still be filling
-            state = read_snapshot(connection.dht, run.run_id, run.target_batch_size)
+            state = read_snapshot(
+                connection.dht, run.run_id, run.target_batch_size, run.strategy, run.local_steps
+            )
             if state["num_peers"]:
                 break
             time.sleep(0.5 * (attempt + 1))
@@ -47,6 +53,22 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
             connection.close()
         finally:
             _reap_children()
+
+
+def _swarm_strategy(connection: Any, run: RunConfig, given: list[str]) -> RunConfig:
+    """``run`` with the swarm's strategy and local steps (from its config record) where the user named none:
+    a status given a --preset still shows a diloco swarm's rounds."""
+    import dataclasses
+
+    found = connection.swarm_run(wait=STRATEGY_WAIT)
+    if found is None:
+        return run
+    fields = found[0]
+    taken = {k: fields[k] for k in ("strategy", "local_steps") if k not in given and k in fields}
+    try:
+        return dataclasses.replace(run, **taken)
+    except TypeError:
+        return run
 
 
 def _reap_children() -> None:
@@ -60,27 +82,47 @@ def _reap_children() -> None:
             pass
 
 
+def megabytes(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
 def describe(state: dict) -> str:
-    """Human-readable lines for a terminal."""
+    """Human-readable lines for a terminal. With diloco, a global step is an outer round: the lines also show
+    the inner steps, the samples per round and the bytes sent in the last round."""
     eta = state.get("eta_seconds")
-    target = state["target_batch_size"]
+    strategy = state.get("strategy", "sync")
+    diloco = strategy == "diloco"
+    target = state.get("step_samples") or state["target_batch_size"]
     pct = 100 * state["samples_accumulated"] / target if target else 0.0
-    lines = [
-        f"run {state['run_id']}: global step {state['global_step']}",
+    step = f"outer round {state['global_step']}" if diloco else f"global step {state['global_step']}"
+    lines = [f"run {state['run_id']}: {step} (strategy {strategy})"]
+    if diloco:
+        sent, total = megabytes(state.get("round_bytes", 0)), megabytes(state.get("round_bytes_total", 0))
+        lines.append(
+            f"diloco: {state.get('local_steps', 0)} local steps x {state['target_batch_size']} samples per "
+            f"round, {state.get('inner_steps', 0)} inner steps so far, last round sent {sent} per peer "
+            f"({total} in all)"
+        )
+    lines += [
         f"peers: {state['num_peers']} ({state['num_clients']} in client mode"
         + (f"; {state['departed_peers']} left recently)" if state.get("departed_peers") else ")"),
-        f"next step: {state['samples_accumulated']} of {target} samples ({pct:.0f}%), "
+        f"next {'round' if diloco else 'step'}: {state['samples_accumulated']} of {target} samples "
+        f"({pct:.0f}%), "
         f"{state['samples_per_second']:.1f} samples/s, ETA {'unknown' if eta is None else f'{eta:.0f} s'}",
     ]
     if state["peers"]:
+        extra = f"{'inner':>8}{'sent/round':>12}" if diloco else ""
         lines.append(
-            f"{'peer':<14}{'mode':<8}{'step':>6}{'samples/s':>12}{'contribution':>14}{'last seen':>12}"
+            f"{'peer':<14}{'mode':<8}{'step':>6}{'samples/s':>12}{'contribution':>14}{'last seen':>12}{extra}"
         )
         for p in state["peers"]:
-            lines.append(
+            line = (
                 f"{p['short_id']:<14}{'client' if p.get('client_mode') else 'full':<8}{p['step']:>6}"
                 f"{p.get('samples_per_second', 0.0):>12.1f}{p['contribution']:>14}{p['seconds_ago']:>10.0f} s"
             )
+            if diloco:
+                line += f"{p.get('inner_steps', 0):>8}{megabytes(p.get('round_bytes', 0)):>12}"
+            lines.append(line)
     for e in state.get("evaluations", []):  # newest first
         accuracy = "".join(
             f", {label} accuracy {e[name]:.3f}"

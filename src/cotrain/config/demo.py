@@ -5,15 +5,21 @@ from typing import ClassVar
 
 from cotrain.config.fields import opt
 
+# `cotrain demo --strategy diloco` without --local-steps: rounds of 5 x target_batch_size samples instead of
+# RunConfig's 50, so that the demo's 8 outer rounds take about a minute on 2 CPU cores (about 7 with 50)
+DEMO_LOCAL_STEPS = 5
+
 
 @dataclass
 class DemoConfig:
-    """Options of `cotrain demo` (a whole swarm on this machine)."""
+    """Options of `cotrain demo` (a whole swarm on this machine). With --strategy diloco and no --local-steps,
+    the demo's rounds are --local-steps 5 (not 50), so that its outer rounds take about a minute on 2 cores;
+    --steps then counts outer rounds."""
 
     TITLE: ClassVar[str] = "demo"
 
     peers: int = opt(2, "Number of trainer peers to start.", roles=("demo",))
-    steps: int = opt(8, "Global steps to train before stopping.", roles=("demo",))
+    steps: int = opt(8, "Global steps (diloco: outer rounds) to train before stopping.", roles=("demo",))
     deadline: float = opt(
         540.0, "Seconds after which the demo stops even if the steps are not done.", roles=("demo",)
     )

@@ -93,7 +93,8 @@ class RunConfig:
         "sync",
         "Training strategy: sync (gradients averaged at every global step, the seed recipe) or diloco (each "
         "peer takes --local-steps steps of the preset's optimizer alone, then the swarm averages the change "
-        "of the parameters and takes one outer Nesterov step: about --local-steps times less traffic).",
+        "of the parameters and takes one outer Nesterov step: per sample, about 2/3 x --local-steps times "
+        "less traffic).",
     )
     local_steps: int = opt(
         50,

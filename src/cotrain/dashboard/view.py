@@ -13,11 +13,23 @@ ALIVE_RESOLUTION = 30.0  # seconds: an unchanged peer count adds a point at most
 
 
 class SwarmView:
-    def __init__(self, run_id: str, join_command: str, target_batch_size: int):
+    """``strategy`` and ``local_steps`` are the run's: with diloco a global step is an outer round of
+    ``local_steps x target_batch_size`` samples, and the page also shows inner steps and bytes per round."""
+
+    def __init__(
+        self,
+        run_id: str,
+        join_command: str,
+        target_batch_size: int,
+        strategy: str = "sync",
+        local_steps: int = 1,
+    ):
         self._lock = threading.Lock()
         self.run_id = run_id
         self.join_command = join_command
         self.target_batch_size = target_batch_size
+        self.strategy = strategy
+        self.local_steps = local_steps if strategy == "diloco" else 1
         self.steps: deque[dict] = deque(maxlen=HISTORY)
         self.alive: deque[tuple[float, int]] = deque(maxlen=PEER_HISTORY)
         self.state: dict = {}
@@ -59,6 +71,9 @@ class SwarmView:
                 "run_id": self.run_id,
                 "join_command": self.join_command,
                 "target_batch_size": self.target_batch_size,
+                "strategy": self.strategy,
+                "local_steps": self.local_steps,
+                "step_samples": self.target_batch_size * self.local_steps,
                 "started": self.started,
                 "steps": list(self.steps),
                 "alive": [list(a) for a in self.alive],

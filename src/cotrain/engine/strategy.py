@@ -293,7 +293,6 @@ class DiLoCoStrategy(Strategy):
         from cotrain.swarm.optimizer import (
             gradient_compression,
             request_timeout,
-            state_compression,
             tracker_options,
         )
 
@@ -319,7 +318,6 @@ class DiLoCoStrategy(Strategy):
             averaging_timeout=peer.averaging_timeout,
             load_state_timeout=peer.load_state_timeout,
             compression=gradient_compression(peer.grad_compression),
-            state_compression=state_compression(peer.grad_compression),
             batch_size_per_step=batch_size_per_step,
             averager_opts=averager_opts,
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
@@ -335,7 +333,8 @@ class DiLoCoStrategy(Strategy):
 
     @property
     def inner_steps(self) -> int:
-        return int(self.opt.inner_steps)
+        """Inner optimizer steps this peer took since it started."""
+        return int(self.opt.inner_steps_done)
 
     @property
     def round_bytes(self) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cotrain.checkpoints import step_dir
-from cotrain.config import Config
+from cotrain.config import Config, RunConfig
 from cotrain.dashboard.view import SwarmView
 from cotrain.engine.join import SwarmConnection, take_swarm_settings
 from cotrain.sinks import SinkSet, build_sinks
@@ -41,14 +41,17 @@ def plausible(records: dict[bytes, Any]) -> dict[bytes, LocalMetrics]:
     return {k: r for k, r in valid.items() if r.step <= steps[-2] + MAX_STEPS_AHEAD}
 
 
-def aggregate(step: int, records: dict[bytes, LocalMetrics]) -> dict:
+def aggregate(step: int, records: dict[bytes, LocalMetrics], strategy: str = "sync") -> dict:
     """One line of the swarm's metrics for a global step, as the seed recipe computes it (implausible
-    records ignored)."""
+    records ignored). With diloco the step is an outer round, and the line adds the inner steps (the largest
+    any peer reports) and the payload of the peers' last outer all-reduce (the largest one peer sent, and the
+    total)."""
     values = list(plausible(records).values())
     mini_steps = sum(r.mini_steps for r in values)
     current = [r for r in values if r.step == step]
-    return {
+    line = {
         "step": step,
+        "strategy": strategy,
         "loss": sum(r.loss for r in values) / mini_steps if mini_steps else None,
         "alive_peers": len(values),
         "samples": sum(r.samples_accumulated for r in values),
@@ -57,6 +60,25 @@ def aggregate(step: int, records: dict[bytes, LocalMetrics]) -> dict:
         "client_peers": sum(r.client_mode for r in values),
         "time": time.time(),
     }
+    if strategy == "diloco":
+        line["inner_steps"] = max((r.inner_steps for r in values), default=0)
+        line["round_bytes"] = max((r.round_bytes for r in values), default=0)
+        line["round_bytes_total"] = sum(r.round_bytes for r in values)
+    return line
+
+
+def step_log_line(line: dict) -> str:
+    """The monitor's log line for a row of ``aggregate``."""
+    text = (
+        f"step {line['step']} | loss {line['loss'] or float('nan'):.5f} | {line['alive_peers']} peers | "
+        f"{line['samples']} samples | {line['samples_per_second']:.1f} samples/s"
+    )
+    if line.get("strategy") == "diloco":
+        text += (
+            f" | {line['inner_steps']} inner steps | last round sent {line['round_bytes'] / 1e6:.1f} MB per "
+            f"peer, {line['round_bytes_total'] / 1e6:.1f} MB in all"
+        )
+    return text
 
 
 def eval_row(record: EvalMetrics) -> dict:
@@ -76,6 +98,17 @@ def join_command(maddrs: list[str], run_id: str, private: bool = False) -> str:
     peers = " ".join(maddrs)
     token = " --access-token TOKEN_FILE" if private else ""
     return f"cotrain train --run-id {run_id} --initial-peers {peers} --dataset-path DATA{token}"
+
+
+def describe_strategy(run: RunConfig) -> str:
+    """The run's strategy in a few words, for log lines."""
+    if run.strategy != "diloco":
+        return f"strategy {run.strategy}"
+    overlap = ", overlapped" if run.outer_overlap else ""
+    return (
+        f"strategy diloco: outer rounds of {run.local_steps} x {run.target_batch_size} samples, outer lr "
+        f"{run.outer_lr:g}, momentum {run.outer_momentum:g}{overlap}"
+    )
 
 
 DASHBOARD_TICK = 2.0  # seconds between reads of the swarm while a dashboard is open
@@ -110,11 +143,11 @@ class Monitor:
         maddrs = connection.maddrs()
         join = join_command(maddrs, run.run_id, private=connection.access is not None)
         self.sinks = build_sinks(out, run.run_id, peer.tensorboard_dir, peer.wandb_project)
-        view = SwarmView(run.run_id, join, run.target_batch_size)
+        view = SwarmView(run.run_id, join, run.target_batch_size, run.strategy, run.local_steps)
         self._start_dashboard(view, out)
         self._start_checkpoints(out)
         (out / "initial_peers.txt").write_text("\n".join(maddrs) + "\n")  # last: the monitor is ready
-        logger.info(f"Monitor of run {run.run_id!r} is up. To join, run:\n  {join}")
+        logger.info(f"Monitor of run {run.run_id!r} is up, {describe_strategy(run)}. To join, run:\n  {join}")
         period = min(peer.refresh_period, DASHBOARD_TICK) if self.dashboard else peer.refresh_period
 
         current_step = -1
@@ -125,7 +158,10 @@ class Monitor:
             except Exception as e:  # network trouble degrades, it never kills the monitor
                 logger.warning(f"Reading metrics from the DHT failed: {e!r}")
                 continue
-            state = snapshot(run.run_id, run.target_batch_size, records, progress)
+            state = snapshot(
+                run.run_id, run.target_batch_size, records, progress, strategy=run.strategy,
+                local_steps=run.local_steps,
+            )  # fmt: skip
             view.update(state)
             if self.keeper is not None and (saved := self.keeper.saved_step) >= 0:  # the checkpoint card
                 view.record_checkpoint(saved, str(step_dir(self.keeper.root, saved)))
@@ -142,14 +178,10 @@ class Monitor:
             if latest == current_step:
                 continue
             current_step = latest
-            line = aggregate(latest, records)
+            line = aggregate(latest, records, run.strategy)
             self.sinks.write(latest, line)
             view.add_step(line)
-            logger.info(
-                f"step {latest} | loss {line['loss'] or float('nan'):.5f} | "
-                f"{line['alive_peers']} peers | "
-                f"{line['samples']} samples | {line['samples_per_second']:.1f} samples/s"
-            )
+            logger.info(step_log_line(line))
         return 0
 
     def _log_evaluations(self, view: SwarmView) -> None:

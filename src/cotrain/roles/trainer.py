@@ -34,6 +34,19 @@ from cotrain.sinks.jsonl import JsonlSink
 logger = logging.getLogger(__name__)
 
 
+def strategy_words(config: Config) -> str:
+    """The run's strategy for the trainer's first line: sync, or diloco with its round and outer step."""
+    run, peer = config.run, config.peer
+    if run.strategy != "diloco":
+        return "strategy sync"
+    overlap = ", overlapped" if run.outer_overlap else ""
+    return (
+        f"strategy diloco (an outer round every {run.local_steps} x {run.target_batch_size} samples of the "
+        f"swarm, outer lr {run.outer_lr:g}, momentum {run.outer_momentum:g}{overlap}, "
+        f"{peer.grad_compression} on the wire)"
+    )
+
+
 class Trainer:
     def __init__(self, config: Config, stop: threading.Event):
         self.config = config
@@ -92,9 +105,15 @@ class Trainer:
             f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
             f"{data.num_examples} training examples, "
             f"micro-batch {micro} x {peer.gradient_accumulation_steps} "
-            f"on {', '.join(map(str, devices))} in {precision.name}"
+            f"on {', '.join(map(str, devices))} in {precision.name}, {strategy_words(config)}"
         )
-        joined = {"peer_id": swarm.peer_id, "run_id": run.run_id, "preset": run.preset, "took_settings": took}
+        joined = {
+            "peer_id": swarm.peer_id,
+            "run_id": run.run_id,
+            "preset": run.preset,
+            "took_settings": took,
+            "strategy": run.strategy,
+        }
         self._event(
             "joined", {**joined, "micro_batch": micro, "accumulation": peer.gradient_accumulation_steps}
         )
@@ -112,7 +131,8 @@ class Trainer:
         stream = batches(self._examples(data), micro, collator, peer.seed, peer.dataloader_num_workers)
         max_samples = peer.num_train_epochs * data.num_examples
         seen = 0  # samples of this peer's data consumed, for --num-train-epochs
-        bar = StepProgress(run.target_batch_size)
+        # samples the swarm accumulates per global step (diloco: per outer round)
+        bar = StepProgress(run.target_batch_size * (run.local_steps if run.strategy == "diloco" else 1))
         while not self.stop.is_set():
             loss = accumulate_gradients(
                 train_model, stream, peer.gradient_accumulation_steps, devices[0], precision, forward_loss
@@ -276,10 +296,10 @@ class Trainer:
         row = {k: v for k, v in report.items() if k != "logged"}
         self.metrics.write(row["step"], row)
         if self.board is not None and report["logged"]:
-            self.board.write(
-                row["step"],
-                {key: row[key] for key in ("loss", "samples_per_second", "group_size", "contribution")},
-            )
+            keys = ["loss", "samples_per_second", "group_size", "contribution"]
+            if row.get("strategy") == "diloco":  # per outer round: the schedule's position, bytes sent
+                keys += ["inner_steps", "round_bytes"]
+            self.board.write(row["step"], {key: row[key] for key in keys})
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -6,9 +6,13 @@ only by the outer optimizer: SGD with Nesterov momentum). A round ends when the 
 ``round_samples`` samples (hivemind's ``ProgressTracker``, as for a synchronous global step). Then every peer
 computes its pseudo-gradient ``global - local`` (its own change over the round, sign as a gradient),
 averages it with the others in one hivemind all-reduce (weighted by the samples it trained on, compressed on
-the wire), and applies the outer step to the global parameters, which every peer then trains from. With
-identical inputs the outer step is the same on every peer: the global parameters and the outer momentum stay
-the same everywhere, up to the rounding of the compressed average.
+the wire), and applies the outer step to the global parameters, which every peer then trains from. The same
+all-reduce averages the outer state (global parameters and momentum): where the peers hold the same one (the
+rule) its average is exactly theirs, and a peer that diverged (a round alone, another group) steps from the
+group's state again. So the outer step is the same on every peer of a group, up to the rounding of the
+compressed average; this costs 3 parameter-sized vectors per round instead of 1 (still, per sample,
+``local_steps x 2/3`` times less than the synchronous strategy, which averages gradients and parameters at
+every step).
 
 ``overlap``: a round's all-reduce runs in the background while the next round computes; its outer step is
 applied one round late, at the end of the next round, and the peer then continues from the new global
@@ -35,7 +39,14 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionBase, CompressionInfo, TensorRole
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    RoleAdaptiveCompression,
+    TensorRole,
+)
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import (
     TrainingStateAverager,
@@ -46,10 +57,12 @@ from hivemind.utils import get_dht_time
 
 from cotrain.swarm import fixes
 from cotrain.swarm.keys import outer_averager_prefix, state_averager_prefix
+from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
 
 logger = logging.getLogger(__name__)
 
 STRATEGY = "diloco"  # what a served state says it is, so that a state of another strategy is refused
+ROUND_BITS = 8  # low bits of the round in the matchmaking key: peers average only with peers of their round
 
 
 def outer_optimizer_factory(lr: float, momentum: float) -> Callable[[Iterable], torch.optim.Optimizer]:
@@ -205,7 +218,6 @@ class DiLoCoOptimizer:
         averaging_timeout: float,
         load_state_timeout: float,
         compression: CompressionBase,
-        state_compression: CompressionBase,
         batch_size_per_step: int | None = None,
         averager_opts: dict | None = None,
         tracker_opts: dict | None = None,
@@ -237,7 +249,8 @@ class DiLoCoOptimizer:
             inner_optimizer=inner,
             inner_scheduler=schedule,
             local_steps=local_steps,
-            state_compression=state_compression,
+            # a newcomer downloads the state in full precision (cotrain.swarm.optimizer)
+            state_compression=LOAD_STATE_COMPRESSION,
             min_matchmaking_time=matchmaking_time,
             request_timeout=request_timeout,
             client_mode=self.client_mode,
@@ -247,11 +260,17 @@ class DiLoCoOptimizer:
         )
         self.state_averager.on_loaded = self._after_download
         with torch.no_grad():
-            # the changes, then the global parameters (see _launch)
-            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters * 2]
+            # the changes, the global parameters, the outer momentum (see _launch)
+            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters * 3]
         # a dead group member is given up on after next_chunk_timeout (its parts then stay un-averaged and
         # the round is retried without it), well within the round's averaging_timeout
         chunk_timeout = max(5.0, averaging_timeout / 4)
+        # the changes go as --grad-compression says; the outer state at least in fp16 (never 8-bit: its
+        # average must stay where the peers already agree)
+        n = len(self.parameters)
+        roles = [TensorRole.GRADIENT] * n + [TensorRole.PARAMETER] * n + [TensorRole.OPTIMIZER] * n
+        outer_state = NoCompression() if isinstance(compression, NoCompression) else Float16Compression()
+        self.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
         self.outer_averager = DecentralizedAverager(
             buffers,
             dht,
@@ -260,7 +279,13 @@ class DiLoCoOptimizer:
             request_timeout=request_timeout,
             allreduce_timeout=averaging_timeout,
             next_chunk_timeout=chunk_timeout,
-            compression=compression,
+            compression=RoleAdaptiveCompression(
+                gradient=compression, parameter=outer_state, optimizer=outer_state, default=compression
+            ),
+            tensor_infos=[
+                CompressionInfo.from_tensor(t, key=i, role=role)
+                for i, (t, role) in enumerate(zip(buffers, roles, strict=True))
+            ],
             client_mode=self.client_mode,
             start=True,
             **averager_opts,
@@ -281,6 +306,7 @@ class DiLoCoOptimizer:
         self.last_round_bytes = 0  # payload sent in its last all-reduce (from the sizes and the compression)
         self.bytes_sent = 0
         self.samples = 0  # samples this peer trained on in the current round
+        self.inner_steps_done = 0  # inner steps this peer took since it started
         self.inner_steps_this_round = 0
         self._scheduled: Any = None  # matchmaking started ahead of the round's end
         self._pending: Any = None  # overlap: the previous round's all-reduce, with this peer's own change
@@ -306,6 +332,7 @@ class DiLoCoOptimizer:
 
     @property
     def inner_steps(self) -> int:
+        """The inner schedule's position: the swarm's inner steps (local_steps per round)."""
         return self.state_averager.inner_steps
 
     # --- a step -------------------------------------------------------------------------------------
@@ -319,12 +346,16 @@ class DiLoCoOptimizer:
             return
         with self.state_averager.lock_inner:
             self.inner_optimizer.step()
-            if self.inner_scheduler is not None:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)
-                    self.inner_scheduler.step()
-            self.state_averager.inner_steps += 1
+            # the schedule follows the swarm: local_steps per round (a peer faster than the swarm's average
+            # holds the last rate of the round), set to the round's start at each round (_next_round)
+            if self.inner_steps_this_round < self.local_steps:
+                if self.inner_scheduler is not None:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)
+                        self.inner_scheduler.step()
+                self.state_averager.inner_steps += 1
         self.inner_steps_this_round += 1
+        self.inner_steps_done += 1
         self.samples += int(batch_size)
         self.tracker.report_local_progress(self.local_epoch, self.samples)
         self._maybe_schedule_round()
@@ -346,6 +377,7 @@ class DiLoCoOptimizer:
             return  # overlap: the averager is still busy with the previous round
         eta = self.tracker.estimated_next_update_time
         if eta - get_dht_time() <= self.matchmaking_time:
+            self._match_this_round()
             self._scheduled = self.outer_averager.step(
                 scheduled_time=max(eta, get_dht_time() + self.matchmaking_time / 2),
                 timeout=self.averaging_timeout,
@@ -375,9 +407,9 @@ class DiLoCoOptimizer:
         return [(s - p.detach().cpu()).float() for s, p in zip(start, self.parameters, strict=True)]
 
     def _average(self, own: list[torch.Tensor], weight: int) -> tuple[list[torch.Tensor], Any, int]:
-        """Average ``own`` (and the global parameters) with the group, retrying with whoever is left until
-        averaging_timeout. Returns (the average change, the average global parameters, the group's size);
-        alone or when it cannot, (this peer's own change, None, 1)."""
+        """Average ``own`` (with the outer state) with the group, retrying with whoever is left until
+        averaging_timeout. Returns (the average change, the average outer state, the group's size); alone or
+        when it cannot, (this peer's own change, None, 1)."""
         deadline = time.monotonic() + self.averaging_timeout
         attempt = 0
         while self._others() and not self.should_stop():
@@ -405,51 +437,67 @@ class DiLoCoOptimizer:
         return own, None, 1
 
     def _results(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(average change, average global parameters) from the averager's buffers after an all-reduce."""
+        """(average change, average outer state: global parameters then momentum) from the averager's
+        buffers after an all-reduce."""
         n = len(self.parameters)
         with self.outer_averager.get_tensors() as tensors:
             return [t.clone() for t in tensors[:n]], [t.clone() for t in tensors[n:]]
 
     def _launch(self, own: list[torch.Tensor], weight: int) -> Any:
-        """Put ``own`` and the global parameters in the averager and start its all-reduce (in the group
-        matched ahead if any). The global parameters are averaged too: where peers hold the same ones (the
-        rule) their average is exactly theirs, and peers that diverged (a round alone, in another group)
-        come back together at no extra round trip."""
+        """Put ``own`` and the outer state (global parameters, momentum) in the averager and start its
+        all-reduce (in the group matched ahead if any). The outer state is averaged with the changes: where
+        peers hold the same (the rule) its average is exactly theirs, and peers that diverged (a round alone,
+        in another group) step from the same state again, in the same round trip."""
         control, self._scheduled = self._scheduled, None
         if control is not None and (control.triggered or control.done()):
             control = None
         if control is None:
+            self._match_this_round()
             control = self.outer_averager.step(
                 timeout=self.averaging_timeout, wait=False, require_trigger=True
             )
         with self.outer_averager.get_tensors() as tensors, self.state_averager.lock_averaged_tensors:
-            glob = self.state_averager.global_parameters
-            for buffer, value in zip(tensors, [*own, *glob], strict=True):
+            state = self._outer_state()
+            for buffer, value in zip(tensors, [*own, *state], strict=True):
                 buffer.copy_(value)
         control.weight = float(max(weight, 1))
         control.allow_allreduce()
         return control
 
+    def _match_this_round(self) -> None:
+        """Look for a group among the peers at this round only: the matchmaking key carries the round (its
+        low bits), so a peer that missed its round's group never averages this round's change into the next
+        round's. (Set before every matchmaking: hivemind moves the bits after each group it assembles.)"""
+        self.outer_averager.set_group_bits(format(self.local_epoch % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
+
+    def _outer_state(self) -> list[torch.Tensor]:
+        """The global parameters, then the outer optimizer's momentum buffers (the caller holds the lock)."""
+        sa = self.state_averager
+        glob = sa.global_parameters
+        return [*glob, *(sa.optimizer.state[p]["momentum_buffer"] for p in glob)]
+
     def _count_round(self, size: int) -> int:
         """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
         self.rounds_averaged += 1
         per_value = {"Float16Compression": 2, "NoCompression": 4}.get(type(self.compression).__name__, 1)
-        # butterfly all-reduce of 2 x numel values (changes and global parameters): a peer sends (n-1)/n of
-        # its vector, and the averages of its part to the n-1 others
-        sent = int(2 * 2 * self.numel * per_value * (size - 1) / size) if size > 1 else 0
+        # butterfly all-reduce of the changes (per_value bytes each) and the outer state (global parameters
+        # and momentum, state_bytes each): a peer sends (n-1)/n of its vector, and the averages of its part
+        # to the n-1 others
+        vector = self.numel * (per_value + 2 * self.state_bytes)
+        sent = int(2 * vector * (size - 1) / size) if size > 1 else 0
         self.last_round_bytes = sent
         self.bytes_sent += sent
         return size
 
     @torch.no_grad()
     def _outer_step(self, averaged: list[torch.Tensor], base: list[torch.Tensor] | None) -> None:
-        """The outer optimizer's step along ``averaged``, from ``base`` (the group's average global
-        parameters) when given."""
+        """The outer optimizer's step along ``averaged``, from ``base`` (the group's average outer state:
+        global parameters and momentum) when given."""
         sa = self.state_averager
         with sa.lock_averaged_tensors:
             if base is not None:
-                for param, value in zip(sa.global_parameters, base, strict=True):
-                    param.copy_(value)
+                for mine, value in zip(self._outer_state(), base, strict=True):
+                    mine.copy_(value)
             for param, change in zip(sa.global_parameters, averaged, strict=True):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)

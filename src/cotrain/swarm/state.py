@@ -39,15 +39,25 @@ def short_id(peer_id: str) -> str:
     return f"...{peer_id[-8:]}" if len(peer_id) > 12 else peer_id
 
 
+def step_samples(target_batch_size: int, strategy: str = "sync", local_steps: int = 1) -> int:
+    """Samples the swarm accumulates per global step: target_batch_size, or with diloco local_steps times that
+    (an outer round)."""
+    return target_batch_size * local_steps if strategy == "diloco" else target_batch_size
+
+
 def snapshot(
     run_id: str,
     target_batch_size: int,
     metrics: dict[bytes, LocalMetrics],
     progress: dict[bytes, Any],
     now: float | None = None,
+    strategy: str = "sync",
+    local_steps: int = 1,
 ) -> dict:
     """A JSON-ready view: the global step, every alive peer, the samples accumulated toward the next step and
     its ETA (estimated as hivemind's tracker does: accumulated + elapsed x rate, over the swarm's rate).
+    ``strategy`` and ``local_steps`` are the run's: with diloco the next step is the next outer round
+    (``step_samples``), and the view adds the inner steps and the bytes sent per round.
 
     A peer is alive while its progress record is: hivemind refreshes it every half ``metadata_expiration``
     while the peer trains and clears it when the peer stops, and the DHT drops it once expired. A metrics
@@ -67,6 +77,8 @@ def snapshot(
             "step": m.step,
             "last_seen": m.time,
         }
+        if strategy == "diloco":
+            peers[key].update(inner_steps=m.inner_steps, round_bytes=m.round_bytes)
     for key, p in progress.items():
         row = peers.setdefault(key, {"contribution": 0, "step": p.epoch, "last_seen": 0.0})
         row["peer_id"] = row.get("peer_id") or _peer_name(p.peer_id)
@@ -80,7 +92,8 @@ def snapshot(
     accumulated = sum(p.samples_accumulated for p in current)
     estimated = sum(p.samples_accumulated + max(0.0, now - p.time) * p.samples_per_second for p in current)
     throughput = sum(row.get("samples_per_second", 0.0) for row in peers.values())
-    eta = max(0.0, target_batch_size - estimated) / throughput if throughput > 0 else None
+    per_step = step_samples(target_batch_size, strategy, local_steps)
+    eta = max(0.0, per_step - estimated) / throughput if throughput > 0 else None
     rows = []
     for row in peers.values():
         rows.append(
@@ -91,8 +104,9 @@ def snapshot(
             }
         )
     rows.sort(key=lambda r: r.get("peer_id", ""))
-    return {
+    state = {
         "run_id": run_id,
+        "strategy": strategy,
         "global_step": step,
         "peers": rows,
         "num_peers": len(rows),
@@ -100,10 +114,22 @@ def snapshot(
         "departed_peers": len(departed),
         "samples_accumulated": accumulated,
         "target_batch_size": target_batch_size,
+        "step_samples": per_step,
         "samples_per_second": throughput,
         "eta_seconds": None if eta is None else round(eta, 1),
         "time": now,
     }
+    if strategy == "diloco":
+        reported = list(metrics.values())
+        state.update(
+            local_steps=local_steps,
+            # the schedule's position (local_steps per completed round, plus this round's steps so far)
+            inner_steps=max((m.inner_steps for m in reported), default=0),
+            # payload of each alive peer's last outer all-reduce: the largest, and the swarm's total
+            round_bytes=max((m.round_bytes for m in reported), default=0),
+            round_bytes_total=sum(m.round_bytes for m in reported),
+        )
+    return state
 
 
 def evaluation_rows(evaluations: dict[bytes, EvalMetrics]) -> list[dict]:
@@ -119,8 +145,11 @@ def evaluation_rows(evaluations: dict[bytes, EvalMetrics]) -> list[dict]:
     return rows
 
 
-def read_snapshot(dht: Any, run_id: str, target_batch_size: int) -> dict:
+def read_snapshot(
+    dht: Any, run_id: str, target_batch_size: int, strategy: str = "sync", local_steps: int = 1
+) -> dict:
     """The snapshot, with the latest result of every evaluation peer under ``evaluations``."""
-    state = snapshot(run_id, target_batch_size, read_metrics(dht, run_id), read_progress(dht, run_id))
+    metrics, progress = read_metrics(dht, run_id), read_progress(dht, run_id)
+    state = snapshot(run_id, target_batch_size, metrics, progress, strategy=strategy, local_steps=local_steps)
     state["evaluations"] = evaluation_rows(read_evaluations(dht, run_id))
     return state

@@ -84,7 +84,16 @@ function duration(seconds) {
   return `${(seconds / 3600).toFixed(1)} h`;
 }
 
-function renderPeers(peers) {
+function megabytes(n) {
+  return n === null || n === undefined ? "-" : `${(n / 1e6).toFixed(1)} MB`;
+}
+
+// diloco: a global step is an outer round; the inner steps and bytes per round are shown, sync hides them
+function showStrategy(diloco) {
+  for (const node of document.querySelectorAll(".diloco-only")) node.hidden = !diloco;
+}
+
+function renderPeers(peers, diloco) {
   const body = document.querySelector("#peers-table tbody");
   const rows = peers.map((p) => {
     const tr = document.createElement("tr");
@@ -93,6 +102,7 @@ function renderPeers(peers) {
       [p.short_id || "?", ""], [p.client_mode ? "client" : "full", ""], [fmt(p.step), "num"],
       [fmt(p.samples_per_second, 1), "num"], [fmt(p.contribution), "num"], [ago(p.seconds_ago), ""],
     ];
+    if (diloco) cells.push([fmt(p.inner_steps), "num"], [megabytes(p.round_bytes), "num"]);
     for (const [text, cls] of cells) {
       const td = document.createElement("td");
       td.textContent = text;
@@ -109,8 +119,22 @@ function render(data) {
   const steps = data.steps || [];
   const state = data.state || {};
   const last = steps.length ? steps[steps.length - 1] : {};
+  const strategy = data.strategy || state.strategy || "sync";
+  const diloco = strategy === "diloco";
+  const stepName = diloco ? "outer round" : "global step";
+  showStrategy(diloco);
   document.getElementById("run-id").textContent = data.run_id;
+  document.getElementById("strategy").textContent = strategy;
+  document.getElementById("step-label").textContent = stepName;
+  document.getElementById("progress-title").textContent = `Next ${stepName}`;
   document.getElementById("step").textContent = fmt(state.global_step ?? last.step);
+  if (diloco) {
+    document.getElementById("inner-steps").textContent = fmt(state.inner_steps ?? last.inner_steps);
+    document.getElementById("round-bytes").textContent = megabytes(state.round_bytes ?? last.round_bytes);
+    lineChart(document.getElementById("chart-round-bytes"),
+      steps.filter((r) => r.round_bytes).map((r) => [r.step, r.round_bytes / 1e6]),
+      { zero: true, yDigits: 1, empty: "waiting for the first averaged round" });
+  }
   document.getElementById("peers").textContent = fmt(state.num_peers ?? last.alive_peers);
   document.getElementById("throughput").textContent = fmt(state.samples_per_second ?? last.samples_per_second, 1);
   document.getElementById("loss").textContent = fmt(last.loss, 3);
@@ -120,12 +144,12 @@ function render(data) {
   lineChart(document.getElementById("chart-loss-samples"), withLoss.map((r) => [r.samples, r.loss]), { yDigits: 2 });
   lineChart(document.getElementById("chart-throughput"), steps.map((r) => [r.step, r.samples_per_second]), { zero: true, yDigits: 1 });
   lineChart(document.getElementById("chart-alive"), (data.alive || []).map((a) => [a[0], a[1]]), { zero: true, time: true, integer: true, yDigits: 0 });
-  renderPeers(state.peers || []);
-  const target = state.target_batch_size || data.target_batch_size;
+  renderPeers(state.peers || [], diloco);
+  const target = state.step_samples || data.step_samples || state.target_batch_size || data.target_batch_size;
   const acc = state.samples_accumulated || 0;
   const pct = target ? Math.min(100, (100 * acc) / target) : 0;
   document.getElementById("progress-bar").style.width = `${pct.toFixed(1)}%`;
-  const next = `step ${fmt((state.global_step || 0) + 1)}: ${fmt(acc)} of ${fmt(target)} samples`;
+  const next = `${diloco ? "round" : "step"} ${fmt((state.global_step || 0) + 1)}: ${fmt(acc)} of ${fmt(target)} samples`;
   document.getElementById("progress-text").textContent = !state.num_peers
     ? "no trainer has reported progress yet"
     : acc >= target
