@@ -93,13 +93,19 @@ def test_1_checkpoints_evaluation_and_export_hold_the_global_state(story, demo_d
     path, meta = ck.latest_good(root)
     assert meta["config"]["run"]["strategy"] == "diloco" and meta["inner"]
     assert (path / ck.INNER_OPTIMIZER).is_file()
-    assert meta["inner"]["scheduler"]["last_epoch"] == meta["step"] * LOCAL_STEPS
+    # the inner schedule as the serving trainer had it: within the round after the checkpoint's
+    assert (
+        meta["step"] * LOCAL_STEPS
+        <= meta["inner"]["scheduler"]["last_epoch"]
+        <= (meta["step"] + 1) * LOCAL_STEPS
+    )
     weights, outer = ck.read_tensors(path)
     momentum = [k for k in outer if k.startswith("momentum_buffer/")]
     assert momentum and any(bool(outer[k].abs().sum() > 0) for k in momentum)
 
     # the evaluation peer evaluated the global parameters: the weights it evaluated at a round are the
-    # monitor's checkpoint of that round (both downloaded from the trainers, in full precision)
+    # monitor's checkpoint of that round (both downloaded in full precision, maybe from two trainers, whose
+    # global parameters agree to the fp16 rounding of the round's average)
     def both_hold() -> list:
         held = ck.list_checkpoints(out / "eval" / "evaluated")
         return [p for p in held if ck.step_dir(root, int(p.name[5:])).exists()]
@@ -109,9 +115,16 @@ def test_1_checkpoints_evaluation_and_export_hold_the_global_state(story, demo_d
     theirs, _ = ck.read_tensors(evaluated[-1])
     ours, _ = ck.read_tensors(ck.step_dir(root, step))
     for name, tensor in ours.items():
-        torch.testing.assert_close(theirs[name], tensor, atol=1e-4, rtol=1e-4, msg=name)
-    evaluations = [r for r in read_rows(out / "eval" / "metrics.jsonl") if r.get("kind") == "eval"]
-    assert evaluations and all(r["step"] <= newest_step() + 1 for r in evaluations)
+        torch.testing.assert_close(theirs[name], tensor, atol=1e-3, rtol=1e-3, msg=name)
+    # the monitor logs the evaluations, by round
+    evaluations = wait_until(
+        lambda: [r for r in read_rows(out / "monitor" / "metrics.jsonl") if r.get("kind") == "eval"],
+        60,
+        what="the monitor to log an evaluation",
+    )
+    assert all(0 <= r["step"] <= newest_step() + 1 for r in evaluations), evaluations
+    if len(evaluations) > 1:  # held-out loss of the global parameters falls round after round
+        assert evaluations[-1]["eval_loss"] < evaluations[0]["eval_loss"], evaluations
     # export: the global parameters, as a Hugging Face folder
     from transformers import AutoModelForPreTraining
 
@@ -153,4 +166,4 @@ def test_2_whole_swarm_resume_restores_the_outer_momentum(story):
         torch.testing.assert_close(got_inner[key], inner[key], msg=key)
     t3.kill_all()
     m2.stop()
-    assert m2.proc.returncode == 0 and "Traceback" not in m2.text()
+    assert m2.proc.returncode == 0 and "Traceback" not in m2.log_path.read_text()
