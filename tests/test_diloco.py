@@ -22,7 +22,7 @@ import torch
 
 from conftest import REPO, cotrain_env, read_rows, wait_until
 from cotrain.config import RunConfig
-from cotrain.swarm.diloco import initialize_state, outer_optimizer_factory, set_schedule
+from cotrain.swarm.diloco_state import initialize_state, outer_optimizer_factory, set_schedule
 
 PEER = REPO / "tests" / "diloco_peer.py"
 FP16_TOL = 2e-3  # relative to the pseudo-gradients' scale: what fp16 rounding of the averaged part leaves

@@ -163,17 +163,11 @@ class SyncStrategy(Strategy):
             LOAD_STATE_COMPRESSION,
             SwarmOptimizer,
             gradient_compression,
-            request_timeout,
             state_compression,
             tracker_options,
         )
 
-        averager_opts: dict = {
-            "target_group_size": peer.target_group_size,
-            "request_timeout": request_timeout(peer.matchmaking_time),
-        }
-        if peer.bandwidth > 0:
-            averager_opts["bandwidth"] = peer.bandwidth
+        averager_opts = _averager_options(peer)
         run_id, target_batch_size = run.run_id, run.target_batch_size
         self.run_id = run_id
         self.opt = SwarmOptimizer(
@@ -292,16 +286,10 @@ class DiLoCoStrategy(Strategy):
         from cotrain.swarm.diloco import DiLoCoOptimizer
         from cotrain.swarm.optimizer import (
             gradient_compression,
-            request_timeout,
             tracker_options,
         )
 
-        averager_opts: dict = {
-            "target_group_size": peer.target_group_size,
-            "request_timeout": request_timeout(peer.matchmaking_time),
-        }
-        if peer.bandwidth > 0:
-            averager_opts["bandwidth"] = peer.bandwidth
+        averager_opts = _averager_options(peer)
         self.run_id, self.load_state_timeout = run.run_id, peer.load_state_timeout
         self.opt = DiLoCoOptimizer(
             dht=dht,
@@ -378,7 +366,7 @@ class DiLoCoStrategy(Strategy):
         from hivemind.compression import NoCompression
 
         from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
-        from cotrain.swarm.diloco import DiLoCoStateAverager, outer_optimizer_factory
+        from cotrain.swarm.diloco_state import DiLoCoStateAverager, outer_optimizer_factory
         from cotrain.swarm.keys import state_averager_prefix
         from cotrain.swarm.optimizer import request_timeout
 
@@ -399,6 +387,19 @@ class DiLoCoStrategy(Strategy):
             status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
             start=True,
         )
+
+
+def _averager_options(peer: PeerConfig) -> dict:
+    """The peer's averager settings: group size, request timeout, bandwidth (when given)."""
+    from cotrain.swarm.optimizer import request_timeout
+
+    options: dict = {
+        "target_group_size": peer.target_group_size,
+        "request_timeout": request_timeout(peer.matchmaking_time),
+    }
+    if peer.bandwidth > 0:
+        options["bandwidth"] = peer.bandwidth
+    return options
 
 
 def _tracker_settings(peer: PeerConfig) -> dict:

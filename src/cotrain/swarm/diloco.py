@@ -23,14 +23,13 @@ left until ``averaging_timeout``; then the peer applies its own change alone. Cl
 hivemind's all-reduce sends their parts to the full peers, which reduce them.
 
 The state a newcomer (or the monitor) downloads is the global parameters, the outer optimizer's momentum,
-the round number, and the serving peer's inner optimizer state and inner step (``DiLoCoStateAverager``).
+the round number, and the serving peer's inner optimizer state and inner step (cotrain.swarm.diloco_state).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -48,148 +47,20 @@ from hivemind.compression import (
     TensorRole,
 )
 from hivemind.optim.progress_tracker import ProgressTracker
-from hivemind.optim.state_averager import (
-    TrainingStateAverager,
-    dump_optimizer_state,
-    load_optimizer_state,
-)
 from hivemind.utils import get_dht_time
 
 from cotrain.swarm import fixes
+from cotrain.swarm.diloco_state import (
+    DiLoCoStateAverager,
+    outer_optimizer_factory,
+    set_schedule,
+)
 from cotrain.swarm.keys import outer_averager_prefix, state_averager_prefix
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
 
 logger = logging.getLogger(__name__)
 
-STRATEGY = "diloco"  # what a served state says it is, so that a state of another strategy is refused
 ROUND_BITS = 8  # low bits of the round in the matchmaking key: peers average only with peers of their round
-
-
-def outer_optimizer_factory(lr: float, momentum: float) -> Callable[[Iterable], torch.optim.Optimizer]:
-    """DiLoCo's outer optimizer: SGD with Nesterov momentum, no weight decay (the inner optimizer's). Only the
-    groups' parameters are kept: an inner optimizer built on the same group dicts filled them with its own
-    learning rate and settings."""
-
-    def make(groups):
-        groups = [{"params": g["params"]} if isinstance(g, dict) else g for g in groups]
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
-
-    return make
-
-
-@torch.no_grad()
-def initialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create an optimizer's statistics without moving its parameters (a step at lr 0 on zero gradients),
-    so that its state has the same layout before and after a download."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if any(optimizer.state.get(p) for p in params):
-        return
-    saved = [(g["lr"], g.get("weight_decay")) for g in optimizer.param_groups]
-    grads = [p.grad for p in params]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-        if "weight_decay" in g:
-            g["weight_decay"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for p, grad in zip(params, grads, strict=True):
-        p.grad = grad
-    for g, (lr, wd) in zip(optimizer.param_groups, saved, strict=True):
-        g["lr"] = lr
-        if wd is not None:
-            g["weight_decay"] = wd
-
-
-def set_schedule(scheduler: Any, inner_steps: int) -> None:
-    """Move an LR scheduler (a LambdaLR: the presets' warmup-then-decay) to ``inner_steps``."""
-    if scheduler is None:
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()"
-        scheduler.last_epoch = int(inner_steps) - 1
-        scheduler.step()
-
-
-class DiLoCoStateAverager(TrainingStateAverager):
-    """A DiLoCo peer's state as hivemind serves and downloads it: the global parameters (the offloaded outer
-    optimizer's parameters), the outer optimizer's momentum and the round (``local_epoch``), with the inner
-    optimizer's statistics and its step riding along. The model's own parameters are the local ones."""
-
-    def __init__(
-        self,
-        *,
-        inner_optimizer: torch.optim.Optimizer,
-        inner_scheduler: Any,
-        local_steps: int,
-        **kwargs: Any,
-    ) -> None:
-        self.inner_optimizer, self.inner_scheduler = inner_optimizer, inner_scheduler
-        self.local_steps = local_steps
-        self.lock_inner = threading.Lock()
-        self.inner_steps = 0  # the inner schedule's position (the swarm's inner steps, local_steps per round)
-        self.on_loaded: Callable[[], None] = lambda: None  # the optimizer resets its round after a download
-        initialize_state(inner_optimizer)
-        super().__init__(offload_optimizer=True, custom_gradients=True, reuse_tensors=True, **kwargs)
-
-    @property
-    def global_parameters(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    def get_current_state(self):
-        metadata, tensors, infos = super().get_current_state()
-        with self.lock_inner:
-            inner_meta, inner_tensors = dump_optimizer_state(self.inner_optimizer)
-            inner_tensors = [t.detach().cpu().clone() for t in inner_tensors]
-            inner_steps = self.inner_steps
-        metadata.update(
-            strategy=STRATEGY, outer_tensors=len(tensors), inner_metadata=inner_meta, inner_steps=inner_steps
-        )
-        inner_infos = [
-            CompressionInfo.from_tensor(t, key=("inner", i), role=TensorRole.OPTIMIZER)
-            for i, t in enumerate(inner_tensors)
-        ]
-        return metadata, [*tensors, *inner_tensors], [*infos, *inner_infos]
-
-    def load_state_from_peers(self, **kwargs: Any) -> bool | None:
-        """Download the newest state a peer serves: global parameters (into the model too), outer momentum,
-        round, inner optimizer and schedule. Returns True when loaded (None when nothing was)."""
-        loaded = DecentralizedAverager.load_state_from_peers(self, **kwargs)
-        if loaded is None:
-            return None
-        metadata, flat = loaded
-        epoch, outer = metadata.get("epoch"), metadata.get("outer_tensors")
-        if metadata.get("strategy") != STRATEGY or not isinstance(outer, int):
-            logger.warning("A peer served a state that is not a DiLoCo state; not loading it")
-            return None
-        if not isinstance(epoch, int) or epoch < self.local_epoch:
-            logger.warning("Not loading a peer's state: its round is behind this peer's")
-            return None
-        params = self.global_parameters
-        n = len(params) + len(self.extra_tensors)
-        if len(flat) < outer or outer < n:
-            logger.error("A peer served an incomplete state; not loading it")
-            return None
-        with torch.no_grad(), self.lock_averaged_tensors:
-            try:
-                load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], flat[n:outer])
-            except (StopIteration, KeyError, IndexError, ValueError) as e:
-                logger.warning(f"A peer served inconsistent outer optimizer statistics ({e!r}); not loading")
-                return None
-            for local, new in zip([*params, *self.extra_tensors], flat[:n], strict=True):
-                local.copy_(new)
-        with self.lock_inner:
-            try:
-                load_optimizer_state(self.inner_optimizer, metadata.get("inner_metadata", []), flat[outer:])
-            except (StopIteration, KeyError, IndexError, ValueError) as e:
-                logger.info(f"Inner optimizer statistics not loaded ({e!r}); this peer starts them afresh")
-            steps = metadata.get("inner_steps")
-            self.inner_steps = steps if isinstance(steps, int) and steps >= 0 else epoch * self.local_steps
-            set_schedule(self.inner_scheduler, self.inner_steps)
-        self._apply_optimizer_parameters_()
-        self.local_epoch = epoch
-        self.on_loaded()
-        return True
 
 
 class DiLoCoOptimizer:
