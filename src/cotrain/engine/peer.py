@@ -45,7 +45,8 @@ from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-STRATEGY_SETTINGS = ("strategy", "local_steps", "outer_lr", "outer_momentum")
+# the run settings the API takes (its other problems concern fields it leaves at their defaults)
+RUN_SETTINGS = ("run_id", "target_batch_size", "strategy", "local_steps", "outer_lr", "outer_momentum")
 CATCH_UP_WAIT = 5.0  # seconds a newcomer waits to see other peers before deciding it is the first
 
 
@@ -121,11 +122,16 @@ class SwarmPeer:
             )
         if scheduler is not None and not callable(scheduler):
             raise UserError("scheduler must be a function optimizer -> LR scheduler (or None)")
-        problems = []
-        if not run_id or "." in run_id or "/" in run_id:
-            problems.append(f"run_id {run_id!r} must be non-empty and contain no '.' or '/'")
-        if target_batch_size <= 0:
-            problems.append(f"target_batch_size must be positive, got {target_batch_size}")
+        run = RunConfig(
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            strategy=strategy,
+            local_steps=local_steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            outer_overlap=outer_overlap,
+        )
+        problems = [p for p in run.problems() if p.split()[0] in RUN_SETTINGS]
         if batch_size_per_step is not None and batch_size_per_step <= 0:
             problems.append(f"batch_size_per_step must be positive, got {batch_size_per_step}")
         if grad_compression not in GRAD_COMPRESSIONS:
@@ -163,18 +169,6 @@ class SwarmPeer:
             from cotrain.swarm.logs import one_line_errors
 
             one_line_errors()
-        run = RunConfig(
-            run_id=run_id,
-            target_batch_size=target_batch_size,
-            strategy=strategy,
-            local_steps=local_steps,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            outer_overlap=outer_overlap,
-        )
-        strategy_problems = [p for p in run.problems() if p.split()[0] in STRATEGY_SETTINGS]
-        if strategy_problems:
-            raise UserError("; ".join(strategy_problems))
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         self._open(
