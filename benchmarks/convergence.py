@@ -1,23 +1,34 @@
-"""Convergence with 1, 2 and 4 peers at the same global batch: loss against samples, and the final gap.
+"""Convergence at the same global batch: 1, 2 and 4 peers, synchronous or DiLoCo, loss against samples.
 
-The tiny ALBERT (preset ``albert-tiny``: target batch 64, micro-batches of 8) is trained on WikiText-2's
-validation file prepared with ``cotrain prepare`` (max length 128), by real swarms on 127.0.0.1: a
-``cotrain monitor`` as the first peer and N ``cotrain train`` processes joining it, each with its own data
-seed, all stopping at ``--steps`` global steps (``--max-steps``). Every configuration runs with ``--seeds``
-different seeds (the peers' data order and masking; the model's initial weights are the same in every run).
-The configurations of a seed run side by side (``--parallel``), each peer with one torch thread; the timing
-settings ``--matchmaking-time`` and ``--averaging-timeout`` are raised from the preset's so that averaging
-rounds succeed on a loaded machine (they change when peers average, not what they compute). A swarm whose
-trainer stops before the last step (killed for memory, say) is run again once (``--retries``).
+A tiny model (``--preset``: ``albert-tiny`` by default, or ``gpt2-tiny``) is trained on WikiText-2's
+validation file prepared with ``cotrain prepare`` (``--seq-length``, 128 by default), by real swarms on
+127.0.0.1: a ``cotrain monitor`` as the first peer and N ``cotrain train`` processes joining it, each with its
+own data seed. An *arm* is a number of peers and a strategy: ``4`` is 4 peers averaging gradients at every
+global step (``--strategy sync``), ``4:diloco:10`` is 4 peers with ``--strategy diloco --local-steps 10``.
+``--peers 1 2 4`` is short for the sync arms ``1 2 4``; ``--arms 1 4 4:diloco:10 4:diloco:50`` mixes them.
+All arms see the same number of samples: ``--steps`` counts synchronous global steps of
+``--target-batch-size`` samples, a DiLoCo round is ``--local-steps`` of them, so a DiLoCo arm stops at
+``--steps / H`` rounds (``--max-steps``). Its learning-rate schedule counts inner steps (H per round): with
+micro-batches of ``target / N`` samples per peer (``--per-device-train-batch-size``) each peer takes H inner
+steps a round, and ``--warmup-steps``/``--total-steps`` are the same schedule in every arm. Every arm runs
+with ``--seeds`` different seeds (the peers' data order and masking; the model's initial weights are the same
+in every run). The arms of a seed run side by side (``--parallel``), each peer with one torch thread; the
+timing settings ``--matchmaking-time`` and ``--averaging-timeout`` only change when peers average, not what
+they compute. A swarm whose trainer stops before the last step is run again once (``--retries``).
 
 Each trainer writes one line per global step to ``metrics.jsonl`` in its output folder: its mean loss over the
-micro-batches it contributed to that step and its cumulative contribution in samples. The swarm's curve is
-the sample-weighted loss of its trainers at each step against the swarm's cumulative samples. The final loss
-of a run is its mean loss over the last quarter of the samples that every run reached (the same sample
-window for all). Reported: the gap between N peers and 1 peer (mean over seeds), beside the seed-to-seed
-spread of each configuration. A PNG of all curves goes to ``--plot`` (default docs/convergence.png).
+micro-batches it contributed to that step and its cumulative contribution in samples. The swarm's training
+curve is the sample-weighted loss of its trainers at each step against the swarm's cumulative samples; a run's
+final training loss is its mean over the last quarter of the samples that every run reached. With
+``--eval-every S`` each swarm also has an evaluation peer (``cotrain eval``, seed 0: the same held-out batches
+in every run) that measures the swarm's state every S seconds, and the monitor keeps the swarm's state so that
+the final one outlives the trainers; the run waits for the evaluation of the final state, whose held-out loss
+is then the run's main number. Reported per arm: the final losses per seed, their mean, the gap to 1 peer and
+(DiLoCo) to the synchronous arm with as many peers. A PNG of the curves goes to ``--plot``.
 
     python benchmarks/convergence.py [--peers 1 2 4] [--seeds 2] [--steps 20] [--quick]
+    python benchmarks/convergence.py --preset gpt2-tiny --seq-length 64 --target-batch-size 32 \\
+        --per-device-train-batch-size 8 --arms 1 4 4:diloco:10 4:diloco:50 --steps 100 --eval-every 30
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,9 +54,55 @@ from _netns import TimeUp, die_with_parent, install_exit_handlers, print_finishe
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
-GOAL = 0.02
+GOAL = 0.02  # |gap| of N sync peers to 1 peer
+DILOCO_GOAL = 0.03  # |gap| of DiLoCo to sync with as many peers
 LOCALHOST = "/ip4/127.0.0.1/tcp/0"
-PRESET = "albert-tiny"
+
+
+class Arm:
+    """N peers with a strategy: ``4`` (sync), ``4:diloco:10`` (DiLoCo, 10 local steps per round), or ``4@58``
+    (sync for 58 global steps instead of ``--steps``, its schedule scaled to match: for a swarm whose steps
+    overshoot the target batch, the same samples as the others in fewer steps)."""
+
+    USAGE = "give PEERS, PEERS@STEPS or PEERS:diloco:H"
+
+    def __init__(self, spec: str):
+        parts = spec.split(":")
+        try:
+            peers, _, steps = parts[0].partition("@")
+            self.peers, self.own_steps = int(peers), int(steps) if steps else None
+            self.strategy = parts[1] if len(parts) > 1 else "sync"
+            self.local_steps = int(parts[2]) if len(parts) > 2 else 1
+        except (ValueError, IndexError):
+            raise argparse.ArgumentTypeError(f"{spec!r}: {self.USAGE}") from None
+        if self.strategy not in ("sync", "diloco") or (self.strategy == "sync") != (len(parts) == 1):
+            raise argparse.ArgumentTypeError(f"{spec!r}: {self.USAGE}")
+
+    @property
+    def key(self) -> str:
+        if self.strategy == "diloco":
+            return f"{self.peers}:diloco:{self.local_steps}"
+        return f"{self.peers}@{self.own_steps}" if self.own_steps else str(self.peers)
+
+    @property
+    def label(self) -> str:
+        peers = f"{self.peers} peer{'s' if self.peers > 1 else ''}"
+        if self.strategy == "diloco":
+            return f"{peers} DiLoCo H={self.local_steps}"
+        steps = f", {self.own_steps} steps" if self.own_steps else ""
+        return peers + (" sync" if self.peers > 1 else "") + steps
+
+    def max_steps(self, steps: int) -> int:
+        """Global steps (DiLoCo: rounds) that hold as many samples as ``steps`` synchronous steps."""
+        if self.own_steps:
+            return self.own_steps
+        return steps // self.local_steps if self.strategy == "diloco" else steps
+
+    def schedule(self, steps: int, value: int | None) -> int | None:
+        """``--warmup-steps``/``--total-steps`` for this arm: scaled when it runs its own number of steps."""
+        if value is None or not self.own_steps:
+            return value
+        return max(1, round(value * self.own_steps / steps))
 
 
 class Swarm:
@@ -105,6 +163,13 @@ class Swarm:
                     proc.kill()
             except psutil.Error:
                 pass
+        time.sleep(0.5)
+        # torch's shared-memory tensors (hivemind's averagers) of processes killed here stay in /dev/shm, in
+        # RAM, until removed: a few hundred MB per swarm, which add up over a benchmark on a small machine
+        for pid in self.tree:
+            if not psutil.pid_exists(pid):
+                for leftover in Path("/dev/shm").glob(f"torch_{pid}_*"):
+                    leftover.unlink(missing_ok=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -143,8 +208,6 @@ def swarm_curve(trainer_rows: list[list[dict]]) -> list[tuple[int, int, float]]:
 
 def final_loss(curve: list[tuple[int, int, float]], lo: float, hi: float, points: int = 50) -> float:
     """Mean of the loss curve (linearly interpolated between steps) over the samples [lo, hi]."""
-    import numpy as np
-
     if not curve or curve[-1][1] < hi:
         return float("nan")
     samples = np.array([c[1] for c in curve], dtype=float)
@@ -152,38 +215,76 @@ def final_loss(curve: list[tuple[int, int, float]], lo: float, hi: float, points
     return float(np.interp(np.linspace(lo, hi, points), samples, loss).mean())
 
 
-class SwarmRun:
-    """One configuration (N peers, one seed): a monitor, then N trainers joining it, until they reach the
-    last step or the run's time limit."""
+def eval_curve(monitor_rows: list[dict], curve: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+    """(global step, cumulative swarm samples, held-out loss) from the evaluation records the monitor logged;
+    the samples of a step are the swarm's at that step in its training curve (0 at step 0)."""
+    samples = {0: 0, **{step: total for step, total, _ in curve}}
+    points = {}
+    for r in monitor_rows:
+        if r.get("kind") == "eval" and r.get("eval_loss") is not None and r.get("step") in samples:
+            points[r["step"]] = (r["step"], samples[r["step"]], r["eval_loss"])
+    return [points[step] for step in sorted(points)]
 
-    def __init__(self, peers: int, seed: int, args, data: Path, root: Path, attempt: int = 0):
-        self.peers, self.seed, self.args, self.data, self.attempt = peers, seed, args, data, attempt
-        self.out = root / f"peers{peers}-seed{seed}" / f"attempt{attempt}"
+
+class SwarmRun:
+    """One arm and one seed: a monitor, then N trainers (and an evaluation peer) joining it, until the
+    trainers reach the last step and the final state is evaluated, or the run's time limit."""
+
+    def __init__(self, arm: Arm, seed: int, args, data: Path, root: Path, attempt: int = 0):
+        self.arm, self.peers, self.seed, self.args, self.data = arm, arm.peers, seed, args, data
+        self.attempt = attempt
+        self.steps = arm.max_steps(args.steps)
+        tag = arm.key.replace(":", "-")
+        self.out = root / f"arm{tag}-seed{seed}" / f"attempt{attempt}"
         self.out.mkdir(parents=True)
-        run_id = f"conv{peers}s{seed}a{attempt}"
-        # timing settings only (they do not change what is computed), generous so that averaging rounds
-        # succeed on a loaded machine
-        self.common = ["--preset", PRESET, "--run-id", run_id, "--host-maddrs", LOCALHOST,
+        run_id = f"conv{tag}s{seed}a{attempt}"
+        # swarm-wide settings, the same for every role; then timing settings only (they do not change what
+        # is computed), generous so that averaging rounds succeed on a loaded machine
+        self.common = ["--preset", args.preset, "--run-id", run_id, "--host-maddrs", LOCALHOST,
+                       "--strategy", arm.strategy, "--max-seq-length", str(args.seq_length),
                        "--matchmaking-time", str(args.matchmaking_time),
                        "--averaging-timeout", str(args.averaging_timeout)]  # fmt: skip
+        if arm.strategy == "diloco":
+            self.common += ["--local-steps", str(arm.local_steps)]
+            for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum)):
+                if value is not None:
+                    self.common += [flag, str(value)]
+        schedule = {"--target-batch-size": args.target_batch_size,
+                    "--warmup-steps": arm.schedule(args.steps, args.warmup_steps),
+                    "--total-steps": arm.schedule(args.steps, args.total_steps)}  # fmt: skip
+        for flag, value in schedule.items():
+            if value is not None:
+                self.common += [flag, str(value)]
         self.swarm = Swarm(self.out)
         self.started = time.monotonic()
         self.trainers_started = False
+        self.trainers_done_at: float | None = None
         self.finished = False
         self.last_print = 0.0
+        # with an evaluation peer the monitor keeps the swarm's state (it needs the dataset's tokenizer for
+        # the model's shapes), so that the final state can still be downloaded once the trainers have left
+        # (a first copy a quarter of the way in: trainers that are done wait for a monitor that serves one)
+        keep = []
+        if args.eval_every:
+            keep = ["--dataset-path", str(data), "--save-every", str(max(1, self.steps // 4))]
         self.swarm.start(
             "monitor",
             ["monitor", *self.common, "--output-dir", str(self.out / "monitor"), "--refresh-period", "1",
-             "--dashboard-port", "-1", "--torch-threads", "1"],
+             "--dashboard-port", "-1", "--torch-threads", "1", *keep],
             threads=1,
         )  # fmt: skip
 
     @property
     def name(self) -> str:
-        return f"{self.peers} peer{'s' if self.peers > 1 else ''}, seed {self.seed}"
+        return f"{self.arm.label}, seed {self.seed}"
 
     def rows(self) -> list[list[dict]]:
         return [read_jsonl(self.out / f"trainer{i}" / "metrics.jsonl") for i in range(self.peers)]
+
+    def evaluated(self) -> int:
+        """The newest global step the evaluation peer measured (-1: none)."""
+        rows = read_jsonl(self.out / "monitor" / "metrics.jsonl")
+        return max((r.get("step", -1) for r in rows if r.get("kind") == "eval"), default=-1)
 
     def poll(self) -> bool:
         """Advance the run; True once it is over."""
@@ -200,26 +301,45 @@ class SwarmRun:
         self.swarm.remember_tree()
         steps = [max((r.get("step", 0) for r in rs), default=0) for rs in self.rows()]
         if time.monotonic() - self.last_print > 30:
-            print(f"  {self.name}: steps {steps} after {elapsed:.0f} s", flush=True)
+            evaluated = f", evaluated {self.evaluated()}" if self.args.eval_every else ""
+            print(f"  {self.name}: steps {steps}{evaluated} after {elapsed:.0f} s", flush=True)
             self.last_print = time.monotonic()
         trainers_done = all(self.swarm.procs[f"trainer{i}"].poll() is not None for i in range(self.peers))
         if self.swarm.procs["monitor"].poll() is not None:
             raise RuntimeError(f"the monitor stopped; see {self.out / 'monitor.log'}")
         if elapsed > self.args.run_limit:
             print(f"  {self.name}: time limit reached at steps {steps}", flush=True)
-        elif min(steps) < self.args.steps and not trainers_done:
+        elif min(steps) < self.steps and not trainers_done:
             return False
+        elif self.args.eval_every and self.evaluated() < self.steps:
+            # the trainers are done (or leaving): wait for the evaluation of the final state
+            self.trainers_done_at = self.trainers_done_at or time.monotonic()
+            if time.monotonic() - self.trainers_done_at < self.args.eval_wait:
+                return False
+            print(f"  {self.name}: the final state (step {self.steps}) was not evaluated", flush=True)
         self.finish()
         return True
 
     def _start_trainers(self, initial: list[str]) -> None:
+        batch = []
+        if self.args.per_device_train_batch_size:
+            batch = ["--per-device-train-batch-size", str(self.args.per_device_train_batch_size)]
         for i in range(self.peers):
             self.swarm.start(
                 f"trainer{i}",
                 ["train", *self.common, "--initial-peers", *initial, "--dataset-path", str(self.data),
                  "--output-dir", str(self.out / f"trainer{i}"), "--seed", str(1000 * self.seed + i),
-                 "--max-steps", str(self.args.steps), "--torch-threads", "1",
-                 "--statistics-expiration", "30"],
+                 "--max-steps", str(self.steps), "--torch-threads", "1", "--statistics-expiration", "30",
+                 *batch],
+                threads=1,
+            )  # fmt: skip
+        if self.args.eval_every:
+            self.swarm.start(
+                "eval",
+                ["eval", *self.common, "--initial-peers", *initial, "--dataset-path", str(self.data),
+                 "--output-dir", str(self.out / "eval"), "--seed", "0", "--torch-threads", "1",
+                 "--eval-every", str(self.args.eval_every), "--eval-batches", str(self.args.eval_batches),
+                 "--statistics-expiration", "120"],
                 threads=1,
             )  # fmt: skip
         self.trainers_started = True
@@ -231,43 +351,61 @@ class SwarmRun:
             self.swarm.stop()
 
     def result(self) -> dict:
-        return run_result(self.peers, self.seed, self.rows(), self.args.steps, self.seconds)
+        monitor = read_jsonl(self.out / "monitor" / "metrics.jsonl")
+        return run_result(self.arm, self.seed, self.rows(), self.steps, monitor, self.seconds)
 
 
-def run_result(peers: int, seed: int, rows: list[list[dict]], steps: int, seconds: float = 0.0) -> dict:
+def run_result(
+    arm: Arm, seed: int, rows: list[list[dict]], steps: int, monitor: list[dict], seconds: float = 0.0
+) -> dict:
     groups = [r.get("group_size", 1) for rs in rows for r in rs]
+    curve = swarm_curve(rows)
     return {
-        "peers": peers,
+        "arm": arm.key,
+        "peers": arm.peers,
+        "strategy": arm.strategy,
+        "local_steps": arm.local_steps,
         "seed": seed,
-        "curve": swarm_curve(rows),
+        "steps": steps,
+        "curve": curve,
+        "eval": eval_curve(monitor, curve),
         "seconds": seconds,
         "max_group": max(groups, default=1),
         "mean_group": statistics.mean(groups) if groups else 1,
         "failed_rounds": sum(max((r.get("rounds_failed", 0) for r in rs), default=0) for rs in rows),
+        "inner_steps": [max((r.get("inner_steps", 0) or 0 for r in rs), default=0) for rs in rows],
         # every trainer reached the last step: none died (e.g. killed for memory) or lagged behind
         "complete": all(max((r.get("step", 0) for r in rs), default=0) >= steps for rs in rows),
     }
 
 
-def collect(folders: list[str], steps: int) -> list[dict]:
-    """Runs from the folders of earlier (possibly interrupted) invocations: for each configuration and seed,
-    the last attempt whose trainers all reached the last step."""
-    found: dict[tuple[int, int], dict] = {}
+def collect(folders: list[str], args) -> list[dict]:
+    """Runs from the folders of earlier (possibly interrupted) invocations: for each arm and seed, the last
+    attempt whose trainers all reached the last step."""
+    found: dict[tuple[str, int], dict] = {}
     for folder in folders:
-        for attempt in sorted(Path(folder).glob("peers*-seed*/attempt*")):
-            peers, seed = (int(x) for x in attempt.parent.name[len("peers") :].split("-seed"))
+        for attempt in sorted(Path(folder).glob("arm*-seed*/attempt*")):
+            tag, seed = attempt.parent.name[len("arm") :].rsplit("-seed", 1)
+            arm = Arm(tag.replace("-", ":"))
             rows = [read_jsonl(t / "metrics.jsonl") for t in sorted(attempt.glob("trainer*")) if t.is_dir()]
-            result = run_result(peers, seed, rows, steps)
-            if len(rows) == peers and result["complete"]:
-                found[peers, seed] = result
-    return sorted(found.values(), key=lambda r: (r["seed"], r["peers"]))
+            monitor = read_jsonl(attempt / "monitor" / "metrics.jsonl")
+            result = run_result(arm, int(seed), rows, arm.max_steps(args.steps), monitor)
+            if len(rows) == arm.peers and result["complete"]:
+                found[arm.key, int(seed)] = result
+    return sorted(found.values(), key=lambda r: (r["seed"], order(args, r)))
+
+
+def order(args, run: dict) -> tuple:
+    """Report order: by peers, sync first, then DiLoCo by H (whatever order the arms ran in)."""
+    arm = Arm(run.get("arm", str(run["peers"])))
+    return arm.peers, arm.strategy == "diloco", arm.local_steps, arm.own_steps or 0
 
 
 def run_all(args, data: Path, root: Path) -> list[dict]:
-    """The configurations of a seed run side by side (``--parallel``), the seeds one after the other."""
+    """The arms of a seed run side by side (``--parallel``), the seeds one after the other."""
     results = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        queue = list(args.peers)
+        queue = list(args.arms)
         active: list[SwarmRun] = []
         try:
             while queue or active:
@@ -282,57 +420,75 @@ def run_all(args, data: Path, root: Path) -> list[dict]:
                             f"  {run.name}: a trainer stopped before the last step; running it again",
                             flush=True,
                         )
-                        active.append(SwarmRun(run.peers, seed, args, data, root, attempt=run.attempt + 1))
+                        active.append(SwarmRun(run.arm, seed, args, data, root, attempt=run.attempt + 1))
                         continue
                     print(f"  {run.name}: done in {run.seconds:.0f} s", flush=True)
                     results.append(result)
+                    if args.json:  # as they come: an interrupted invocation keeps its finished runs
+                        Path(args.json).write_text(json.dumps(results))
         finally:
             for run in active:
                 run.finish()
     return results
 
 
-def prepare(data: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "cotrain",
-        "prepare",
-        "--preset",
-        PRESET,
-        "--text-files",
-        str(WIKITEXT),
-        "--output",
-        str(data),
-        "--max-seq-length",
-        "128",
-    ]
+def prepare(data: Path, args) -> None:
+    cmd = [sys.executable, "-m", "cotrain", "prepare", "--preset", args.preset, "--text-files", str(WIKITEXT),
+           "--output", str(data), "--max-seq-length", str(args.seq_length),
+           "--valid-fraction", str(args.valid_fraction)]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
-def plot(runs: list[dict], path: Path, lo: float, hi: float) -> None:
+ARM_COLORS = {"1": "#222222", "2": "#2f6fde", "4": "#d9541e", "8": "#2a9d4b"}
+DILOCO_COLORS = ["#2f6fde", "#2a9d4b", "#8e44ad", "#c79a00"]
+
+
+def plot(runs: list[dict], path: Path, lo: float, hi: float, args) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {1: "#222222", 2: "#2f6fde", 4: "#d9541e", 8: "#2a9d4b"}
+    diloco = sorted({r["arm"] for r in runs if r.get("strategy") == "diloco"})
+    colors = {**ARM_COLORS, **{key: DILOCO_COLORS[i % len(DILOCO_COLORS)] for i, key in enumerate(diloco)}}
     styles = ["-", "--", ":", "-."]
+    held_out = any(r.get("eval") for r in runs)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 4.2), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
+    what = "MLM + SOP" if args.preset.startswith("albert") else "LM"
+    batch = (
+        f"target batch {args.target_batch_size}" if args.target_batch_size else "the preset's target batch"
+    )
     for run in runs:
         if not run["curve"]:
             continue
+        arm = Arm(run.get("arm", str(run["peers"])))
+        style = dict(color=colors.get(arm.key, "#888888"), linewidth=1.4)
+        line = styles[run["seed"] % len(styles)]
+        label = f"{arm.label}, seed {run['seed']}"
         steps, samples, loss = zip(*run["curve"], strict=True)
-        style = dict(color=colors.get(run["peers"], "#888888"), linewidth=1.4)
-        label = f"{run['peers']} peer{'s' if run['peers'] > 1 else ''}, seed {run['seed']}"
-        ax.plot(samples, loss, styles[run["seed"] % len(styles)], label=label, **style)
-        ax2.plot(steps, loss, styles[run["seed"] % len(styles)], **style)
-    ax.axvspan(lo, hi, color="#999999", alpha=0.15, label="window of the final loss")
+        if held_out:
+            if run.get("eval"):
+                _, eval_samples, eval_loss = zip(*run["eval"], strict=True)
+                ax.plot(eval_samples, eval_loss, line, marker=".", markersize=3, label=label, **style)
+            ax2.plot(samples, loss, line, **style)
+        else:
+            ax.plot(samples, loss, line, label=label, **style)
+            ax2.plot(steps, loss, line, **style)
     ax.set_xlabel("samples (swarm total)")
-    ax.set_ylabel("training loss (MLM + SOP)")
-    ax.set_title(f"{PRESET} on WikiText-2 valid, target batch 64: loss against samples", fontsize=9)
-    ax2.set_xlabel("global step")
-    ax2.set_title("the same runs against global steps", fontsize=9)
+    if held_out:
+        ax.set_ylabel(f"held-out loss ({what}, evaluation peer)")
+        ax.set_title(f"{args.preset} on WikiText-2 valid, {batch}: held-out loss", fontsize=9)
+        ax2.set_xlabel("samples (swarm total)")
+        ax2.set_ylabel(f"training loss ({what})")
+        ax2.axvspan(lo, hi, color="#999999", alpha=0.15, label="window of the final training loss")
+        ax2.set_title("training loss of the same runs (trainers' batches)", fontsize=9)
+        ax2.legend(fontsize=7)
+    else:
+        ax.axvspan(lo, hi, color="#999999", alpha=0.15, label="window of the final loss")
+        ax.set_ylabel(f"training loss ({what})")
+        ax.set_title(f"{args.preset} on WikiText-2 valid, {batch}: loss against samples", fontsize=9)
+        ax2.set_xlabel("global step")
+        ax2.set_title("the same runs against global steps", fontsize=9)
     for a in (ax, ax2):
         a.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -346,12 +502,33 @@ def plot(runs: list[dict], path: Path, lo: float, hi: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--seeds", type=int, default=2, help="runs per configuration, each with its own seed")
-    ap.add_argument("--steps", type=int, default=20, help="global steps per run (--max-steps)")
+    ap.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4], help="synchronous arms (N peers)")
+    ap.add_argument(
+        "--arms", type=Arm, nargs="+", help="arms: PEERS (sync) or PEERS:diloco:H; replaces --peers"
+    )
+    ap.add_argument("--preset", default="albert-tiny", help="albert-tiny, gpt2-tiny, ...")
+    ap.add_argument("--seq-length", type=int, default=128, help="tokens per example (prepare and train)")
+    ap.add_argument(
+        "--target-batch-size", type=int, help="samples per synchronous global step (the preset's)"
+    )
+    ap.add_argument("--per-device-train-batch-size", type=int, help="micro-batch of each peer (the preset's)")
+    ap.add_argument("--warmup-steps", type=int, help="the schedule's warm-up (the preset's)")
+    ap.add_argument("--total-steps", type=int, help="the schedule's length (the preset's)")
+    ap.add_argument("--outer-lr", type=float, help="DiLoCo arms: the outer learning rate (cotrain's default)")
+    ap.add_argument(
+        "--outer-momentum", type=float, help="DiLoCo arms: the outer momentum (cotrain's default)"
+    )
+    ap.add_argument("--seeds", type=int, default=2, help="runs per arm, each with its own seed")
+    ap.add_argument("--steps", type=int, default=20, help="synchronous global steps per run (DiLoCo: / H)")
+    ap.add_argument(
+        "--eval-every", type=float, default=0.0, help="seconds; > 0: an evaluation peer per swarm"
+    )
+    ap.add_argument("--eval-batches", type=int, default=32, help="held-out batches of 8 per evaluation")
+    ap.add_argument("--eval-wait", type=float, default=180.0, help="seconds to wait for the final evaluation")
+    ap.add_argument("--valid-fraction", type=float, default=0.02, help="held-out share of the documents")
     ap.add_argument("--data", help="a dataset prepared from WikiText-2 valid (default: prepare one)")
     ap.add_argument("--plot", default=str(REPO / "docs" / "convergence.png"))
-    ap.add_argument("--parallel", type=int, default=3, help="swarms (configurations of a seed) run at once")
+    ap.add_argument("--parallel", type=int, default=3, help="swarms (arms of a seed) run at once")
     ap.add_argument("--matchmaking-time", type=float, default=5.0, help="seconds (a timing setting)")
     ap.add_argument("--averaging-timeout", type=float, default=60.0, help="seconds (a timing setting)")
     ap.add_argument("--run-limit", type=float, default=1200.0, help="seconds allowed per swarm")
@@ -364,15 +541,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 and 2 peers, 1 seed, 8 steps, no plot")
     args = ap.parse_args()
     if args.quick:
-        args.peers, args.seeds, args.steps, args.plot = [1, 2], 1, 8, ""
+        args.peers, args.arms, args.seeds, args.steps, args.plot = [1, 2], None, 1, 8, ""
+    args.arms = args.arms or [Arm(str(n)) for n in args.peers]
+    for arm in args.arms:
+        if arm.strategy == "diloco" and args.steps % arm.local_steps:
+            ap.error(f"--steps {args.steps} is not a multiple of H = {arm.local_steps} ({arm.key})")
     if args.collect:
-        return finish(collect(args.collect, args.steps), args)
+        return finish(collect(args.collect, args), args)
     if args.merge:
         merged = {}
         for name in args.merge:
             for run in json.loads(Path(name).read_text()):
-                merged[run["peers"], run["seed"]] = run
-        return finish(sorted(merged.values(), key=lambda r: (r["seed"], r["peers"])), args)
+                merged[run.get("arm", str(run["peers"])), run["seed"]] = run
+        return finish(sorted(merged.values(), key=lambda r: (r["seed"], order(args, r))), args)
     if not WIKITEXT.exists():
         sys.exit(f"{WIKITEXT} not found")
     install_exit_handlers(args.limit)
@@ -382,8 +563,11 @@ def main() -> None:
     try:
         data = Path(args.data) if args.data else tmp / "data"
         if not args.data:
-            print("preparing WikiText-2 valid with `cotrain prepare` (max length 128)", flush=True)
-            prepare(data)
+            print(
+                f"preparing WikiText-2 valid with `cotrain prepare` (max length {args.seq_length})",
+                flush=True,
+            )
+            prepare(data, args)
         runs = run_all(args, data, tmp)
     except (BaseException, TimeUp):
         print(f"logs kept in {tmp}", file=sys.stderr)
@@ -404,10 +588,112 @@ def finish(runs: list[dict], args) -> None:
         # the same over the last quarter of the global steps (a step averages more samples with more peers)
         by_step = [(s, s, loss) for s, _, loss in r["curve"]]
         r["final_steps"] = final_loss(by_step, 0.75 * last_step, last_step)
-    report(runs, args, lo, hi)
+        final = [e for e in r.get("eval", []) if e[0] >= r.get("steps", last_step)]
+        r["held_out"] = final[-1][2] if final else float("nan")
+        r["held_out_start"] = r["eval"][0][2] if r.get("eval") and r["eval"][0][0] == 0 else float("nan")
+    if any(r.get("eval") for r in runs):
+        report_held_out(runs, args, lo, hi)
+    else:
+        report(runs, args, lo, hi)
     if args.plot:
-        plot(runs, Path(args.plot), lo, hi)
+        plot(runs, Path(args.plot), lo, hi, args)
         print(f"plot: {args.plot}")
+
+
+def by_arm(runs: list[dict], args) -> dict[str, list[dict]]:
+    arms: dict[str, list[dict]] = {}
+    for r in sorted(runs, key=lambda r: (order(args, r), r["seed"])):
+        arms.setdefault(r.get("arm", str(r["peers"])), []).append(r)
+    return arms
+
+
+def gap(value: float, base: float) -> float:
+    return (value - base) / base
+
+
+def report_held_out(runs: list[dict], args, lo: float, hi: float) -> None:
+    """The table of the held-out loss of each arm's final state, against the first arm and against the
+    synchronous arm with as many peers."""
+    arms = by_arm(runs, args)
+    mean = {key: statistics.mean(r["held_out"] for r in rs) for key, rs in arms.items()}
+    train = {key: statistics.mean(r["final"] for r in rs) for key, rs in arms.items()}
+    first = next(iter(arms))
+    starts = [r["held_out_start"] for r in runs if not math.isnan(r["held_out_start"])]
+    print()
+    if starts:
+        print(f"held-out loss at step 0 (the initial weights): {statistics.mean(starts):.4f}")
+    print(f"training loss: mean over samples {lo:.0f}-{hi:.0f} (the last quarter every run reached)")
+    print()
+    print(
+        "| arm | global steps (rounds) | inner steps (most of a peer) | samples | averaging group (mean, max)"
+        " | failed rounds | held-out loss per seed | mean | gap vs 1 peer | gap vs sync | seed-to-seed spread"
+        " | training loss | its gap vs sync |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    worst, compared = 0.0, False
+    for key, rs in arms.items():
+        arm = Arm(key)
+        finals = [r["held_out"] for r in rs]
+        spread = (max(finals) - min(finals)) / mean[key]
+        sync = str(arm.peers)
+        vs_sync, train_vs_sync = "", ""
+        if arm.strategy == "diloco" and sync in mean:
+            g = gap(mean[key], mean[sync])
+            worst, compared = g if math.isnan(g) else max(worst, abs(g)), True
+            vs_sync, train_vs_sync = f"**{g:+.2%}**", f"{gap(train[key], train[sync]):+.2%}"
+        steps = ", ".join(
+            (str(r["curve"][-1][0]) if r["curve"] else "0")
+            + ("" if r.get("complete", True) else " (a trainer died)")
+            for r in rs
+        )
+        inner = ", ".join(str(max(r["inner_steps"])) for r in rs if r.get("inner_steps"))
+        samples = ", ".join(str(r["curve"][-1][1]) if r["curve"] else "0" for r in rs)
+        group = f"{statistics.mean(r['mean_group'] for r in rs):.2f}, {max(r['max_group'] for r in rs)}"
+        print(
+            f"| {arm.label} | {steps} | {inner if arm.strategy == 'diloco' else '-'} | {samples} | {group} "
+            f"| {sum(r.get('failed_rounds', 0) for r in rs)} | {', '.join(f'{f:.4f}' for f in finals)} "
+            f"| {mean[key]:.4f} | {gap(mean[key], mean[first]):+.2%} | {vs_sync or '-'} | {spread:.2%} "
+            f"| {train[key]:.4f} | {train_vs_sync or '-'} |"
+        )
+    print()
+    equal_samples(arms, runs)
+    if starts:
+        fall = gap(mean[first], statistics.mean(starts))
+        print(f"{Arm(first).label}: held-out loss {fall:+.1%} from step 0 (learning shown if <= -25%)")
+    if compared:
+        met = worst <= DILOCO_GOAL  # False when a gap is NaN
+        print(
+            f"Goal: |DiLoCo - sync| <= {DILOCO_GOAL:.0%}: {'met' if met else 'NOT met'} (largest {worst:.2%})"
+        )
+
+
+def at_samples(run: dict, samples: float) -> float:
+    """The run's held-out loss at ``samples``, linearly interpolated between its evaluations."""
+    points = run.get("eval") or []
+    if not points or points[-1][1] < samples:
+        return float("nan")
+    return float(np.interp(samples, [p[1] for p in points], [p[2] for p in points]))
+
+
+def equal_samples(arms: dict[str, list[dict]], runs: list[dict]) -> None:
+    """The held-out loss of every arm at the same sample count (the fewest any run reached, interpolated
+    between evaluations): the arms' steps overshoot the target batch by different amounts."""
+    reached = min((r["eval"][-1][1] for r in runs if not math.isnan(r["held_out"])), default=0)
+    if not reached:
+        return
+    at = {key: statistics.mean(at_samples(r, reached) for r in rs) for key, rs in arms.items()}
+    syncs = [key for key in arms if Arm(key).strategy == "sync" and Arm(key).peers > 1]
+    print()
+    print(
+        f"held-out loss at {reached} samples (the fewest any run reached; interpolated between evaluations):"
+    )
+    print()
+    print("| arm | per seed | mean | " + " | ".join(f"gap vs {Arm(k).label}" for k in syncs) + " |")
+    print("|---|---|---|" + "---|" * len(syncs))
+    for key, rs in arms.items():
+        gaps = [f"{gap(at[key], at[k]):+.2%}" if k != key else "-" for k in syncs]
+        per_seed = ", ".join(f"{at_samples(r, reached):.4f}" for r in rs)
+        print(f"| {Arm(key).label} | {per_seed} | {at[key]:.4f} | " + " | ".join(gaps) + " |")
 
 
 def report(runs: list[dict], args, lo: float, hi: float) -> None:

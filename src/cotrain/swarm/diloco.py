@@ -342,10 +342,12 @@ class DiLoCoOptimizer:
         self.outer_averager.set_group_bits(format(self.local_epoch % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
 
     def _outer_state(self) -> list[torch.Tensor]:
-        """The global parameters, then the outer optimizer's momentum buffers (the caller holds the lock)."""
+        """The global parameters, then the outer optimizer's momentum buffers (the caller holds the lock). At
+        outer momentum 0 SGD keeps no buffer: zeros stand in for it (averaged, then dropped)."""
         sa = self.state_averager
-        glob = sa.global_parameters
-        return [*glob, *(sa.optimizer.state[p]["momentum_buffer"] for p in glob)]
+        glob, state = sa.global_parameters, sa.optimizer.state
+        buffers = [state[p].get("momentum_buffer") for p in glob]
+        return [*glob, *(torch.zeros_like(p) if b is None else b for b, p in zip(buffers, glob, strict=True))]
 
     def _count_round(self, size: int) -> int:
         """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
