@@ -125,6 +125,7 @@ class Network:
     congestion: str = ""
     tag: str = field(default_factory=lambda: f"{PREFIX}-{os.getpid()}")
     created: list[str] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)  # processes seen in the namespaces (remember_pids)
 
     @property
     def bridge_ns(self) -> str:
@@ -197,10 +198,30 @@ class Network:
         return _run(*argv).stdout.strip()
 
     def close(self) -> None:
-        """Kill everything still running in the namespaces, then delete them (their veths go with them)."""
+        """Kill everything still running in the namespaces, then delete them (their veths go with them), and
+        remove the shared-memory files those processes leave (``remove_shared_memory``)."""
+        self.remember_pids()
         for name in reversed(self.created):
             delete_netns(name)
         self.created.clear()
+        remove_shared_memory(sorted(self.seen))
+
+    def remember_pids(self) -> None:
+        """Note the processes now running in the namespaces, whose shared memory ``close`` removes."""
+        self.seen.update(pid for name in self.created for pid in netns_pids(name))
+
+
+def remove_shared_memory(pids: list[int]) -> None:
+    """Delete the torch shared-memory files (``/dev/shm/torch_<pid>_*``) of these processes once they are
+    gone: a process killed together with its ``torch_shm_manager`` leaves them behind, holding RAM."""
+    gone = {pid for pid in pids if not _exists(pid)}
+    shm = Path("/dev/shm")
+    if not gone or not shm.is_dir():
+        return
+    for path in shm.glob("torch_*"):
+        parts = path.name.split("_")
+        if len(parts) > 1 and parts[1].isdigit() and int(parts[1]) in gone:
+            path.unlink(missing_ok=True)
 
 
 class TimeUp(Exception):

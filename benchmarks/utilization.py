@@ -1,4 +1,4 @@
-"""Compute utilization of ALBERT-large trainers on shaped links: synchronous averaging vs delayed updates.
+"""Compute utilization of ALBERT-large trainers on shaped links: sync averaging, delayed updates, DiLoCo.
 
 4 peers (``--peers``), each in a network namespace of its own with a ``tbf``-shaped link of ``--rate`` Mbit/s
 each way (``_netns.Network``). Each peer runs what ``cotrain train`` runs around its model: cotrain's DHT
@@ -14,26 +14,46 @@ pre-training figure on one V100 16 GB with mixed precision (26.64 sequences/s at
 batch 4: DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md, "Pre-training NVIDIA DGX-1 With
 16G"); ALBERT-large has BERT-large's 24 layers of width 1024, so the same compute per token.
 
-Utilization is the fraction of a peer's wall time spent in the (simulated) compute, measured per peer from
-the moment it reaches global step ``--warmup-steps`` to the moment it reaches ``--warmup-steps + --steps``,
-averaged over the peers. Modes, run one after the other on the same links:
+Utilization is the fraction of a peer's wall time spent on work a GPU peer does on its GPU: the simulated
+forward/backward passes, and inside ``opt.step`` the work on the device's tensors (adding the gradients to
+hivemind's accumulators in sync and delayed modes; DiLoCo's inner optimizer step, whose parameters and
+statistics live on the device). Everything else in ``opt.step`` (waiting for averaging, sync's LAMB step on
+its host-memory copy, which a GPU peer also runs on the CPU) is not. The sleep alone is reported beside it.
+It is measured per peer from the moment it reaches global step ``--warmup-steps`` to the moment it reaches
+``--warmup-steps + --steps``, averaged over the peers. Modes, run one after the other on the same links:
 
 - sync: cotrain's defaults (gradients averaged, then the optimizer step, while the trainer waits; state
   averaging in the background);
 - delayed: ``--delay-grad-averaging`` (implies ``--delay-optimizer-step``) and ``--delay-state-averaging``:
-  the averaging and the optimizer step run in the background while the next micro-batches compute.
+  the averaging and the optimizer step run in the background while the next micro-batches compute;
+- diloco: ``--strategy diloco --local-steps H``: every ``opt.step`` call is an inner LAMB step, and a round
+  ends when the swarm has trained ``H x`` the inner batch (``--inner-batch``, default the swarm's samples per
+  call, peers x micro-batch x accumulation, so H calls per peer); then the pseudo-gradients are averaged
+  while the trainer waits, and the outer step taken;
+- diloco-overlap: the same with ``--outer-overlap``: the all-reduce runs during the next round.
 
-    python benchmarks/utilization.py [--target-batch-size 4096] [--steps 3] [--quick]
+For DiLoCo the global step is the outer round: the window is ``--warmup-rounds`` rounds, then as many rounds
+as hold at least the samples of the synchronous window (``--steps x --target-batch-size``), unless
+``--rounds`` is given. After its first ``opt.step`` call (in the warm-up) a peer waits until it sees all the
+others' progress, so that with a small target batch the first peer does not take steps alone; the peers are
+stopped once all have reached the window's end.
+
+    python benchmarks/utilization.py [--rate 100] [--target-batch-size 4096] [--steps 3] [--local-steps 50]
+        [--modes sync delayed diloco diloco-overlap] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,11 +62,33 @@ from _netns import CpuSampler, Peers, say  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL = 0.90
+DILOCO_GOAL = 0.99
+ALBERT_LARGE_PARAMS = 17_847_474
 V100_STEP_TIME = 4 / 26.64  # s per micro-batch of 4 x 512 tokens (see the module's docstring)
-MODES = {
-    "sync": {"delay_grad_averaging": False, "delay_optimizer_step": False, "delay_state_averaging": True},
-    "delayed": {"delay_grad_averaging": True, "delay_optimizer_step": True, "delay_state_averaging": True},
+SYNC_DEFAULTS = {"delay_grad_averaging": False, "delay_optimizer_step": False, "delay_state_averaging": True}
+MODES = {  # mode: (run settings, peer settings)
+    "sync": ({}, SYNC_DEFAULTS),
+    "delayed": ({}, dict.fromkeys(SYNC_DEFAULTS, True)),
+    "diloco": ({"strategy": "diloco", "outer_overlap": False}, SYNC_DEFAULTS),
+    "diloco-overlap": ({"strategy": "diloco", "outer_overlap": True}, SYNC_DEFAULTS),
 }
+
+
+def is_diloco(mode: str) -> bool:
+    return MODES[mode][0].get("strategy") == "diloco"
+
+
+def timed(fn, total: list[float]):
+    """``fn`` that adds the seconds each call takes to ``total[0]``."""
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - t0
+
+    return wrapper
 
 
 # ----------------------------------------------------------------------------------------------- peer process
@@ -60,20 +102,25 @@ def peer_main(args: argparse.Namespace) -> None:
     from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
 
     torch.set_num_threads(1)
+    run_settings, peer_settings = MODES[args.mode]
+    if is_diloco(args.mode):
+        run_settings = {**run_settings, "local_steps": args.local_steps}
     config = resolve(
         "albert-large-v2",
         overrides={
             "run": {
                 "run_id": f"util-{args.mode}",
                 "target_batch_size": args.target_batch_size,
+                **run_settings,
             },
             "peer": {
                 "matchmaking_time": args.matchmaking_time,
+                "averaging_timeout": args.averaging_timeout,
                 "host_maddrs": [f"/ip4/{args.address}/tcp/0"],
                 "initial_peers": [args.initial_peer] if args.initial_peer else [],
                 "per_device_train_batch_size": args.micro_batch,
                 "gradient_accumulation_steps": args.accumulation,
-                **MODES[args.mode],
+                **peer_settings,
             },
         },
     )
@@ -95,21 +142,53 @@ def peer_main(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(args.index)
     for p in model.parameters():  # gradients as a backward pass would leave them (kept: no zero_grad)
         p.grad = torch.randn(p.shape, generator=gen) * 1e-4
+    on_device = [0.0]  # seconds inside opt.step on work a GPU peer does on its GPU (see the module's doc)
+    opt = swarm.strategy.opt
+    if swarm.strategy.name == "diloco":
+        opt.inner_optimizer.step = timed(opt.inner_optimizer.step, on_device)
+    else:
+        opt.grad_averager.accumulate_grads_ = timed(opt.grad_averager.accumulate_grads_, on_device)
     say(ready=True)
     sys.stdin.readline()  # all peers start computing together
+    quit_ = threading.Event()  # the benchmark's "quit": leave the loop and shut down in order
+
+    def watch_stdin() -> None:
+        for line in sys.stdin:
+            if "quit" in line:
+                break
+        quit_.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
     compute = in_step = 0.0
+    trained = 0  # samples given to opt.step
     epoch = swarm.global_step
     deadline = time.monotonic() + args.peer_limit
-    while epoch < args.stop_at and time.monotonic() < deadline:
+    while epoch < args.stop_at and time.monotonic() < deadline and not quit_.is_set():
         t0 = time.perf_counter()
         time.sleep(args.step_time * peer.gradient_accumulation_steps)  # the simulated forward/backward
         t1 = time.perf_counter()
         swarm.step(batch_size=samples, zero_grad=False)
         t2 = time.perf_counter()
-        compute, in_step = compute + (t1 - t0), in_step + (t2 - t1)
+        compute, in_step, trained = compute + (t1 - t0), in_step + (t2 - t1), trained + samples
+        if trained == samples:  # a peer is seen once it reports samples: wait to see all before going on
+            wait_until = time.monotonic() + 120  # (else with a small target the first takes steps alone)
+            while (
+                swarm.num_peers < args.expect_peers and time.monotonic() < wait_until and not quit_.is_set()
+            ):
+                time.sleep(0.2)
         if swarm.global_step != epoch:
             epoch = swarm.global_step
-            say(epoch=epoch, t=time.monotonic(), compute=compute, in_step=in_step)
+            say(
+                epoch=epoch,
+                t=time.monotonic(),
+                compute=compute,
+                in_step=in_step,
+                on_device=on_device[0],
+                rounds=list(swarm.strategy.rounds),
+                samples=trained,
+                bytes_sent=getattr(opt, "bytes_sent", 0),  # diloco: the engine's count of its payload
+                round_bytes=swarm.strategy.round_bytes,
+            )
     say(done=epoch)
     swarm.shutdown()
 
@@ -117,79 +196,141 @@ def peer_main(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------- orchestration
 
 
-def run_mode(mode: str, args, logdir: Path) -> dict:
-    stop_at = args.warmup_steps + args.steps
-    with _netns.Network(args.peers, args.rate) as net:
-        worker = [
-            sys.executable, str(Path(__file__).resolve()), "--peer", "--mode", mode,
-            "--target-batch-size", str(args.target_batch_size),
-            "--matchmaking-time", str(args.matchmaking_time),
-            "--micro-batch", str(args.micro_batch), "--accumulation", str(args.accumulation),
-            "--step-time", str(args.step_time), "--stop-at", str(stop_at), "--peer-limit", str(args.limit),
-        ]  # fmt: skip
-        peers = Peers(net, worker, logdir / mode, cwd=REPO)
-        peers.logdir.mkdir(parents=True, exist_ok=True)
-        sampler = CpuSampler(peers.pids)
-        marks: list[dict[int, dict]] = [{} for _ in range(args.peers)]
-        try:
-            peers.start(0, [])
-            first = peers.receive(0, 300)["maddrs"][0]
-            for i in range(1, args.peers):
-                peers.start(i, ["--initial-peer", first])
-            for i in range(1, args.peers):
-                peers.receive(i, 300)
-            for i in range(args.peers):
-                peers.receive(i, 300)  # ready
-            peers.send({"op": "go"})
-            sampler.start()
-            started = time.monotonic()
-            done = set()
-            while len(done) < args.peers:
-                for i in range(args.peers):
-                    if i in done:
-                        continue
-                    try:
-                        msg = peers.receive(i, 0.2)
-                    except RuntimeError as e:
-                        if "did not answer" in str(e):
-                            continue
+def window(mode: str, args) -> tuple[int, int, int]:
+    """(first, last global step of the timed window, samples the swarm trains per global step)."""
+    if not is_diloco(mode):
+        return args.warmup_steps, args.warmup_steps + args.steps, args.target_batch_size
+    per_round = args.local_steps * args.inner_batch
+    rounds = args.rounds or max(1, math.ceil(args.steps * args.target_batch_size / per_round))
+    return args.warmup_rounds, args.warmup_rounds + rounds, per_round
+
+
+def worker_argv(mode: str, args, stop_at: int, target_batch_size: int) -> list[str]:
+    """The command line of a peer process (this script with ``--peer``)."""
+    return [
+        sys.executable, str(Path(__file__).resolve()), "--peer", "--mode", mode,
+        "--target-batch-size", str(target_batch_size), "--local-steps", str(args.local_steps),
+        "--averaging-timeout", str(args.averaging_timeout),
+        "--matchmaking-time", str(args.matchmaking_time),
+        "--micro-batch", str(args.micro_batch), "--accumulation", str(args.accumulation),
+        "--step-time", str(args.step_time), "--stop-at", str(stop_at), "--peer-limit", str(args.limit),
+        "--expect-peers", str(args.peers),
+    ]  # fmt: skip
+
+
+def run_swarm(
+    net: _netns.Network,
+    worker: list[str],
+    logdir: Path,
+    label: str,
+    on_go: Callable[[Peers], None],
+    until: int,
+) -> list[dict[int, dict]]:
+    """Start a peer per host of ``net``, all joined to the first, start them together (``on_go`` is called
+    then), and collect each peer's messages at its global steps until every peer has reached step ``until``
+    (the peers run one step further: one that stopped at ``until`` would leave the others to finish their
+    step without it): marks[i][step] = peer i's message when it reached ``step``."""
+    n = net.hosts
+    peers = Peers(net, worker, logdir, cwd=REPO)
+    peers.logdir.mkdir(parents=True, exist_ok=True)
+    marks: list[dict[int, dict]] = [{} for _ in range(n)]
+    try:
+        peers.start(0, [])
+        first = peers.receive(0, 300)["maddrs"][0]
+        for i in range(1, n):
+            peers.start(i, ["--initial-peer", first])
+        for i in range(1, n):
+            peers.receive(i, 300)
+        for i in range(n):
+            peers.receive(i, 300)  # ready
+        peers.send({"op": "go"})
+        on_go(peers)
+        net.remember_pids()  # every peer's processes run now
+        started = time.monotonic()
+        done = set()
+        while len(done) < n:
+            for i in range(n):
+                if i in done:
+                    continue
+                if until in marks[i]:
+                    done.add(i)
+                    continue
+                try:
+                    msg = peers.receive(i, 0.2)
+                except RuntimeError as e:
+                    if "did not answer" not in str(e):
                         raise
-                    if "epoch" in msg:
-                        marks[i][msg["epoch"]] = msg
-                        print(f"  {mode}: peer {i} reached step {msg['epoch']} "
-                              f"at {msg['t'] - started:.0f} s", flush=True)  # fmt: skip
-                    elif "done" in msg:
-                        done.add(i)
+                    code = peers.procs[i].poll()  # its stdout may stay open in an orphaned child
+                    if code is not None:
+                        cause = " (SIGKILL: out of memory?)" if code == -9 else ""
+                        raise RuntimeError(f"peer {i} exited with code {code}{cause}; see {logdir}") from None
+                    continue
+                if "epoch" in msg:
+                    marks[i][msg["epoch"]] = msg
+                    print(f"  {label}: peer {i} reached step {msg['epoch']} "
+                          f"at {msg['t'] - started:.0f} s", flush=True)  # fmt: skip
+                elif "done" in msg:
+                    done.add(i)
+    finally:
+        net.remember_pids()
+        peers.stop()
+    return marks
+
+
+def run_mode(mode: str, args, logdir: Path) -> dict:
+    _, stop_at, _ = window(mode, args)
+    batch = args.inner_batch if is_diloco(mode) else args.target_batch_size
+    with _netns.Network(args.peers, args.rate) as net:
+        samplers: list[CpuSampler] = []
+
+        def start_sampler(peers: Peers) -> None:
+            samplers.append(CpuSampler(peers.pids))
+            samplers[0].start()
+
+        try:
+            worker = worker_argv(mode, args, stop_at + 1, batch)
+            marks = run_swarm(net, worker, logdir / mode, mode, start_sampler, stop_at)
+        except RuntimeError as e:
+            print(f"  {mode}: {e}", flush=True)
+            return {"mode": mode, "ok": False, "error": str(e)}
         finally:
-            sampler.stopped.set()
-            peers.stop()
-    return summarize(mode, marks, sampler, args)
+            for sampler in samplers:
+                sampler.stopped.set()
+    return summarize(mode, marks, samplers[0], args)
 
 
 def summarize(mode: str, marks: list[dict[int, dict]], sampler: CpuSampler, args) -> dict:
-    a, b = args.warmup_steps, args.warmup_steps + args.steps
-    per_peer, windows = [], []
+    a, b, samples = window(mode, args)
+    per_peer, windows, failed = [], [], 0
     for m in marks:
         if a not in m or b not in m:
             continue
         wall = m[b]["t"] - m[a]["t"]
-        per_peer.append(
-            ((m[b]["compute"] - m[a]["compute"]) / wall, (m[b]["in_step"] - m[a]["in_step"]) / wall)
-        )
+
+        def share(key: str, m=m, wall=wall) -> float:
+            return (m[b][key] - m[a][key]) / wall
+
+        sleep, on_device, in_step = share("compute"), share("on_device"), share("in_step")
+        per_peer.append((sleep + on_device, sleep, in_step - on_device))
         windows.append((m[a]["t"], m[b]["t"], wall))
+        failed += m[b]["rounds"][1] - m[a]["rounds"][1]
     if not per_peer:
         return {"mode": mode, "ok": False}
     t0, t1 = min(w[0] for w in windows), max(w[1] for w in windows)
     machine, ours = sampler.cores(t0, t1)
-    step_s = statistics.mean(w[2] for w in windows) / args.steps
-    samples = args.target_batch_size
+    steps = b - a
+    step_s = statistics.mean(w[2] for w in windows) / steps
     return {
         "mode": mode,
         "ok": True,
+        "window": [a, b],
+        "samples_per_step": samples,
         "peers_measured": len(per_peer),
-        "utilization": statistics.mean(u for u, _ in per_peer),
-        "min_utilization": min(u for u, _ in per_peer),
-        "in_step": statistics.mean(s for _, s in per_peer),
+        "utilization": statistics.mean(u for u, _, _ in per_peer),
+        "min_utilization": min(u for u, _, _ in per_peer),
+        "sleep_share": statistics.mean(s for _, s, _ in per_peer),
+        "waiting": statistics.mean(w for _, _, w in per_peer),
+        "failed_rounds": failed,
         "seconds_per_step": step_s,
         "samples_per_s": samples / step_s,
         "ideal_samples_per_s": args.peers * args.micro_batch / args.step_time,
@@ -204,25 +345,33 @@ def print_table(rows: list[dict], args) -> None:
     print(
         f"{args.peers} peers, {args.rate:g} Mbit/s links, ALBERT-large (17.8M parameters), target batch "
         f"{args.target_batch_size}, micro-batch {args.micro_batch} x {args.accumulation} accumulated, "
-        f"simulated compute {args.step_time:.3f} s per micro-batch ({compute:.1f} s per global step)"
+        f"simulated compute {args.step_time:.3f} s per micro-batch ({compute:.1f} s per global step); "
+        f"diloco: H = {args.local_steps} inner steps of {args.inner_batch} samples (swarm) per round; "
+        f"averaging timeout {args.averaging_timeout:g} s"
     )
     print()
-    print("| mode | utilization (mean, lowest peer) | in opt.step | s per global step | target / step s "
-          "(ideal) | cores busy (machine / peers) |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| mode | window (global steps) | samples per step | utilization (mean, lowest peer) | sleep only "
+          "| waiting in opt.step | failed rounds | s per global step | samples/s (ideal) "
+          "| cores busy (machine / peers) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if not r["ok"]:
-            print(f"| {r['mode']} | no complete window | | | | |")
+            print(f"| {r['mode']} | no complete window: {r.get('error', '')} | | | | | | | | |")
             continue
         print(
-            f"| {r['mode']} | **{r['utilization']:.1%}**, {r['min_utilization']:.1%} | {r['in_step']:.1%} "
-            f"| {r['seconds_per_step']:.1f} | {r['samples_per_s']:.1f} ({r['ideal_samples_per_s']:.1f}) "
+            f"| {r['mode']} | {r['window'][0]}-{r['window'][1]} | {r['samples_per_step']} "
+            f"| **{r['utilization']:.1%}**, {r['min_utilization']:.1%} | {r['sleep_share']:.1%} "
+            f"| {r['waiting']:.1%} | {r['failed_rounds']} | {r['seconds_per_step']:.1f} "
+            f"| {r['samples_per_s']:.1f} ({r['ideal_samples_per_s']:.1f}) "
             f"| {r['machine']:.2f} / {r['ours']:.2f} |"
         )
-    delayed = [r for r in rows if r["mode"] == "delayed" and r["ok"]]
-    if delayed:
-        u = delayed[0]["utilization"]
-        print(f"\nGoal: >= {GOAL:.0%} with delayed updates: {'met' if u >= GOAL else 'NOT met'} ({u:.1%})")
+    for mode, goal in (("delayed", GOAL), ("diloco-overlap", DILOCO_GOAL)):
+        found = [r for r in rows if r["mode"] == mode and r["ok"]]
+        if found:
+            u = found[0]["utilization"]
+            print(f"Goal: >= {goal:.0%} with {mode}: {'met' if u >= goal else 'NOT met'} ({u:.1%})")
+    summary = {"rate_mbit": args.rate, "peers": args.peers, "local_steps": args.local_steps, "rows": rows}
+    print(json.dumps(summary))
 
 
 def main() -> None:
@@ -237,8 +386,29 @@ def main() -> None:
     ap.add_argument("--matchmaking-time", type=float, default=5.0, help="as in the albert-large-v2 preset")
     ap.add_argument("--warmup-steps", type=int, default=1, help="global steps before the timed window")
     ap.add_argument("--steps", type=int, default=3, help="global steps timed")
+    ap.add_argument("--local-steps", type=int, default=50, help="diloco: inner steps per round (H)")
+    ap.add_argument(
+        "--inner-batch",
+        type=int,
+        default=0,
+        help="diloco: the swarm's samples per inner step (its target_batch_size; default: peers x "
+        "micro-batch x accumulation, so that a round is H opt.step calls per peer)",
+    )
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="diloco: rounds before the timed window")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="diloco: rounds timed (default: enough for --steps x --target-batch-size samples)",
+    )
+    ap.add_argument(
+        "--averaging-timeout",
+        type=float,
+        default=0.0,
+        help="s (default: the preset's 60, or 3 x the bound of a DiLoCo round's all-reduce if more)",
+    )
     ap.add_argument("--limit", type=float, default=1500.0, help="stop everything after this many seconds")
-    ap.add_argument("--quick", action="store_true", help="target batch 1024, 2 timed steps")
+    ap.add_argument("--quick", action="store_true", help="target batch 1024, 2 timed steps, H = 10")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="sync", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -246,11 +416,18 @@ def main() -> None:
     ap.add_argument("--initial-peer", default="", help=argparse.SUPPRESS)
     ap.add_argument("--stop-at", type=int, default=4, help=argparse.SUPPRESS)
     ap.add_argument("--peer-limit", type=float, default=1500.0, help=argparse.SUPPRESS)
+    ap.add_argument("--expect-peers", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.target_batch_size, args.steps, args.local_steps = 1024, 2, 10
+    if not args.inner_batch:
+        args.inner_batch = args.peers * args.micro_batch * args.accumulation
+    if not args.averaging_timeout and not args.peer:
+        # the largest all-reduce: a DiLoCo round averages 3 fp16 vectors (change, global parameters, momentum)
+        bound = _netns.allreduce_bound_s(args.peers, 3 * 2 * ALBERT_LARGE_PARAMS, args.rate * 1e6)
+        args.averaging_timeout = float(max(60, math.ceil(3 * bound)))
     if args.peer:
         return peer_main(args)
-    if args.quick:
-        args.target_batch_size, args.steps = 1024, 2
     _netns.prepare_namespaces("utilization.py", args.limit)
     started = _netns.print_started()
     tmp = Path(tempfile.mkdtemp(prefix="cotrain-utilization-"))
@@ -258,6 +435,7 @@ def main() -> None:
     try:
         for mode in args.modes:
             rows.append(run_mode(mode, args, tmp))
+            print(f"  {mode}: {json.dumps(rows[-1])}", flush=True)
     except BaseException:
         print(f"peers' logs kept in {tmp}", file=sys.stderr)
         raise
