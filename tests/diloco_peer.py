@@ -41,6 +41,8 @@ def main() -> None:
         "--step-sleep", type=float, default=0.05, help="seconds per inner step (simulated compute)"
     )
     p.add_argument("--overlap", action="store_true")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--averaging-timeout", type=float, default=15.0)
     p.add_argument("--run-id", default="diloco-test")
     p.add_argument("--until", help="train on (past --rounds) until this file exists")
@@ -72,6 +74,8 @@ def main() -> None:
         strategy="diloco",
         local_steps=args.local_steps,
         outer_overlap=args.overlap,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
         torch_threads=1,
     )
     opt = peer.strategy.opt
@@ -92,10 +96,10 @@ def main() -> None:
         sa = opt.state_averager
         n = len(sa.global_parameters)
         before = flat(base[:n]) if base is not None else flat(sa.global_parameters)
-        momentum = [sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters]
+        momentum = opt._outer_state()[n:]  # zeros where SGD keeps no buffer (momentum 0)
         momentum_before = flat(base[n:]) if base is not None else flat(momentum)
         outer_step(averaged, base)
-        momentum = [sa.optimizer.state[p]["momentum_buffer"] for p in sa.global_parameters]
+        momentum = opt._outer_state()[n:]
         emit(
             event="outer",
             round=opt.local_epoch,

@@ -267,21 +267,16 @@ def test_a_peer_killed_mid_round_stalls_nobody_past_the_timeout(peers):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_overlapped_rounds_keep_the_global_parameters_together(peers):
-    a = peers("a", "--rounds", "6", "--step-sleep", "0.2", "--overlap")
-    b = peers(
-        "b",
-        "--rounds",
-        "5",
-        "--seed",
-        "1",
-        "--step-sleep",
-        "0.1",
-        "--overlap",
-        "--initial-peers",
-        *a.address(),
-    )
+def test_overlapped_rounds_keep_the_global_parameters_together(peers, tmp_path):
+    done = tmp_path / "done"
+    # an outer step applied one round late is stable while its gain, lr x (1 + momentum) for Nesterov, stays
+    # below 1 (docs/diloco.md): this problem's inner optimizer reaches its optimum within a round
+    stable = ["--overlap", "--outer-lr", "0.5", "--outer-momentum", "0"]
+    a = peers("a", "--rounds", "4", "--step-sleep", "0.2", *stable, "--until", str(done))
+    b_args = ["--rounds", "5", "--seed", "1", "--step-sleep", "0.1", *stable, "--initial-peers"]
+    b = peers("b", *b_args, *a.address())
     assert b.wait(180) == 0, b.text()
+    done.touch()
     assert a.wait(60) == 0, a.text()
     outers = [by_round(a, "outer"), by_round(b, "outer")]
     common = sorted(set(outers[0]) & set(outers[1]))
@@ -290,6 +285,8 @@ def test_overlapped_rounds_keep_the_global_parameters_together(peers):
     for r in grouped:
         first, second = torch.tensor(outers[0][r]["after"]), torch.tensor(outers[1][r]["after"])
         scale = torch.tensor(outers[0][r]["applied"]).abs().max().item()
-        torch.testing.assert_close(first, second, atol=2 * FP16_TOL * scale + 1e-6, rtol=0)
+        # the averaged outer state travels in fp16: the peers agree to its rounding
+        glob_tol = 1e-3 * torch.tensor(outers[0][r]["before"]).abs().max().item()
+        torch.testing.assert_close(first, second, atol=2 * FP16_TOL * scale + glob_tol, rtol=0)
     losses = [s["loss"] for s in a.rows("step") if s["loss"] is not None]
     assert losses[-1] < losses[0], losses

@@ -115,8 +115,7 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
         )
         strategy = SyncStrategy(
             connection.dht,
-            run.run_id,
-            run.target_batch_size,
+            run,
             peer,
             parameter_groups(model, run.weight_decay),
             optimizer_factory(run),

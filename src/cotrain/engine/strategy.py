@@ -313,6 +313,14 @@ class DiLoCoStrategy(Strategy):
             verbose=peer.verbose,
         )
         self.opt.should_stop = should_stop
+        gain = run.outer_lr * (1 + run.outer_momentum)
+        if run.outer_overlap and gain >= 1:
+            logger.warning(
+                f"--outer-overlap applies each outer step one round late: with an outer gain of {gain:.2f} "
+                "(--outer-lr x (1 + --outer-momentum)) of 1 or more the global parameters can oscillate and "
+                "diverge once a round's progress saturates; a gain below 1 (e.g. --outer-lr 0.5 "
+                "--outer-momentum 0) is stable (docs/diloco.md)"
+            )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
