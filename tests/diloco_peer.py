@@ -85,8 +85,12 @@ def main() -> None:
         began = time.time()
         with opt.state_averager.lock_averaged_tensors:
             mine = flat(opt.state_averager.global_parameters)
+        lineage = opt.lineage.hex()
         averaged, base, size = average(own, weight)
         row = {"own": flat(own), "weight": weight, "averaged": flat(averaged), "size": size, "global": mine}
+        # the lineage sent at matchmaking and the one after; whether the group averaged the outer state too
+        row.update(lineage_before=lineage, lineage=opt.lineage.hex(), carried=base is not None)
+        row["partial"] = opt.last_round_partial and size > 1
         if base is not None:  # the group's average outer state: global parameters, then momentum
             row["averaged_global"] = flat(base[: len(base) // 2])
         emit(event="average", round=opt.local_epoch, began=began, ended=time.time(), **row)

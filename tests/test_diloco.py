@@ -22,6 +22,7 @@ import torch
 
 from conftest import REPO, cotrain_env, read_rows, wait_until
 from cotrain.config import RunConfig
+from cotrain.swarm.diloco import OUTER_STATE_EVERY, carries_outer_state, fresh_lineage, next_lineage
 from cotrain.swarm.diloco_state import initialize_state, outer_optimizer_factory, set_schedule
 
 PEER = REPO / "tests" / "diloco_peer.py"
@@ -29,6 +30,28 @@ FP16_TOL = 2e-3  # relative to the pseudo-gradients' scale: what fp16 rounding o
 
 
 # --- fast -------------------------------------------------------------------------------------------
+
+
+def test_the_outer_state_rides_along_only_where_the_lineages_differ():
+    one, other = fresh_lineage(), fresh_lineage()
+    assert one != other
+    assert not carries_outer_state([{"lineage": one, "round": 3}, {"lineage": one, "round": 3}])
+    assert carries_outer_state([{"lineage": one, "round": 3}, {"lineage": other, "round": 3}])
+    assert carries_outer_state([{"lineage": one, "round": OUTER_STATE_EVERY}] * 2)  # against rounding drift
+    assert carries_outer_state([{"lineage": one, "round": 3}, None])  # a member that sent nothing usable
+    assert carries_outer_state([{"lineage": one, "round": 3}, {"round": 3}])
+
+
+def test_the_members_of_a_group_derive_the_same_lineage():
+    from hivemind.p2p import PeerID
+
+    a, b = (PeerID(bytes([0x12, 0x20, i] + [7] * 32)) for i in (1, 2))
+    gathered = {a: {"lineage": b"\x01" * 8, "round": 4}, b: {"lineage": b"\x02" * 8, "round": 4}}
+    same = next_lineage(4, dict(reversed(gathered.items())))
+    assert next_lineage(4, gathered) == same and len(same) == 8  # whatever order the members are listed in
+    assert next_lineage(5, gathered) != same  # another round
+    assert next_lineage(4, {a: gathered[a]}) != same  # another group
+    assert next_lineage(4, {a: gathered[a], b: {"lineage": b"\x03" * 8}}) != same  # other histories
 
 
 def test_outer_optimizer_is_nesterov_sgd_without_weight_decay():
@@ -161,8 +184,8 @@ def outer_step(before: list[float], applied: list[float], momentum: list[float])
 
 def check_rounds(members: list[Peer], rounds: list[int]) -> None:
     """In each of ``rounds`` every member averaged in one group of them all: the average change is the
-    samples-weighted mean of their own changes, the average global parameters the same mean of theirs, and
-    their outer steps agree with a recompute and with each other."""
+    samples-weighted mean of their own changes, the average global parameters (where the group carried them)
+    the same mean of theirs, and their outer steps agree with a recompute and with each other."""
     averages = [by_round(p, "average") for p in members]
     outers = [by_round(p, "outer") for p in members]
     for r in rounds:
@@ -177,10 +200,21 @@ def check_rounds(members: list[Peer], rounds: list[int]) -> None:
         # the global parameters travel in fp16 too: where peers differ, the average carries their rounding
         spread = (globs - globs[0]).abs().max().item()
         glob_tol = FP16_TOL * scale + (1e-3 * globs.abs().max().item() if spread > 0 else 0.0)
+        # the outer state rides along exactly when the members' lineages differ, or every OUTER_STATE_EVERY
+        # rounds; peers of one lineage hold the same global parameters (to the rounding of earlier averages)
+        same_lineage = len({row["lineage_before"] for row in rows}) == 1
+        assert all(row["carried"] == (not same_lineage or r % OUTER_STATE_EVERY == 0) for row in rows), rows
+        if same_lineage:
+            tol = FP16_TOL * scale + 1e-3 * globs.abs().max().item()
+            torch.testing.assert_close(globs, globs[:1].expand_as(globs), atol=tol, rtol=0)
+        # after a whole all-reduce (a partial one gives a fresh lineage) the members share one
+        if not any(row["partial"] for row in rows):
+            assert len({row["lineage"] for row in rows}) == 1, rows
         for row in rows:
             torch.testing.assert_close(torch.tensor(row["averaged"]), expected, atol=FP16_TOL * scale, rtol=0)
-            got = torch.tensor(row["averaged_global"])
-            torch.testing.assert_close(got, expected_global, atol=glob_tol, rtol=0)
+            if row["carried"]:
+                got = torch.tensor(row["averaged_global"])
+                torch.testing.assert_close(got, expected_global, atol=glob_tol, rtol=0)
         for outer in outers:
             row = outer[r]
             recomputed = outer_step(row["before"], row["applied"], row["momentum_before"])
@@ -230,10 +264,15 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
     # the average is the samples-weighted mean of the peers' own changes, the outer step its recompute
     pairs = joint_rounds([a, b])
     assert pairs, (a.rows("average"), b.rows("average"))
-    check_rounds([a, b], pairs[:1])
+    check_rounds([a, b], pairs)
     trio = joint_rounds([a, b, c])
     assert trio, [p.rows("average") for p in (a, b, c)]
     check_rounds([a, b, c], trio)
+    # a newcomer's first round with the others carries the outer state (it downloaded: a lineage of its own);
+    # rounds among peers that already averaged together carry the pseudo-gradients alone
+    assert by_round(b, "average")[pairs[0]]["carried"] and by_round(c, "average")[trio[0]]["carried"]
+    joint = [by_round(b, "average")[r] for r in pairs + trio]
+    assert any(not row["carried"] for row in joint), joint
     # the newcomers started at the swarm's round, from its global parameters
     assert c.rows("ready")[0]["step"] >= 2
     steps = c.rows("step")

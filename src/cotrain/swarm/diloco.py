@@ -6,13 +6,17 @@ only by the outer optimizer: SGD with Nesterov momentum). A round ends when the 
 ``round_samples`` samples (hivemind's ``ProgressTracker``, as for a synchronous global step). Then every peer
 computes its pseudo-gradient ``global - local`` (its own change over the round, sign as a gradient),
 averages it with the others in one hivemind all-reduce (weighted by the samples it trained on, compressed on
-the wire), and applies the outer step to the global parameters, which every peer then trains from. The same
-all-reduce averages the outer state (global parameters and momentum): where the peers hold the same one (the
-rule) its average is exactly theirs, and a peer that diverged (a round alone, another group) steps from the
-group's state again. So the outer step is the same on every peer of a group, up to the rounding of the
-compressed average; this costs 3 parameter-sized vectors per round instead of 1 (still, per sample,
-``local_steps x 2/3`` times less than the synchronous strategy, which averages gradients and parameters at
-every step).
+the wire), and applies the outer step to the global parameters, which every peer then trains from.
+
+Peers that diverged (a round alone, another group, a fresh download) must step from the same outer state
+again. Each peer keeps a *lineage*: a digest that all members of a group derive alike from the group's
+members and their previous lineages after averaging together, and that a round alone or a download replaces
+with a fresh random one. Peers of the same lineage hold the same global parameters and momentum (up to the
+rounding of the compressed averages), so their all-reduce carries the pseudo-gradients alone; when a group's
+lineages differ, and every ``OUTER_STATE_EVERY`` rounds (against the slow drift of that rounding), the same
+all-reduce also averages the outer state (global parameters and momentum, fp16 at least), and every member
+steps from the group's state. The choice is made in the all-reduce itself from what the members sent at
+matchmaking (hivemind's gathered data), so all members of a group make the same one.
 
 ``overlap``: a round's all-reduce runs in the background while the next round computes; its outer step is
 applied one round late, at the end of the next round, and the peer then continues from the new global
@@ -28,8 +32,11 @@ the round number, and the serving peer's inner optimizer state and inner step (c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -38,6 +45,10 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import (
     CompressionBase,
     CompressionInfo,
@@ -48,6 +59,7 @@ from hivemind.compression import (
 )
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import enter_asynchronously
 
 from cotrain.swarm import fixes
 from cotrain.swarm.diloco_state import (
@@ -61,6 +73,83 @@ from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 8  # low bits of the round in the matchmaking key: peers average only with peers of their round
+OUTER_STATE_EVERY = 10  # rounds: the outer state rides along at least this often (see the module's doc)
+
+
+def fresh_lineage() -> bytes:
+    """The lineage of a peer whose outer state no other peer is known to share (a start, a round alone, a
+    download)."""
+    return os.urandom(8)
+
+
+def carries_outer_state(gathered: Iterable[Any]) -> bool:
+    """Whether a group's all-reduce also averages the outer state: when its members' lineages differ (or one
+    is missing), and at every ``OUTER_STATE_EVERY``-th round. ``gathered``: what each member sent at
+    matchmaking (``{"lineage": bytes, "round": int}``)."""
+    lineages, rounds = set(), set()
+    for item in gathered:
+        if not isinstance(item, dict) or not isinstance(item.get("lineage"), bytes):
+            return True
+        lineages.add(item["lineage"])
+        rounds.add(item.get("round"))
+    if len(lineages) != 1:
+        return True
+    return any(not isinstance(r, int) or r % OUTER_STATE_EVERY == 0 for r in rounds)
+
+
+def next_lineage(round_: int, gathered: dict[Any, Any]) -> bytes:
+    """The lineage every member of a group that averaged in round ``round_`` takes: a digest of the round, the
+    members and their lineages, the same on each of them (``gathered``: member's peer id -> what it sent)."""
+    digest = hashlib.blake2b(str(int(round_)).encode(), digest_size=8)
+    for peer_id in sorted(gathered, key=lambda p: p.to_bytes()):
+        item = gathered[peer_id]
+        lineage = item.get("lineage") if isinstance(item, dict) else None
+        digest.update(peer_id.to_bytes())
+        digest.update(lineage if isinstance(lineage, bytes) else b"?")
+    return digest.digest()
+
+
+class OuterAverager(DecentralizedAverager):
+    """The round's all-reduce: its first ``changes`` tensors (the pseudo-gradients) always, the rest (the
+    outer state) only where ``carries_outer_state`` says so for the group, decided from the group's gathered
+    data so that all members decide alike. Returns (the gathered data: member's peer id -> what it sent,
+    whether the all-reduce was partial here: a member's contribution dropped or a part left un-averaged,
+    after which this peer cannot count on holding the group's outer state)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], dht: hivemind.DHT, *, changes: int, **kwargs):
+        self.changes = changes
+        super().__init__(tensors, dht, **kwargs)
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        try:
+            loaded = map(self.serializer.loads, group_info.gathered)
+            bandwidths, mode_ids, user_bytes = zip(*loaded, strict=True)
+            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes), strict=True))
+            download = [
+                0.0 if AveragingMode(mode) == AveragingMode.CLIENT else bandwidth
+                for bandwidth, mode in zip(bandwidths, mode_ids, strict=True)
+            ]
+            infos = kwargs.pop("tensor_infos", None)
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                count = len(local_tensors) if carries_outer_state(gathered.values()) else self.changes
+                tensors = list(local_tensors[:count])
+                fractions = await asyncio.get_event_loop().run_in_executor(
+                    None, load_balance_peers, sum(t.numel() for t in tensors), download, min_vector_size
+                )
+                await self._run_allreduce_inplace_(
+                    tensors,
+                    group_info,
+                    peer_fractions=fractions,
+                    tensor_infos=None if infos is None else list(infos[:count]),
+                    **kwargs,
+                )
+            runner = self._running_groups[group_info.group_id].result()
+            partial = bool(runner.banned_senders) or runner.tensor_part_container.failed_size > 0
+            return gathered, partial
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.exception(e)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
 
 class DiLoCoOptimizer:
@@ -142,9 +231,10 @@ class DiLoCoOptimizer:
         roles = [TensorRole.GRADIENT] * n + [TensorRole.PARAMETER] * n + [TensorRole.OPTIMIZER] * n
         outer_state = NoCompression() if isinstance(compression, NoCompression) else Float16Compression()
         self.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
-        self.outer_averager = DecentralizedAverager(
+        self.outer_averager = OuterAverager(
             buffers,
             dht,
+            changes=n,
             prefix=outer_averager_prefix(run_id),
             min_matchmaking_time=matchmaking_time,
             request_timeout=request_timeout,
@@ -175,6 +265,9 @@ class DiLoCoOptimizer:
         self.rounds_averaged = self.rounds_failed = 0
         self.last_group_size = 1
         self.last_round_bytes = 0  # payload sent in its last all-reduce (from the sizes and the compression)
+        self.last_carried_state = False  # whether the last averaged round carried the outer state
+        self.last_round_partial = False  # whether it ended with a member's contribution or a part missing
+        self.lineage = fresh_lineage()
         self.bytes_sent = 0
         self.samples = 0  # samples this peer trained on in the current round
         self.inner_steps_done = 0  # inner steps this peer took since it started
@@ -242,10 +335,10 @@ class DiLoCoOptimizer:
     def _maybe_schedule_round(self) -> None:
         """Start matchmaking ahead of the round's end (as hivemind.Optimizer does for gradients), so the
         group is formed when the peers get there."""
-        if self._scheduled is not None or not self._others():
+        # with overlap the all-reduce runs in the background anyway, and the lineage sent at matchmaking must
+        # be the one after the previous round's outer step, which is applied only at this round's end
+        if self.overlap or self._scheduled is not None or not self._others():
             return
-        if self._pending is not None and not self._pending.done():
-            return  # overlap: the averager is still busy with the previous round
         eta = self.tracker.estimated_next_update_time
         if eta - get_dht_time() <= self.matchmaking_time:
             self._match_this_round()
@@ -254,6 +347,7 @@ class DiLoCoOptimizer:
                 timeout=self.averaging_timeout,
                 wait=False,
                 require_trigger=True,
+                gather=self._gather(),
             )
 
     # --- the outer round -------------------------------------------------------------------------------
@@ -287,8 +381,7 @@ class DiLoCoOptimizer:
             attempt += 1
             control = self._launch(own, weight)
             try:
-                result = control.result(max(0.0, deadline - time.monotonic()))
-                return (*self._results(), self._count_round(len(result)))
+                return self._averaged(*control.result(max(0.0, deadline - time.monotonic())))
             except BaseException as e:  # a member left mid-round, no group formed, the timeout
                 if not control.done():
                     control.cancel()
@@ -305,27 +398,41 @@ class DiLoCoOptimizer:
                 )
         if self._others():
             self.rounds_failed += 1
+        self.lineage = fresh_lineage()
         return own, None, 1
 
-    def _results(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(average change, average outer state: global parameters then momentum) from the averager's
-        buffers after an all-reduce."""
-        n = len(self.parameters)
+    def _gather(self) -> dict[str, Any]:
+        """What this peer sends its group at matchmaking: its lineage and round (carries_outer_state)."""
+        return {"lineage": self.lineage, "round": self.local_epoch}
+
+    def _averaged(
+        self, gathered: dict[Any, Any], partial: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, int]:
+        """After an all-reduce with the group that sent ``gathered``: (the average change, the average outer
+        state, global parameters then momentum, or None when the group did not carry it, the group's size).
+        Counts the round and moves this peer to the group's lineage (a fresh one after a ``partial``
+        round)."""
+        n, full = len(self.parameters), carries_outer_state(gathered.values())
         with self.outer_averager.get_tensors() as tensors:
-            return [t.clone() for t in tensors[:n]], [t.clone() for t in tensors[n:]]
+            averaged = [t.clone() for t in tensors[:n]]
+            base = [t.clone() for t in tensors[n:]] if full else None
+        self.lineage = fresh_lineage() if partial else next_lineage(self.local_epoch, gathered)
+        self.last_carried_state, self.last_round_partial = full, partial
+        if partial:
+            logger.info(f"Round {self.local_epoch}: a partial all-reduce; the next carries the outer state")
+        return averaged, base, self._count_round(len(gathered), full)
 
     def _launch(self, own: list[torch.Tensor], weight: int) -> Any:
         """Put ``own`` and the outer state (global parameters, momentum) in the averager and start its
-        all-reduce (in the group matched ahead if any). The outer state is averaged with the changes: where
-        peers hold the same (the rule) its average is exactly theirs, and peers that diverged (a round alone,
-        in another group) step from the same state again, in the same round trip."""
+        all-reduce (in the group matched ahead if any), which carries the outer state too where the group's
+        lineages differ (OuterAverager)."""
         control, self._scheduled = self._scheduled, None
         if control is not None and (control.triggered or control.done()):
             control = None
         if control is None:
             self._match_this_round()
             control = self.outer_averager.step(
-                timeout=self.averaging_timeout, wait=False, require_trigger=True
+                timeout=self.averaging_timeout, wait=False, require_trigger=True, gather=self._gather()
             )
         with self.outer_averager.get_tensors() as tensors, self.state_averager.lock_averaged_tensors:
             state = self._outer_state()
@@ -349,14 +456,14 @@ class DiLoCoOptimizer:
         buffers = [state[p].get("momentum_buffer") for p in glob]
         return [*glob, *(torch.zeros_like(p) if b is None else b for b, p in zip(buffers, glob, strict=True))]
 
-    def _count_round(self, size: int) -> int:
+    def _count_round(self, size: int, full: bool) -> int:
         """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
         self.rounds_averaged += 1
         per_value = {"Float16Compression": 2, "NoCompression": 4}.get(type(self.compression).__name__, 1)
-        # butterfly all-reduce of the changes (per_value bytes each) and the outer state (global parameters
-        # and momentum, state_bytes each): a peer sends (n-1)/n of its vector, and the averages of its part
-        # to the n-1 others
-        vector = self.numel * (per_value + 2 * self.state_bytes)
+        # butterfly all-reduce of the changes (per_value bytes each) and, when carried, the outer state
+        # (global parameters and momentum, state_bytes each): a peer sends (n-1)/n of its vector, and the
+        # averages of its part to the n-1 others
+        vector = self.numel * (per_value + (2 * self.state_bytes if full else 0))
         sent = int(2 * vector * (size - 1) / size) if size > 1 else 0
         self.last_round_bytes = sent
         self.bytes_sent += sent
@@ -396,10 +503,10 @@ class DiLoCoOptimizer:
         own, control = self._pending_own, self._pending
         self._pending = self._pending_own = None
         if control is None:
+            self.lineage = fresh_lineage()
             return own, None, 1
         try:
-            result = control.result(self.averaging_timeout)
-            return (*self._results(), self._count_round(len(result)))
+            return self._averaged(*control.result(self.averaging_timeout))
         except BaseException as e:
             if not control.done():
                 control.cancel()
@@ -408,6 +515,7 @@ class DiLoCoOptimizer:
                 "applying this peer's own change"
             )
             self.rounds_failed += 1
+            self.lineage = fresh_lineage()
             return own, None, 1
 
     def _next_round(self) -> None:
@@ -428,6 +536,7 @@ class DiLoCoOptimizer:
         if self._pending is not None and not self._pending.done():
             self._pending.cancel()
         self._pending = self._pending_own = None
+        self.lineage = fresh_lineage()
         if self.overlap:
             self._start = [p.detach().cpu().clone() for p in self.state_averager.global_parameters]
         self.samples = self.inner_steps_this_round = 0
