@@ -11,6 +11,7 @@ from cotrain.families import family_problems
 # settings that were swarm-wide once and are each peer's own now: a [run] table (an older file or preset)
 # may still name them, and they are then read as [peer] settings
 STRATEGY_NAMES = ("sync", "diloco")  # cotrain.engine.strategy.STRATEGIES holds their classes
+AGGREGATIONS = ("mean", "centered-clip")  # cotrain.swarm.robust
 MOVED_TO_PEER = ("matchmaking_time", "averaging_timeout", "grad_compression")
 
 
@@ -93,8 +94,8 @@ class RunConfig:
         "sync",
         "Training strategy: sync (gradients averaged at every global step, the seed recipe) or diloco (each "
         "peer takes --local-steps steps of the preset's optimizer alone, then the swarm averages the change "
-        "of the parameters and takes one outer Nesterov step: per sample, about 2/3 x --local-steps times "
-        "less traffic).",
+        "of the parameters and takes one outer Nesterov step: per sample, about 2 x --local-steps times less "
+        "traffic).",
     )
     local_steps: int = opt(
         50,
@@ -109,6 +110,20 @@ class RunConfig:
         "diloco: run a round's all-reduce in the background while the next round's inner steps compute, "
         "and apply its outer step one round late, so compute never waits for the network.",
     )
+    aggregation: str = opt(
+        "mean",
+        "How the reducer of each part of an all-reduce combines the group's contributions (gradients; "
+        "diloco: parameter changes): mean (weighted by samples) or centered-clip (CenteredClip, robust to "
+        "malicious peers: no single contribution moves a part by more than its share of --clip-tau, "
+        "weights are capped at their median; docs/security.md). Swarm-wide. Contributions of the wrong "
+        "shape or with NaN/Inf are dropped either way.",
+    )
+    clip_tau: str = opt(
+        "auto",
+        "centered-clip: the clipping radius on a part's L2 norm, or auto (2 x the median distance of the "
+        "contributions from their coordinate-wise median, per part).",
+    )
+    clip_iterations: int = opt(5, "centered-clip: iterations per part.")
 
     @classmethod
     def from_dict(cls, values: dict) -> "RunConfig":
@@ -139,6 +154,20 @@ class RunConfig:
             problems.append(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             problems.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.aggregation not in AGGREGATIONS:
+            problems.append(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if not _tau_ok(self.clip_tau):
+            problems.append(f"clip_tau must be auto or a positive number, got {self.clip_tau!r}")
+        problems += not_positive(self, "clip_iterations")
         if self.lr_scheduler not in ("linear", "cosine"):
             problems.append(f"lr_scheduler must be linear or cosine, got {self.lr_scheduler!r}")
         return problems + family_problems(self.model_family, self.objective)
+
+
+def _tau_ok(value: str) -> bool:
+    if str(value).strip().lower() == "auto":
+        return True
+    try:
+        return float(value) > 0
+    except ValueError:
+        return False

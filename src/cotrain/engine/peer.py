@@ -46,7 +46,17 @@ from cotrain.errors import UserError
 logger = logging.getLogger(__name__)
 
 # the run settings the API takes (its other problems concern fields it leaves at their defaults)
-RUN_SETTINGS = ("run_id", "target_batch_size", "strategy", "local_steps", "outer_lr", "outer_momentum")
+RUN_SETTINGS = (
+    "run_id",
+    "target_batch_size",
+    "strategy",
+    "local_steps",
+    "outer_lr",
+    "outer_momentum",
+    "aggregation",
+    "clip_tau",
+    "clip_iterations",
+)
 CATCH_UP_WAIT = 5.0  # seconds a newcomer waits to see other peers before deciding it is the first
 
 
@@ -76,7 +86,11 @@ class SwarmPeer:
     are then the inner ones, stepped at every ``step``; after ``local_steps`` x ``target_batch_size`` samples
     of the swarm, the peers average their parameters' change and take an outer SGD step with Nesterov
     momentum (``outer_lr``, ``outer_momentum``); ``outer_overlap=True`` runs that all-reduce in the
-    background and applies it one round late. ``global_step`` then counts outer rounds."""
+    background and applies it one round late. ``global_step`` then counts outer rounds.
+
+    ``aggregation="centered-clip"`` makes every reducer of the all-reduce combine its part with CenteredClip
+    (``clip_tau``: "auto" or a radius; ``clip_iterations``) instead of the mean, against malicious peers
+    (docs/security.md); every peer of a run must use the same."""
 
     def __init__(
         self,
@@ -111,6 +125,9 @@ class SwarmPeer:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_overlap: bool = False,
+        aggregation: str = "mean",
+        clip_tau: str | float = "auto",
+        clip_iterations: int = 5,
         **settings: Any,
     ) -> None:
         import dataclasses
@@ -130,6 +147,9 @@ class SwarmPeer:
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             outer_overlap=outer_overlap,
+            aggregation=aggregation,
+            clip_tau=str(clip_tau),
+            clip_iterations=clip_iterations,
         )
         problems = [p for p in run.problems() if p.split()[0] in RUN_SETTINGS]
         if batch_size_per_step is not None and batch_size_per_step <= 0:

@@ -166,6 +166,7 @@ class SyncStrategy(Strategy):
             state_compression,
             tracker_options,
         )
+        from cotrain.swarm.robust import Aggregation
 
         averager_opts = _averager_options(peer)
         run_id, target_batch_size = run.run_id, run.target_batch_size
@@ -194,7 +195,9 @@ class SyncStrategy(Strategy):
             delay_state_averaging=peer.delay_state_averaging,
             averager_opts=averager_opts,
             # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
-            grad_averager_factory=gradient_averager_factory(averager_opts),
+            grad_averager_factory=gradient_averager_factory(
+                dict(averager_opts, aggregation=Aggregation.of(run))
+            ),
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
             verbose=peer.verbose,
@@ -288,6 +291,7 @@ class DiLoCoStrategy(Strategy):
             gradient_compression,
             tracker_options,
         )
+        from cotrain.swarm.robust import Aggregation
 
         averager_opts = _averager_options(peer)
         self.run_id, self.load_state_timeout = run.run_id, peer.load_state_timeout
@@ -308,6 +312,7 @@ class DiLoCoStrategy(Strategy):
             compression=gradient_compression(peer.grad_compression),
             batch_size_per_step=batch_size_per_step,
             averager_opts=averager_opts,
+            aggregation=Aggregation.of(run),
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
             verbose=peer.verbose,

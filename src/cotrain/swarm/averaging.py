@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from hivemind.optim.grad_averager import GradientAverager
 
+from cotrain.swarm.robust import Aggregation, RobustAveraging
+
 # Parts of its tensors that an all-reduce reads ahead from each stream. A reducer returns a part's average
 # only once every sender's copy of it has arrived, and reads a sender's next part only after that; reading
 # 8 or 32 parts ahead made no measurable difference at n = 4 (docs/benchmarks.md, all-reduce), so
@@ -18,11 +20,20 @@ from hivemind.optim.grad_averager import GradientAverager
 READ_AHEAD_PARTS = 1
 
 
-class SwarmGradientAverager(GradientAverager):
+class SwarmGradientAverager(RobustAveraging, GradientAverager):
     """hivemind's GradientAverager, as cotrain's trainers run it: ``read_ahead`` parts of each all-reduce
-    stream are received, decoded and held while the reducer waits for the other senders."""
+    stream are received, decoded and held while the reducer waits for the other senders; reducers combine
+    the parts with ``aggregation`` (cotrain.swarm.robust)."""
 
-    def __init__(self, *args, read_ahead: int = READ_AHEAD_PARTS, start: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        read_ahead: int = READ_AHEAD_PARTS,
+        aggregation: Aggregation = Aggregation(),
+        start: bool = False,
+        **kwargs,
+    ) -> None:
+        self.aggregation = aggregation
         super().__init__(*args, start=False, **kwargs)
         # handed by hivemind's averager to each AllReduceRunner, and by it to its TensorPartContainer
         self.allreduce_kwargs["prefetch"] = read_ahead
@@ -32,7 +43,8 @@ class SwarmGradientAverager(GradientAverager):
 
 def gradient_averager_factory(averager_opts: dict | None = None) -> Callable[..., SwarmGradientAverager]:
     """The ``grad_averager_factory`` for hivemind.Optimizer: the peer's averager options (group size,
-    request timeout, bandwidth, ``read_ahead``) on top of the arguments hivemind.Optimizer passes itself."""
+    request timeout, bandwidth, ``read_ahead``, ``aggregation``) on top of the arguments hivemind.Optimizer
+    passes itself."""
     opts = dict(averager_opts or {})
     if opts.get("read_ahead", READ_AHEAD_PARTS) < 1:
         raise ValueError(f"read_ahead must be at least 1, got {opts['read_ahead']}")

@@ -69,6 +69,7 @@ from cotrain.swarm.diloco_state import (
 )
 from cotrain.swarm.keys import outer_averager_prefix, state_averager_prefix
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
+from cotrain.swarm.robust import Aggregation, RobustAveraging
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +110,23 @@ def next_lineage(round_: int, gathered: dict[Any, Any]) -> bytes:
     return digest.digest()
 
 
-class OuterAverager(DecentralizedAverager):
+class OuterAverager(RobustAveraging, DecentralizedAverager):
     """The round's all-reduce: its first ``changes`` tensors (the pseudo-gradients) always, the rest (the
     outer state) only where ``carries_outer_state`` says so for the group, decided from the group's gathered
     data so that all members decide alike. Returns (the gathered data: member's peer id -> what it sent,
     whether the all-reduce was partial here: a member's contribution dropped or a part left un-averaged,
     after which this peer cannot count on holding the group's outer state)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], dht: hivemind.DHT, *, changes: int, **kwargs):
-        self.changes = changes
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        dht: hivemind.DHT,
+        *,
+        changes: int,
+        aggregation: Aggregation = Aggregation(),
+        **kwargs,
+    ):
+        self.changes, self.aggregation = changes, aggregation
         super().__init__(tensors, dht, **kwargs)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -180,6 +189,7 @@ class DiLoCoOptimizer:
         compression: CompressionBase,
         batch_size_per_step: int | None = None,
         averager_opts: dict | None = None,
+        aggregation: Aggregation = Aggregation(),
         tracker_opts: dict | None = None,
         performance_ema_alpha: float = 0.1,
         verbose: bool = False,
@@ -235,6 +245,7 @@ class DiLoCoOptimizer:
             buffers,
             dht,
             changes=n,
+            aggregation=aggregation,
             prefix=outer_averager_prefix(run_id),
             min_matchmaking_time=matchmaking_time,
             request_timeout=request_timeout,

@@ -1,0 +1,250 @@
+"""Robust aggregation inside hivemind's all-reduce: CenteredClip computed by each reducer over its part.
+
+In hivemind's butterfly all-reduce every peer of a group is the reducer of one part of the averaged vector:
+the others send it their copy of that part, it returns the average. With ``--aggregation centered-clip``
+the reducer returns CenteredClip (Karimireddy, He and Jaggi, 2021; per part inside the all-reduce as in
+BTARD, Gorbunov et al., 2022) instead of the weighted mean: starting from the coordinate-wise median of the
+contributions, ``iterations`` times ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i``, where ``clip_tau``
+scales a difference down to norm ``tau`` when it is longer. No single contribution, however large, moves a
+part by more than its share of ``tau`` per iteration; with no contribution farther than ``tau`` from the
+result, the result is the weighted mean. ``tau`` is absolute (on a part's L2 norm), or "auto":
+``AUTO_TAU_FACTOR`` times the median distance of the contributions from the median, per part, which a
+minority of peers cannot inflate. The weights (the samples each peer reports) are capped at their median
+(``WEIGHT_CAP``), so that claiming a million samples buys no more pull than an honest peer's share.
+
+Whatever the aggregation, a reducer refuses contributions that are not a part of the expected shape or
+hold NaN or Inf: the sender is dropped from the rest of that all-reduce (hivemind's ban of a failed
+sender), the round goes on with the others. Each reducer counts, per sender, the contributions it clipped
+far outside ``tau`` and the ones it refused (``RobustPartReducer.suspicion``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from cotrain.config.run import AGGREGATIONS
+
+logger = logging.getLogger(__name__)
+
+AUTO_TAU_FACTOR = 2.0  # auto tau: this many times the median distance of the contributions from the median
+# centered-clip: a contribution weighs at most the median weight. A higher cap lets one peer that claims
+# many samples outweigh the honest ones in a small group (at 4 x the median, one of 4 peers holds 57%).
+WEIGHT_CAP = 1.0
+FAR_OUTSIDE = 2.0  # a contribution this many times tau from the result counts as an outlier
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How reducers combine the contributions to a part: ``name`` in AGGREGATIONS; for centered-clip ``tau``
+    (absolute, > 0) or None for auto, and the number of ``iterations``."""
+
+    name: str = "mean"
+    tau: float | None = None
+    iterations: int = 5
+
+    def __post_init__(self) -> None:
+        if self.name not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.name!r}")
+        if self.tau is not None and not self.tau > 0:
+            raise ValueError(f"clip tau must be positive (or auto), got {self.tau}")
+        if self.iterations < 1:
+            raise ValueError(f"clip iterations must be at least 1, got {self.iterations}")
+
+    @property
+    def robust(self) -> bool:
+        return self.name == "centered-clip"
+
+    @classmethod
+    def of(cls, run) -> Aggregation:
+        """The aggregation a RunConfig asks for."""
+        return cls(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations)
+
+
+def parse_tau(value: str | float | None) -> float | None:
+    """``--clip-tau``: "auto" (None) or a positive number."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    tau = float(value)
+    if not tau > 0:
+        raise ValueError(f"clip tau must be positive or auto, got {value!r}")
+    return tau
+
+
+def capped_weights(weights: torch.Tensor, cap: float = WEIGHT_CAP) -> torch.Tensor:
+    """Weights capped at ``cap`` times their median (a minority cannot move the median)."""
+    if len(weights) == 0:
+        return weights
+    limit = cap * weights.median()
+    return torch.minimum(weights, limit) if limit > 0 else weights
+
+
+@torch.no_grad()
+def centered_clip(
+    parts: torch.Tensor, weights: torch.Tensor, tau: float | None, iterations: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """CenteredClip of ``parts`` (n x d) with ``weights`` (n). Returns (the result, each contribution's
+    distance from it in units of tau, the tau used)."""
+    parts = parts.float()
+    weights = weights.float()
+    total = weights.sum()
+    if total <= 0:
+        weights, total = torch.ones_like(weights), torch.tensor(float(len(weights)))
+    center = parts.median(dim=0).values if len(parts) > 2 else parts.mean(dim=0)
+    if tau is None:
+        distances = (parts - center).norm(dim=1)
+        tau = AUTO_TAU_FACTOR * distances.median().item()
+        if not tau > 0:  # most contributions equal: any that differs is clipped to nothing
+            tau = torch.finfo(torch.float32).tiny
+    for _ in range(iterations):
+        diff = parts - center
+        scale = (tau / diff.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0)
+        center = center + (weights * scale) @ diff / total
+    distance = (parts - center).norm(dim=1) / tau
+    return center, distance, tau
+
+
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer with the aggregation of this module: contributions are kept until all senders'
+    copies of the current part are in, then combined; bad ones are refused (see the module's doc)."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Aggregation):
+        self.aggregation = aggregation
+        self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
+        self.outliers = [0] * num_senders  # parts where the sender's copy lay far outside tau
+        self.refused = [0] * num_senders  # parts refused: wrong shape, NaN or Inf
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        self.accumulator = None  # contributions are kept whole, not summed
+        self.contributions = {}
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        problem = self._problem(part_index, tensor_part, weight)
+        if problem:  # the caller bans the sender: its parts from this one on are left out, the round goes on
+            self.refused[sender_index] += 1
+            raise AllreduceException(f"sender {sender_index} sent {problem} for part {part_index}")
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.contributions[sender_index] = (tensor_part, float(weight))
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    def _problem(self, part_index: int, tensor_part: torch.Tensor, weight: float) -> str:
+        if tensor_part.shape != self.part_shapes[part_index]:
+            expected = tuple(self.part_shapes[part_index])
+            return f"a part of shape {tuple(tensor_part.shape)} (expected {expected})"
+        if not (weight >= 0 and weight < float("inf")):
+            return f"weight {weight}"
+        if not torch.isfinite(tensor_part).all():
+            return "NaN or Inf"
+        return ""
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._combine())
+            self.reset_accumulators()
+
+    def _combine(self) -> torch.Tensor:
+        shape = self.part_shapes[self.current_part_index]
+        if not self.contributions:
+            return torch.zeros(shape)
+        senders = sorted(self.contributions)
+        parts = torch.stack([self.contributions[i][0].reshape(-1).float() for i in senders])
+        weights = torch.tensor([self.contributions[i][1] for i in senders])
+        if not self.aggregation.robust:
+            total = weights.sum()
+            weights = weights / total if total > 0 else torch.full_like(weights, 1 / len(weights))
+            return (weights @ parts).reshape(shape)
+        result, distance, _ = centered_clip(
+            parts, capped_weights(weights), self.aggregation.tau, self.aggregation.iterations
+        )
+        for i, far in zip(senders, (distance > FAR_OUTSIDE).tolist(), strict=True):
+            self.outliers[i] += int(far)
+        return result.reshape(shape)
+
+    def suspicion(self) -> list[int]:
+        """Per sender: parts refused plus parts clipped far outside tau in this all-reduce."""
+        return [a + b for a, b in zip(self.outliers, self.refused, strict=True)]
+
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's AllReduceRunner whose reducer is a RobustPartReducer."""
+
+    def __init__(self, *args, aggregation: Aggregation, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        default = self.tensor_part_reducer
+        self.tensor_part_reducer = RobustPartReducer(default.part_shapes, default.num_senders, aggregation)
+        default.finalize()
+
+
+class RobustAveraging:
+    """For a hivemind DecentralizedAverager subclass: its all-reduces use ``self.aggregation``, and it keeps
+    the last all-reduce's per-peer suspicion (``last_suspicion``: peer id -> count)."""
+
+    aggregation: Aggregation = Aggregation()
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
+    ) -> None:
+        # hivemind's DecentralizedAverager._run_allreduce_inplace_ with the runner above
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RobustAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            aggregation=self.aggregation,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        try:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+                async for tensor, update in azip(as_aiter(*tensors), runner):
+                    tensor.add_(update, alpha=self._averaging_alpha)
+                    self.last_updated = get_dht_time()
+                    self._state_updated.set()
+            else:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+        finally:
+            self._note_suspicion(runner)
+
+    def _note_suspicion(self, runner: RobustAllReduceRunner) -> None:
+        reducer = runner.tensor_part_reducer
+        if not isinstance(reducer, RobustPartReducer):
+            return
+        counts = dict(zip(runner.sender_peer_ids, reducer.suspicion(), strict=True))
+        for peer_id, count in counts.items():
+            if count:
+                logger.info(f"All-reduce: {count} part(s) from {peer_id} refused or clipped far outside tau")

@@ -1,0 +1,230 @@
+"""Robust aggregation (cotrain.swarm.robust): CenteredClip on known inputs, the reducer's refusals, and live
+all-reduces among averagers on 127.0.0.1 with honest and malicious members."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cotrain.config import RunConfig
+from cotrain.swarm.robust import (
+    Aggregation,
+    RobustPartReducer,
+    capped_weights,
+    centered_clip,
+    parse_tau,
+)
+
+# --- CenteredClip on known inputs ------------------------------------------------------------------------
+
+
+def test_without_outliers_centered_clip_is_the_weighted_mean():
+    gen = torch.Generator().manual_seed(0)
+    parts = torch.randn(6, 2000, generator=gen)
+    weights = torch.tensor([1.0, 2.0, 3.0, 1.0, 5.0, 2.0])
+    result, distance, tau = centered_clip(parts, weights, None, iterations=20)
+    mean = (weights @ parts) / weights.sum()
+    torch.testing.assert_close(result, mean, atol=1e-5, rtol=0)
+    assert (distance < 1).all() and tau > 0
+    # a radius larger than every distance: the mean after one iteration, whatever the start
+    result, _, _ = centered_clip(parts, weights, tau=1e6, iterations=1)
+    torch.testing.assert_close(result, mean, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("size", [1e3, 1e6, 1e12])
+def test_one_outlier_of_any_size_moves_the_result_a_bounded_distance(size):
+    gen = torch.Generator().manual_seed(1)
+    honest = torch.randn(4, 1000, generator=gen) + 3.0
+    mean = honest.mean(0)
+    attack = -size * mean  # a sign flip, scaled
+    parts = torch.cat([honest, attack[None]])
+    weights = torch.ones(5)
+    for tau in (None, 10.0):
+        iterations = 5
+        result, distance, used = centered_clip(parts, weights, tau, iterations)
+        # each iteration moves the result by at most the outlier's share of tau, plus the honest pull
+        assert (result - mean).norm() <= iterations * used / 5 + (honest - mean).norm(dim=1).max()
+        assert distance[-1] > 2  # the outlier lies far outside tau
+        assert torch.isfinite(result).all()
+    plain = (weights @ parts) / weights.sum()
+    assert (plain - mean).norm() > 100 * (result - mean).norm()  # the mean is wrecked, the clip is not
+
+
+def test_a_claimed_huge_weight_buys_no_more_than_an_honest_share():
+    weights = torch.tensor([32.0, 24.0, 40.0, 1e6])
+    assert capped_weights(weights).tolist() == [32.0, 24.0, 32.0, 32.0]
+
+
+def test_the_aggregation_settings_are_checked():
+    assert parse_tau("auto") is None and parse_tau("0.5") == 0.5 and parse_tau(2) == 2.0
+    with pytest.raises(ValueError, match="positive"):
+        parse_tau("-1")
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        Aggregation("median")
+    with pytest.raises(ValueError, match="iterations"):
+        Aggregation("centered-clip", iterations=0)
+    run = RunConfig(aggregation="trimmed", clip_tau="zero", clip_iterations=0)
+    text = " ".join(run.problems())
+    assert "aggregation must be one of mean, centered-clip" in text
+    assert "clip_tau must be auto or a positive number" in text
+    assert "clip_iterations" in text
+    assert Aggregation.of(RunConfig(aggregation="centered-clip", clip_tau="3")) == Aggregation(
+        "centered-clip", 3.0, 5
+    )
+
+
+# --- the reducer -----------------------------------------------------------------------------------------
+
+
+def reduce(aggregation: Aggregation, contributions: list[tuple[torch.Tensor, float]], shape=(4,)):
+    """Run one part through a RobustPartReducer, the senders one after the other as hivemind does; a sender
+    whose part is refused is banned (as AllReduceRunner does). Returns (results per sender, reducer)."""
+
+    async def main():
+        reducer = RobustPartReducer([torch.Size(shape)], len(contributions), aggregation)
+        results: list = [None] * len(contributions)
+
+        async def send(i, part, weight):
+            try:
+                results[i] = await reducer.accumulate_part(i, 0, part, weight=weight)
+            except Exception as e:
+                reducer.on_sender_failed(i)
+                results[i] = e
+
+        await asyncio.gather(*(send(i, p, w) for i, (p, w) in enumerate(contributions)))
+        return results, reducer
+
+    return asyncio.run(main())
+
+
+def test_the_reducer_averages_like_hivemind_with_mean():
+    parts = [(torch.tensor([1.0, 2.0, 3.0, 4.0]), 1.0), (torch.tensor([3.0, 2.0, 1.0, 0.0]), 3.0)]
+    results, _ = reduce(Aggregation("mean"), parts)
+    expected = torch.tensor([2.5, 2.0, 1.5, 1.0])
+    for r in results:
+        torch.testing.assert_close(r, expected)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered-clip"])
+def test_a_nan_or_misshaped_part_is_dropped_and_the_others_are_averaged(aggregation):
+    good = [(torch.tensor([1.0, 1.0, 1.0, 1.0]), 1.0), (torch.tensor([3.0, 3.0, 3.0, 3.0]), 1.0)]
+    bad_nan = (torch.tensor([float("nan"), 0.0, 0.0, 0.0]), 1.0)
+    bad_inf = (torch.tensor([float("inf"), 0.0, 0.0, 0.0]), 1.0)
+    bad_shape = (torch.zeros(7), 1.0)
+    results, reducer = reduce(Aggregation(aggregation, tau=100.0), [*good, bad_nan, bad_inf, bad_shape])
+    for r in results[:2]:
+        torch.testing.assert_close(r, torch.full((4,), 2.0))
+    assert all(isinstance(r, Exception) for r in results[2:])
+    assert reducer.suspicion() == [0, 0, 1, 1, 1]
+
+
+def test_the_reducer_counts_contributions_far_outside_tau():
+    honest = [(torch.tensor([1.0, 1.0, 1.0, 1.0]) + 0.01 * i, 1.0) for i in range(4)]
+    attack = (torch.full((4,), -1000.0), 1.0)
+    results, reducer = reduce(Aggregation("centered-clip"), [*honest, attack])
+    assert reducer.suspicion() == [0, 0, 0, 0, 1]
+    assert all((r - 1.015).abs().max() < 0.05 for r in results)
+
+
+# --- live all-reduces on 127.0.0.1 ---------------------------------------------------------------------
+
+
+def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation):
+    """One hivemind averager with cotrain's robust reducers per entry of ``tensors``, in one swarm."""
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    from cotrain.swarm.robust import RobustAveraging
+
+    class Averager(RobustAveraging, DecentralizedAverager):
+        def __init__(self, *args, aggregation, **kwargs):
+            self.aggregation = aggregation
+            super().__init__(*args, **kwargs)
+
+    local = ["/ip4/127.0.0.1/tcp/0"]
+    first = hivemind.DHT(start=True, host_maddrs=local)
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=local, initial_peers=first.get_visible_maddrs())
+        for _ in tensors[1:]
+    ]
+    made = [
+        Averager(
+            [t.clone() for t in own],
+            dht,
+            prefix="robust-test",
+            target_group_size=len(tensors),
+            min_matchmaking_time=5.0,
+            request_timeout=2.0,
+            next_chunk_timeout=5.0,
+            aggregation=aggregation,
+            start=True,
+        )
+        for own, dht in zip(tensors, dhts, strict=True)
+    ]
+    return made, dhts
+
+
+def run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregation: Aggregation):
+    """All-reduce ``tensors`` (one list per peer) once; returns each peer's averaged tensors and group
+    size."""
+    made, dhts = averagers(tensors, aggregation)
+    try:
+        controls = [a.step(weight=w, wait=False, timeout=150) for a, w in zip(made, weights, strict=True)]
+        sizes = [len(c.result(160)) for c in controls]
+        out = []
+        for a in made:
+            with a.get_tensors() as ts:
+                out.append([t.clone() for t in ts])
+        return out, sizes
+    finally:
+        for a in made:
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()
+
+
+def honest_tensors(n: int, seed: int = 0) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    base = [torch.randn(3000, generator=gen), torch.randn(50, 40, generator=gen)]
+    return [[b + 0.3 * torch.randn(b.shape, generator=gen) for b in base] for _ in range(n)]
+
+
+def weighted_mean(tensors, weights, members):
+    w = torch.tensor([weights[i] for i in members])
+    count = len(tensors[0])
+    return [sum(w[k] * tensors[i][j] for k, i in enumerate(members)) / w.sum() for j in range(count)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_centered_clip_all_reduce_of_honest_peers_is_their_weighted_mean():
+    tensors, weights = honest_tensors(4), [32.0, 16.0, 40.0, 24.0]
+    out, sizes = run_round(tensors, weights, Aggregation("centered-clip"))
+    assert sizes == [4, 4, 4, 4]
+    # the weights count up to their median (24 here): [24, 16, 24, 24]
+    expected = weighted_mean(tensors, capped_weights(torch.tensor(weights)).tolist(), range(4))
+    for got in out:
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, atol=2e-3, rtol=0)  # fp32 on the wire: to the clip's iterations
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sign_flipped_peer_is_clipped_and_a_nan_peer_dropped():
+    tensors, weights = honest_tensors(4, seed=1), [32.0, 32.0, 32.0, 1e6]
+    honest = weighted_mean(tensors, weights, range(3))
+    tensors[3] = [-1000 * h for h in honest]  # a sign flip x 1000, claiming a million samples
+    out, sizes = run_round(tensors, weights, Aggregation("centered-clip"))
+    spread = max((tensors[i][0] - honest[0]).norm().item() for i in range(3))
+    for got in out[:3]:
+        # the attacker moved the result by a fraction of the honest spread, not by 1000 x the gradient
+        assert (got[0] - honest[0]).norm().item() < spread, (got[0] - honest[0]).norm()
+    # NaN: refused by the reducers of either aggregation; the honest peers average among themselves
+    tensors = honest_tensors(3, seed=2) + [[torch.full((3000,), float("nan")), torch.zeros(50, 40)]]
+    out, sizes = run_round(tensors, [1.0] * 4, Aggregation("mean"))
+    expected = weighted_mean(tensors, [1.0] * 4, range(3))
+    for got in out[:3]:
+        assert all(torch.isfinite(g).all() for g in got)
+        torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=0)
