@@ -11,6 +11,10 @@ and not the machine's 2 cores stays the bottleneck). Each peer is a process runn
   ``accumulate_grads_`` and ``step`` as the optimizer does;
 - hivemind: a bare ``hivemind.DecentralizedAverager`` with its defaults and the same compression.
 
+``--aggregation centered-clip`` gives cotrain's averager CenteredClip reducers (cotrain.swarm.robust) instead
+of the mean; ``--aggregation both`` runs the two side by side (arms ``cotrain`` and ``cotrain-clip``) and
+reports the time of centered-clip over the mean's.
+
 Rounds of the two arms alternate. All peers are asked to average at the same moment (``scheduled_time``); the
 groups must hold all n peers. The time reported is the all-reduce itself: from the moment the first peer of
 the group starts aggregating (its group is formed: ``_aggregate_with_group`` begins) to the moment the last
@@ -24,6 +28,7 @@ libp2p streams through the peers' daemons (``P2PExchange``): what the links and 
 for this traffic without the all-reduce's logic. ``--transport quic`` runs the peers' libp2p over QUIC.
 
     python benchmarks/allreduce.py [--peers 2 4 8] [--rounds 3] [--quick]
+    python benchmarks/allreduce.py --peers 4 --dtypes fp16 --aggregation both --exchanges 0
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ from _netns import CpuSampler, Peers, say  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL = 1.2
-ARMS = ("cotrain", "hivemind")
+CLIP_GOAL = 1.1  # centered-clip's all-reduce time over the mean's
+AGGREGATION_ARMS = {
+    "mean": ("cotrain", "hivemind"),
+    "centered-clip": ("cotrain-clip", "hivemind"),
+    "both": ("cotrain", "cotrain-clip", "hivemind"),
+}
 
 
 # ----------------------------------------------------------------------------------------------- peer process
@@ -122,7 +132,12 @@ def peer_main(args: argparse.Namespace) -> None:
             params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
             for p, b in zip(params, base, strict=True):
                 p.grad = b * mine
-            averagers["cotrain"] = make_cotrain_averager(args, dht, cmd["dtype"], params, compression, group)
+            for arm in AGGREGATION_ARMS[args.aggregation]:
+                if arm.startswith("cotrain"):
+                    aggregation = "centered-clip" if arm == "cotrain-clip" else "mean"
+                    averagers[arm] = make_cotrain_averager(
+                        args, dht, cmd["dtype"], params, compression, group, aggregation
+                    )
             averagers["hivemind"] = timed(hivemind.DecentralizedAverager)(
                 averaged_tensors=[torch.zeros(shape) for shape in shapes],
                 dht=dht,
@@ -137,7 +152,7 @@ def peer_main(args: argparse.Namespace) -> None:
             avg = averagers[cmd["arm"]]
             timeout = cmd["at"] - time.time() + args.round_timeout
             try:
-                if cmd["arm"] == "cotrain":
+                if cmd["arm"].startswith("cotrain"):
                     avg.accumulate_grads_(batch_size=1)
                     gathered = avg.step(scheduled_time=cmd["at"], timeout=timeout)
                     avg.notify_used_averaged_gradients()
@@ -239,12 +254,14 @@ class P2PExchange:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def make_cotrain_averager(args, dht, dtype, params, compression, group):
+def make_cotrain_averager(args, dht, dtype, params, compression, group, aggregation="mean"):
     """cotrain's gradient averager, built with the arguments hivemind.Optimizer._make_gradient_averager passes
-    (run_id "bench<dtype>")."""
+    (run_id "bench<dtype>", "bench<dtype>_clip" with centered-clip)."""
     from cotrain.swarm.averaging import gradient_averager_factory
+    from cotrain.swarm.robust import Aggregation
 
-    opts = {"bandwidth": args.bandwidth} if args.bandwidth > 0 else {}
+    opts: dict = {"bandwidth": args.bandwidth} if args.bandwidth > 0 else {}
+    opts["aggregation"] = Aggregation(aggregation)
     if args.part_size > 0:
         opts["part_size_bytes"] = int(args.part_size * 1024)
     if args.read_ahead > 0:
@@ -253,7 +270,7 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group):
     cls = timed(factory.func)
     return cls(
         dht=dht,
-        prefix=f"bench{dtype}_grad_averager",
+        prefix=f"bench{dtype}{'_clip' if aggregation != 'mean' else ''}_grad_averager",
         parameters=params,
         min_matchmaking_time=args.matchmaking_time,
         allreduce_timeout=None,
@@ -298,6 +315,8 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
             str(args.read_ahead),
             "--transport",
             args.transport,
+            "--aggregation",
+            args.aggregation,
         ]
         peers = Peers(net, worker, logdir / f"n{n}", cwd=REPO)
         peers.logdir.mkdir(parents=True, exist_ok=True)
@@ -319,10 +338,11 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
                 peers.send({"op": "phase", "dtype": dtype})
                 for i in range(n):
                     peers.receive(i, 300)
-                results: dict[str, list] = {arm: [] for arm in ARMS}
+                arms = AGGREGATION_ARMS[args.aggregation]
+                results: dict[str, list] = {arm: [] for arm in arms}
                 warmup = args.warmup if dtype == args.dtypes[0] else 0  # the processes are warm by then
                 for r in range(-warmup, args.rounds):
-                    for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+                    for arm in arms if r % 2 == 0 else arms[::-1]:
                         at = time.time() + args.matchmaking_time + 1.0
                         peers.send({"op": "round", "round": r, "arm": arm, "at": at})
                         answers = [
@@ -437,7 +457,7 @@ def row(n, rate, dtype, message, bound, goodput, results, tcp=(), libp2p=()) -> 
         "tcp_exchange": statistics.median(tcp) / bound if tcp else float("nan"),
         "libp2p_exchange": statistics.median(libp2p) / bound if libp2p else float("nan"),
     }
-    for arm in ARMS:
+    for arm in results:
         ok = [r for r in results[arm] if r["ok"]]
         out[arm] = {
             "rounds": len(ok),
@@ -454,36 +474,53 @@ def row(n, rate, dtype, message, bound, goodput, results, tcp=(), libp2p=()) -> 
 
 
 def print_table(rows: list[dict]) -> None:
+    """The table of all-reduce times; with a centered-clip arm, its time beside the mean's."""
+    arms = [arm for arm in ("cotrain", "cotrain-clip", "hivemind") if all(arm in r for r in rows)]
+    main = "cotrain" if "cotrain" in arms else "cotrain-clip"
+    clip = "cotrain-clip" in arms and "cotrain" in arms
     print()
     print(
-        "| n | link | dtype | message | bound | cotrain | ratio | hivemind | ratio | cotrain / hivemind "
+        f"| n | link | dtype | message | bound | {main} | ratio "
+        + ("| cotrain centered-clip | ratio | centered-clip / mean " if clip else "")
+        + "| hivemind | ratio | cotrain / hivemind "
         "| TCP floor | all-to-all: TCP / libp2p | uplinks busy (cotrain / hivemind) "
         "| cores busy (machine / peers) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if clip else "") + "---|---|---|---|---|---|---|")
     for r in rows:
-        c, h = r["cotrain"], r["hivemind"]
+        c, h = r[main], r["hivemind"]
+        clip_cells = ""
+        if clip:
+            k = r["cotrain-clip"]
+            clip_cells = f"| {k['seconds']:.2f} s | {k['ratio']:.3f} | **{k['seconds'] / c['seconds']:.3f}** "
         print(
             f"| {r['n']} | {r['rate']:g} Mbit/s | {r['dtype']} | {r['message_mb']:.1f} MB "
             f"| {r['bound']:.2f} s "
-            f"| {c['seconds']:.2f} s | **{c['ratio']:.3f}** | {h['seconds']:.2f} s | {h['ratio']:.3f} "
+            f"| {c['seconds']:.2f} s | **{c['ratio']:.3f}** {clip_cells}"
+            f"| {h['seconds']:.2f} s | {h['ratio']:.3f} "
             f"| {c['seconds'] / h['seconds']:.3f} | {r['tcp_floor']:.3f} "
             f"| {r['tcp_exchange']:.3f} / {r['libp2p_exchange']:.3f} | {c['busy']:.0%} / {h['busy']:.0%} "
             f"| {c['machine']:.2f} / {c['ours']:.2f} |"
         )
     print()
     for dtype in sorted({r["dtype"] for r in rows}):
-        errs = [r[arm]["err"] for r in rows if r["dtype"] == dtype for arm in ARMS]
-        failed = sum(r[arm]["failed"] for r in rows if r["dtype"] == dtype for arm in ARMS)
+        errs = [r[arm]["err"] for r in rows if r["dtype"] == dtype for arm in arms]
+        failed = sum(r[arm]["failed"] for r in rows if r["dtype"] == dtype for arm in arms)
         print(
             f"{dtype}: largest relative error against the true mean {max(errs):.1e}, failed rounds {failed}"
         )
-    worst = max(r["cotrain"]["ratio"] for r in rows)
-    beats = all(r["cotrain"]["seconds"] <= r["hivemind"]["seconds"] * 1.02 for r in rows)
+    worst = max(r[main]["ratio"] for r in rows)
+    beats = all(r[main]["seconds"] <= r["hivemind"]["seconds"] * 1.02 for r in rows)
     print(
         f"Goal: ratio <= {GOAL} at every n ({'met' if worst <= GOAL else 'NOT met'}: worst {worst:.3f}); "
         f"cotrain at least as fast as hivemind's averager: {'yes' if beats else 'no'} (within 2%)"
     )
+    if clip:
+        slowest = max(r["cotrain-clip"]["seconds"] / r["cotrain"]["seconds"] for r in rows)
+        print(
+            f"Goal: centered-clip at most {CLIP_GOAL - 1:.0%} slower than the mean "
+            f"({'met' if slowest <= CLIP_GOAL else 'NOT met'}: worst {slowest:.3f})"
+        )
 
 
 def main() -> None:
@@ -524,6 +561,12 @@ def main() -> None:
         help="the peers' libp2p transport: TCP (Noise, yamux) or QUIC (own encryption and streams, over UDP)",
     )
     ap.add_argument("--trace", help="append each round's timings and link byte counters to this JSONL file")
+    ap.add_argument(
+        "--aggregation",
+        choices=tuple(AGGREGATION_ARMS),
+        default="mean",
+        help="cotrain's averager with mean or centered-clip reducers, or both side by side",
+    )
     ap.add_argument("--quick", action="store_true", help="2 and 4 peers, fp16, 1 round per arm")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--group-size", type=int, default=2, help=argparse.SUPPRESS)

@@ -163,7 +163,7 @@ def main() -> None:
         args.local_steps, args.steps, args.rounds = [10, 50], 4, 1
     if not args.target_batch_size:
         args.target_batch_size = args.peers * args.micro_batch * args.accumulation
-    if not args.averaging_timeout:
+    if not args.averaging_timeout:  # a DiLoCo round that carries the outer state: 3 fp16 vectors
         bound = _netns.allreduce_bound_s(args.peers, 3 * 2 * ALBERT_LARGE_PARAMS, args.rate * 1e6)
         args.averaging_timeout = float(max(60, math.ceil(3 * bound)))
     _netns.prepare_namespaces("traffic.py", args.limit)

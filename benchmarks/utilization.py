@@ -423,7 +423,8 @@ def main() -> None:
     if not args.inner_batch:
         args.inner_batch = args.peers * args.micro_batch * args.accumulation
     if not args.averaging_timeout and not args.peer:
-        # the largest all-reduce: a DiLoCo round averages 3 fp16 vectors (change, global parameters, momentum)
+        # the largest all-reduce: a DiLoCo round that carries the outer state (the first) averages 3 fp16
+        # vectors (change, global parameters, momentum)
         bound = _netns.allreduce_bound_s(args.peers, 3 * 2 * ALBERT_LARGE_PARAMS, args.rate * 1e6)
         args.averaging_timeout = float(max(60, math.ceil(3 * bound)))
     if args.peer:

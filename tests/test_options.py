@@ -116,6 +116,8 @@ def _value_for(section: str, f: dataclasses.Field):
         "tokenizer_type": "wordpiece",
         "strategy": "diloco",
         "outer_momentum": 0.5,  # must stay below 1
+        "aggregation": "centered-clip",
+        "clip_tau": "0.25",
     }
     if f.name in special:
         return special[f.name]

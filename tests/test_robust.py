@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from hivemind.averaging.partition import AllreduceException
 
 from cotrain.config import RunConfig
 from cotrain.swarm.robust import (
@@ -168,11 +169,18 @@ def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation):
 
 def run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregation: Aggregation):
     """All-reduce ``tensors`` (one list per peer) once; returns each peer's averaged tensors and group
-    size."""
+    size. A round where some peer found no group (matchmaking on a loaded machine) is run again, once."""
+    try:
+        return _run_round(tensors, weights, aggregation)
+    except (TimeoutError, AllreduceException):
+        return _run_round(tensors, weights, aggregation)
+
+
+def _run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregation: Aggregation):
     made, dhts = averagers(tensors, aggregation)
     try:
-        controls = [a.step(weight=w, wait=False, timeout=150) for a, w in zip(made, weights, strict=True)]
-        sizes = [len(c.result(160)) for c in controls]
+        controls = [a.step(weight=w, wait=False, timeout=90) for a, w in zip(made, weights, strict=True)]
+        sizes = [len(c.result(100)) for c in controls]
         out = []
         for a in made:
             with a.get_tensors() as ts:

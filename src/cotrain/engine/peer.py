@@ -258,7 +258,7 @@ class SwarmPeer:
     ) -> None:
         from cotrain.engine.join import SwarmConnection
         from cotrain.engine.strategy import strategy_class
-        from cotrain.faults import Faults
+        from cotrain.faults import Attack, Faults
 
         self.model, self.run, self.peer_config = model, run, peer
         self.max_grad_norm, self.grad_scaler = max_grad_norm, grad_scaler
@@ -269,6 +269,7 @@ class SwarmPeer:
         self.healer: Any = None
         self.guard: Any = None
         self.faults = Faults()
+        self.attack = Attack.from_env(run.strategy)  # COTRAIN_ATTACK: a malicious peer, for benchmarks
         self.cores: Any = None  # this peer's share of the machine's cores, when it has no --torch-threads
         self.events: Callable[[str, dict], None] = lambda name, fields: None
         self.last_report: dict | None = None
@@ -409,7 +410,8 @@ class SwarmPeer:
         grad_norm = gradient_norm(self._params, self.max_grad_norm)
         loss_ok = loss is None or math.isfinite(loss)
         if loss_ok and math.isfinite(grad_norm):
-            self.strategy.step(samples)
+            # fault injection (COTRAIN_ATTACK): an attacker's gradient goes on the wire past its own checks
+            self.strategy.step(self.attack.before_step(self._params, samples))
             self._contribution += samples
             if loss is not None:
                 self._loss_sum += float(loss)

@@ -198,6 +198,7 @@ class SyncStrategy(Strategy):
             grad_averager_factory=gradient_averager_factory(
                 dict(averager_opts, aggregation=Aggregation.of(run))
             ),
+            robust_progress=Aggregation.of(run).robust,
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
             verbose=peer.verbose,
@@ -245,15 +246,15 @@ class SyncStrategy(Strategy):
     def state_holder(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:
         """The monitor's and evaluation peer's copy of the swarm's state: a hivemind TrainingStateAverager
         with the trainers' prefix, optimizer and schedule, in full precision, not serving until it holds a
-        state."""
+        state; it publishes its fingerprint and checks what it downloads (cotrain.swarm.statecheck)."""
         from hivemind.compression import NoCompression
-        from hivemind.optim.state_averager import TrainingStateAverager
 
         from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
         from cotrain.swarm.keys import state_averager_prefix
         from cotrain.swarm.optimizer import request_timeout
+        from cotrain.swarm.statecheck import CheckedTrainingStateAverager
 
-        return TrainingStateAverager(
+        return CheckedTrainingStateAverager(
             dht=dht,
             prefix=state_averager_prefix(run.run_id),
             optimizer=optimizer_factory(run),

@@ -129,6 +129,7 @@ class Trainer:
             self._save_local(tokenizer)
 
         stream = batches(self._examples(data), micro, collator, peer.seed, peer.dataloader_num_workers)
+        stream = faults.attack_batches(stream, model.config.vocab_size)  # COTRAIN_ATTACK=label-shuffle
         max_samples = peer.num_train_epochs * data.num_examples
         seen = 0  # samples of this peer's data consumed, for --num-train-epochs
         # samples the swarm accumulates per global step (diloco: per outer round)

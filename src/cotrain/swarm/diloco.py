@@ -57,10 +57,10 @@ from hivemind.compression import (
     RoleAdaptiveCompression,
     TensorRole,
 )
-from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
+from cotrain.faults import Attack
 from cotrain.swarm import fixes
 from cotrain.swarm.diloco_state import (
     DiLoCoStateAverager,
@@ -69,6 +69,7 @@ from cotrain.swarm.diloco_state import (
 )
 from cotrain.swarm.keys import outer_averager_prefix, state_averager_prefix
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
+from cotrain.swarm.progress import tracker_class
 from cotrain.swarm.robust import Aggregation, RobustAveraging
 
 logger = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ class DiLoCoOptimizer:
             start=True,
             **averager_opts,
         )
-        self.tracker = ProgressTracker(
+        self.tracker = tracker_class(aggregation.robust)(
             dht=dht,
             prefix=run_id,
             target_batch_size=round_samples,
@@ -288,6 +289,7 @@ class DiLoCoOptimizer:
         self._pending_own: list[torch.Tensor] | None = None
         self._start = [p.detach().clone() for p in self.parameters] if overlap else None
         self.should_stop: Callable[[], bool] = lambda: False
+        self.attack = Attack.from_env("diloco", announce=False)  # COTRAIN_ATTACK (cotrain.faults)
         self.state_averager.state_sharing_priority = self.local_epoch
 
     # --- what the engine reads --------------------------------------------------------------------
@@ -447,7 +449,8 @@ class DiLoCoOptimizer:
             )
         with self.outer_averager.get_tensors() as tensors, self.state_averager.lock_averaged_tensors:
             state = self._outer_state()
-            for buffer, value in zip(tensors, [*own, *state], strict=True):
+            sent = self.attack.pseudo_gradient(own)  # fault injection: a malicious peer's pseudo-gradient
+            for buffer, value in zip(tensors, [*sent, *state], strict=True):
                 buffer.copy_(value)
         control.weight = float(max(weight, 1))
         control.allow_allreduce()

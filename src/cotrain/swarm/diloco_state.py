@@ -19,6 +19,8 @@ from hivemind.optim.state_averager import (
     load_optimizer_state,
 )
 
+from cotrain.swarm.statecheck import CheckedStateDownloads
+
 logger = logging.getLogger(__name__)
 
 STRATEGY = "diloco"  # what a served state says it is, so that a state of another strategy is refused
@@ -70,10 +72,12 @@ def set_schedule(scheduler: Any, inner_steps: int) -> None:
         scheduler.step()
 
 
-class DiLoCoStateAverager(TrainingStateAverager):
+class DiLoCoStateAverager(CheckedStateDownloads, TrainingStateAverager):
     """A DiLoCo peer's state as hivemind serves and downloads it: the global parameters (the offloaded outer
     optimizer's parameters), the outer optimizer's momentum and the round (``local_epoch``), with the inner
-    optimizer's statistics and its step riding along. The model's own parameters are the local ones."""
+    optimizer's statistics and its step riding along. The model's own parameters are the local ones. A
+    download is checked against the fingerprints of the global parameters that peers publish
+    (cotrain.swarm.statecheck)."""
 
     def __init__(
         self,

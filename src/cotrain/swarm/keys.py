@@ -45,6 +45,17 @@ def state_averager_prefix(run_id: str) -> str:
     return f"{run_id}_state_averager"
 
 
+def fingerprints_key(state_prefix: str) -> str:
+    """The signed fingerprints of the state that each holder serves (cotrain.swarm.statecheck), named from the
+    state averager's prefix (``FingerprintSchema.fingerprints`` under prefix ``state_prefix``)."""
+    return f"{state_prefix}_fingerprints"
+
+
+def state_fingerprints_key(run_id: str) -> str:
+    """``fingerprints_key`` of the run's state averager: ``{run_id}_state_averager_fingerprints``."""
+    return fingerprints_key(state_averager_prefix(run_id))
+
+
 def grad_averager_prefix(run_id: str) -> str:
     """The prefix of ``hivemind.Optimizer``'s gradient averager: hivemind builds it as
     ``f"{run_id}_grad_averager"``."""

@@ -27,8 +27,9 @@ class SwarmOptimizer(hivemind.Optimizer):
     rounds_averaged: int = 0
     rounds_failed: int = 0
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, *, robust_progress: bool = False, **kwargs) -> None:
         fixes.apply()
+        self.robust_progress = robust_progress  # read by _make_progress_tracker, within hivemind's __init__
         super().__init__(**kwargs)
         # hivemind runs the optimizer step in a helper thread, where torch would start a second OpenMP team.
         # With more OpenMP threads than cores, libgomp stops spin-waiting in every team, so each barrier of
@@ -38,6 +39,43 @@ class SwarmOptimizer(hivemind.Optimizer):
         # torch's default); the training thread, which builds this optimizer, keeps its count: read it first.
         torch.get_num_threads()
         self.state_averager.step_executor.submit(torch.set_num_threads, 1).result()
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs):
+        """hivemind's tracker, or with ``robust_progress`` the one that caps what peers claim
+        (cotrain.swarm.progress)."""
+        from cotrain.swarm.progress import tracker_class
+
+        return tracker_class(self.robust_progress)(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+    def _make_state_averager(self, **kwargs):
+        """hivemind's state averager (with the arguments hivemind.Optimizer gives it), its downloads checked
+        against the fingerprints that peers publish of their state (cotrain.swarm.statecheck)."""
+        from cotrain.swarm.keys import state_averager_prefix
+        from cotrain.swarm.statecheck import CheckedTrainingStateAverager
+
+        return CheckedTrainingStateAverager(
+            dht=self.dht,
+            prefix=state_averager_prefix(self.run_id),
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)

@@ -19,6 +19,7 @@ from pydantic.v1 import BaseModel, StrictBool, confloat, conint, constr
 
 from cotrain.swarm.configrecord import schema_validators
 from cotrain.swarm.keys import eval_key, metrics_key
+from cotrain.swarm.statecheck import fingerprint_validators
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
         SchemaValidator(MetricsSchema, prefix=run_id),
         SchemaValidator(EvalSchema, prefix=run_id),
         *schema_validators(run_id),  # the signed run config, see cotrain.swarm.configrecord
+        *fingerprint_validators(run_id),  # fingerprints of the served state, see cotrain.swarm.statecheck
         signature_validator,
     ]
     return validators, signature_validator.local_public_key

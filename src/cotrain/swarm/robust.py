@@ -15,24 +15,30 @@ minority of peers cannot inflate. The weights (the samples each peer reports) ar
 Whatever the aggregation, a reducer refuses contributions that are not a part of the expected shape or
 hold NaN or Inf: the sender is dropped from the rest of that all-reduce (hivemind's ban of a failed
 sender), the round goes on with the others. Each reducer counts, per sender, the contributions it clipped
-far outside ``tau`` and the ones it refused (``RobustPartReducer.suspicion``).
+far outside ``tau`` and the ones it refused (``RobustPartReducer.suspicion``). A peer caught (or dropped
+for sending nothing within the sender timeout) in ``STRIKES`` all-reduces is excluded by this peer for
+``EXCLUSION_SECONDS``, with one log line naming it: its requests to join this peer's groups are refused,
+and in groups it still meets (led by another peer) this peer's reducer refuses its contributions.
 """
-
-from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import AsyncIterator  # noqa: UP035 (hivemind recognises typing's, not collections.abc's)
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from cotrain.config.run import AGGREGATIONS
+from cotrain.faults import silent_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,8 @@ AUTO_TAU_FACTOR = 2.0  # auto tau: this many times the median distance of the co
 # many samples outweigh the honest ones in a small group (at 4 x the median, one of 4 peers holds 57%).
 WEIGHT_CAP = 1.0
 FAR_OUTSIDE = 2.0  # a contribution this many times tau from the result counts as an outlier
+STRIKES = 3  # all-reduces in which a peer was caught before it is excluded
+EXCLUSION_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ class Aggregation:
         return self.name == "centered-clip"
 
     @classmethod
-    def of(cls, run) -> Aggregation:
+    def of(cls, run) -> "Aggregation":
         """The aggregation a RunConfig asks for."""
         return cls(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations)
 
@@ -117,8 +125,14 @@ class RobustPartReducer(TensorPartReducer):
     """hivemind's reducer with the aggregation of this module: contributions are kept until all senders'
     copies of the current part are in, then combined; bad ones are refused (see the module's doc)."""
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Aggregation):
-        self.aggregation = aggregation
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        aggregation: Aggregation,
+        excluded: frozenset[int] = frozenset(),
+    ):
+        self.aggregation, self.excluded = aggregation, excluded
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self.outliers = [0] * num_senders  # parts where the sender's copy lay far outside tau
         self.refused = [0] * num_senders  # parts refused: wrong shape, NaN or Inf
@@ -134,7 +148,8 @@ class RobustPartReducer(TensorPartReducer):
     ) -> torch.Tensor:
         assert 0 <= sender_index < self.num_senders, "invalid sender index"
         assert 0 <= part_index < self.num_parts, "invalid part index"
-        problem = self._problem(part_index, tensor_part, weight)
+        problem = "an excluded peer's part" if sender_index in self.excluded else ""
+        problem = problem or self._problem(part_index, tensor_part, weight)
         if problem:  # the caller bans the sender: its parts from this one on are left out, the round goes on
             self.refused[sender_index] += 1
             raise AllreduceException(f"sender {sender_index} sent {problem} for part {part_index}")
@@ -198,24 +213,44 @@ class RobustPartReducer(TensorPartReducer):
 class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's AllReduceRunner whose reducer is a RobustPartReducer."""
 
-    def __init__(self, *args, aggregation: Aggregation, **kwargs) -> None:
+    def __init__(self, *args, aggregation: Aggregation, excluded: Collection = (), **kwargs) -> None:
         super().__init__(*args, **kwargs)
         default = self.tensor_part_reducer
-        self.tensor_part_reducer = RobustPartReducer(default.part_shapes, default.num_senders, aggregation)
+        refused = frozenset(i for i, peer in enumerate(self.sender_peer_ids) if peer in excluded)
+        self.tensor_part_reducer = RobustPartReducer(
+            default.part_shapes, default.num_senders, aggregation, refused
+        )
         default.finalize()
 
 
 class RobustAveraging:
-    """For a hivemind DecentralizedAverager subclass: its all-reduces use ``self.aggregation``, and it keeps
-    the last all-reduce's per-peer suspicion (``last_suspicion``: peer id -> count)."""
+    """For a hivemind DecentralizedAverager subclass: its all-reduces use ``self.aggregation``; peers caught
+    in ``STRIKES`` all-reduces are excluded for a while (see the module's doc). Runs in the averager's
+    process."""
 
     aggregation: Aggregation = Aggregation()
+
+    def excluded_peers(self) -> set:
+        now = time.monotonic()
+        until = getattr(self, "_excluded_until", {})
+        return {peer for peer, end in until.items() if end > now}
+
+    # no postponed annotations in this module, typing's AsyncIterator: hivemind reads these to register it
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if context.remote_id in self.excluded_peers():
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ) -> None:
         # hivemind's DecentralizedAverager._run_allreduce_inplace_ with the runner above
         group_id = group_info.group_id if group_id is None else group_id
+        await silent_allreduce(self._running_groups.get(group_id), self._allreduce_timeout)  # fault injection
         runner = RobustAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -224,6 +259,7 @@ class RobustAveraging:
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             aggregation=self.aggregation,
+            excluded=self.excluded_peers(),
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
@@ -244,7 +280,20 @@ class RobustAveraging:
         reducer = runner.tensor_part_reducer
         if not isinstance(reducer, RobustPartReducer):
             return
+        if not hasattr(self, "_strikes"):
+            self._strikes, self._excluded_until = {}, {}
         counts = dict(zip(runner.sender_peer_ids, reducer.suspicion(), strict=True))
+        for peer_id in runner.banned_senders:  # sent nothing (or stopped) within the sender timeout
+            counts[peer_id] = counts.get(peer_id, 0) + 1
         for peer_id, count in counts.items():
-            if count:
-                logger.info(f"All-reduce: {count} part(s) from {peer_id} refused or clipped far outside tau")
+            if not count or peer_id == self.peer_id:
+                continue
+            logger.debug(f"All-reduce: {count} part(s) from {peer_id} refused or clipped far outside tau")
+            self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+            if self._strikes[peer_id] >= STRIKES and peer_id not in self.excluded_peers():
+                self._excluded_until[peer_id] = time.monotonic() + EXCLUSION_SECONDS
+                self._strikes[peer_id] = 0
+                logger.warning(
+                    f"Excluding peer {peer_id} from averaging for {EXCLUSION_SECONDS:.0f} s: its "
+                    f"contributions were refused or clipped far outside tau in {STRIKES} all-reduces"
+                )

@@ -1,0 +1,552 @@
+"""State downloads that a malicious donor cannot poison: signed fingerprints of the served state, checked by
+every downloader.
+
+Every state holder (a trainer's state averager, sync or DiLoCo, and the monitor's and evaluation peer's copy)
+publishes, under ``{run_id}_state_averager_fingerprints`` and its own RSA public key as subkey (signed like
+the metrics records), a fingerprint of the parameters it holds (the model's parameters and extra tensors,
+DiLoCo's global parameters) for each of its last ``HISTORY`` global steps. A downloader computes the same
+fingerprint of the state a donor sent and checks it against the records published for that step before
+loading it; a donor whose state differs is named in one log line, tried last for ``SUSPECT_SECONDS``, and the
+next donor is asked, until the download's timeout.
+
+The fingerprint. Honest peers do not hold bit-identical parameters at the same step: the averaged gradients
+(sync) or pseudo-gradients (DiLoCo) and the averaged parameters reach each peer in fp16 with its own rounding,
+and a peer whose averaging round failed took its step with local values. An exact hash would tell every pair
+of honest peers apart. The fingerprint is instead, for each tensor, its norm and the values at
+``SAMPLES_PER_TENSOR`` pseudo-random positions (drawn from the step and the tensor's index, the same on every
+peer). Two fingerprints are compared tensor by tensor in units of the tensor's typical value (its norm over
+the square root of its size, ``rms``): the distance is the largest, over tensors, of the relative difference
+of the norms and of the root-mean-square difference of the sampled values over the rms. A poisoned state
+(random values, even of the same norm; a sign flip; a scale) is at distance ~1; honest peers that averaged
+together are within ``TOLERANCE`` (measured, see its comment).
+
+Which records count, and when a state is loaded (``verdict``):
+- Each record is one vote (one per signing key); a record that names the donor's peer id is the donor's
+  own, and the downloader's own records are left out.
+- A state at step E is *verified* when the records for E that match it, which must include another peer's
+  than the donor's, are at least as many as the records that match any other state (the largest group of
+  agreeing records, ties allowed): loaded. Not a strict majority, because honest DiLoCo peers do split: a
+  peer whose round failed, or two groups that averaged apart, hold different global parameters at the same
+  round (measured: distances of 0.05 to 2 on small tensors) until their next round averages the outer state.
+- It is *refuted* when records of other peers for E exist and it fails that test: not loaded, the donor is
+  named and tried last for a while, and the next donor is asked. One honest peer against one liar is a tie
+  that nobody can break: neither state is loaded.
+- It is *unverifiable* when no peer other than the donor published a record for E (a swarm of peers that
+  publish none, a single trainer beside a monitor at an older step): loaded with an info line, unless a
+  donor whose declared step others did vouch for is still left to ask. Donors are asked in this order: those
+  whose declared step (their priority) has a record of another peer first, then by priority, suspects last;
+  so a donor that claims a step nobody else holds is only asked when no vouched-for donor serves.
+The monitor's record is one vote like any other: a record cannot prove that it comes from the monitor (in a
+public swarm anyone can run one). A peer that loaded nothing retries at its next step, as it is still behind.
+This assumes that most record publishers for a step are honest: one attacker with many keys (Sybil) can
+outvote them, as in any vote; a private swarm's tokens (cotrain.access) bound who can publish at all. An
+attacker that knows the sampled positions can also craft a state that matches the fingerprint while it
+differs elsewhere (keeping every tensor's norm): the check stops a peer that serves garbage, scaled or
+sign-flipped parameters, not a state crafted against it. Optimizer statistics are not checked: DiLoCo's inner
+statistics differ between honest peers by design, and sync's are not averaged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.optim.state_averager import TrainingStateAverager
+from pydantic.v1 import BaseModel, confloat, conint, conlist, constr, root_validator
+
+from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
+
+logger = logging.getLogger(__name__)
+
+SAMPLES_PER_TENSOR = 8  # sampled values per tensor: 36 bytes per tensor in a record, with its norm
+# The largest distance (see the module's doc) at which two fingerprints count as the same state. Measured on
+# live swarms of 3 trainers and a monitor on 127.0.0.1 (albert-tiny, fp16 averaging), between the records of
+# every pair of peers at the same step: sync 2e-4 to 6e-4, and up to 4e-3 for a peer whose first gradient
+# rounds found no group (it stepped alone); DiLoCo (--local-steps 3, 43 rounds, all averaged by the 3) 1e-3
+# to 1.5e-2; the monitor's copy 0. A poisoned state is at ~1 or more (random values of the same norm: ~1.4;
+# a sign flip: 2; zeros: 1; a scale by s: |s - 1| / max(s, 1), 0.33 for s = 1.5). 0.1 is ~7x the largest
+# honest distance and a third of the smallest poison above.
+TOLERANCE = 0.1
+SCALE_FLOOR = 1e-6  # typical values below this count as this (a tensor of zeros against one of ~1e-9 agree)
+HISTORY = 3  # steps each record keeps: a downloader checks a step its peers have just left
+EXPIRATION = 120.0  # seconds a record stays valid
+REPUBLISH = 30.0  # seconds after which an unchanged record is published again
+POLL = 2.0  # seconds between looks at the holder's step and parameters
+SUSPECT_SECONDS = 600.0  # a donor whose state was refuted is asked last for this long
+MAX_RECORD_BYTES = 1 << 20  # per step in a record: ~29,000 tensors
+MAX_VOTERS = 64  # records compared per download (a random sample beyond): the vote is quadratic in them
+MAX_STEP = 10**9
+
+
+# --- the fingerprint ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A state's fingerprint at one global step: per tensor its size, its norm and sampled values."""
+
+    epoch: int
+    numels: tuple[int, ...]
+    norms: torch.Tensor  # float64, one per tensor
+    samples: torch.Tensor  # float64, tensors x SAMPLES_PER_TENSOR
+
+    @property
+    def layout(self) -> str:
+        """A short hash of the tensors' sizes: records of another model are not compared."""
+        return layout_hash(self.numels)
+
+    def to_bytes(self) -> bytes:
+        values = torch.cat([self.norms.reshape(-1), self.samples.reshape(-1)]).to(torch.float32)
+        return values.numpy().tobytes()
+
+    @classmethod
+    def from_bytes(cls, epoch: int, numels: Sequence[int], data: bytes) -> Fingerprint:
+        n = len(numels)
+        values = torch.frombuffer(bytearray(data), dtype=torch.float32).to(torch.float64)
+        if values.numel() != n * (1 + SAMPLES_PER_TENSOR):
+            raise ValueError(f"a fingerprint of {n} tensors has {n * (1 + SAMPLES_PER_TENSOR)} values")
+        return cls(epoch, tuple(numels), values[:n], values[n:].reshape(n, SAMPLES_PER_TENSOR))
+
+
+def layout_hash(numels: Sequence[int]) -> str:
+    return hashlib.sha256(",".join(map(str, numels)).encode()).hexdigest()[:16]
+
+
+def positions(epoch: int, index: int, numel: int) -> torch.Tensor:
+    """The sampled positions of tensor ``index`` at step ``epoch``: the same on every peer, new every step."""
+    seed = int.from_bytes(hashlib.sha256(f"cotrain-state:{epoch}:{index}".encode()).digest()[:8], "little")
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(max(numel, 1), (SAMPLES_PER_TENSOR,), generator=generator)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    return flat if flat.is_floating_point() else flat.double()
+
+
+@torch.no_grad()
+def sampled_values(tensors: Sequence[torch.Tensor], epoch: int) -> torch.Tensor:
+    """The values at the sampled positions of each tensor at step ``epoch`` (tensors x SAMPLES_PER_TENSOR,
+    float64 on the CPU): the cheap part of a fingerprint."""
+    rows = []
+    for i, t in enumerate(tensors):
+        flat = _flat(t)
+        if flat.numel() == 0:
+            rows.append(torch.zeros(SAMPLES_PER_TENSOR, dtype=torch.float64, device=flat.device))
+        else:
+            rows.append(flat[positions(epoch, i, flat.numel()).to(flat.device)].to(torch.float64))
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, SAMPLES_PER_TENSOR, dtype=torch.float64)
+
+
+@torch.no_grad()
+def fingerprint(
+    tensors: Sequence[torch.Tensor], epoch: int, samples: torch.Tensor | None = None
+) -> Fingerprint:
+    """The fingerprint of ``tensors`` (on any device, in any floating dtype) at step ``epoch`` (``samples``:
+    their ``sampled_values``, when already taken)."""
+    norms = []
+    for t in tensors:
+        flat = _flat(t)
+        # fp32 accumulation is ample for a tolerance of TOLERANCE, and needs no float64 copy of the tensor
+        wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        norms.append(torch.linalg.vector_norm(flat, dtype=wide).to(torch.float64))
+    samples = sampled_values(tensors, epoch) if samples is None else samples
+    norms_ = torch.stack(norms).cpu() if norms else torch.zeros(0, dtype=torch.float64)
+    return Fingerprint(epoch, tuple(t.numel() for t in tensors), norms_, samples)
+
+
+def distance(a: Fingerprint, b: Fingerprint) -> float:
+    """How far apart two states are, in units of each tensor's typical value (the largest over tensors of
+    the relative difference of norms and of the sampled values' RMS difference over the tensor's RMS);
+    infinite for different layouts or non-finite values."""
+    if a.numels != b.numels:
+        return math.inf
+    if not a.numels:
+        return 0.0
+    sizes = torch.tensor(a.numels, dtype=torch.float64).clamp(min=1).sqrt()
+    scale = torch.maximum(a.norms.abs(), b.norms.abs()) / sizes
+    scale = scale.clamp(min=SCALE_FLOOR)
+    of_norms = (a.norms - b.norms).abs() / sizes / scale
+    of_samples = (a.samples - b.samples).pow(2).mean(dim=1).sqrt() / scale
+    worst = torch.maximum(of_norms, of_samples).max().item()
+    return worst if math.isfinite(worst) else math.inf
+
+
+# --- the verdict ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a downloaded state is loaded: ``kind`` is "verified", "refuted" or "unverifiable"; ``agree``
+    of ``total`` records for its step match it; ``nearest``: its distance to the nearest other peer's."""
+
+    kind: str
+    agree: int = 0
+    total: int = 0
+    nearest: float = math.inf
+
+    @property
+    def accepted(self) -> bool:
+        return self.kind == "verified"
+
+
+def verdict(
+    state: Fingerprint,
+    records: Mapping[Hashable, Fingerprint],
+    donor: Collection[Hashable] = (),
+    tolerance: float = TOLERANCE,
+) -> Verdict:
+    """Judge the fingerprint of a state that a donor served against ``records``, the fingerprints published
+    for its step (one per signing key; the downloader's own left out); ``donor``: the keys of the records that
+    name the donor. See the module's doc."""
+    if len(records) > MAX_VOTERS:  # a sample of the voters, the donor's own records kept
+        candidates = sorted(k for k in records if k not in donor)
+        others = random.sample(candidates, min(len(candidates), MAX_VOTERS - 1))
+        records = {k: records[k] for k in records if k in donor or k in others}
+    if all(k in donor for k in records):
+        return Verdict("unverifiable", len(records), len(records))
+    distances = {k: distance(state, fp) for k, fp in records.items()}
+    agree = {k for k, d in distances.items() if d <= tolerance}
+    nearest = min(d for k, d in distances.items() if k not in donor)
+    # the largest group of records that agree with a state this one is not
+    outside = [fp for k, fp in records.items() if k not in agree]
+    rivals = max((sum(distance(r, fp) <= tolerance for fp in records.values()) for r in outside), default=0)
+    ok = any(k not in donor for k in agree) and len(agree) >= rivals
+    return Verdict("verified" if ok else "refuted", len(agree), len(records), nearest)
+
+
+# --- the records ----------------------------------------------------------------------------------------
+
+
+class StepFingerprint(BaseModel):
+    """A holder's fingerprint of its state at one global step."""
+
+    epoch: conint(ge=0, le=MAX_STEP, strict=True)
+    layout: constr(regex=r"^[0-9a-f]{16}$", strict=True)  # layout_hash of the tensors' sizes
+    numels: conlist(conint(ge=0, strict=True), max_items=MAX_RECORD_BYTES // 36)
+    values: bytes  # float32: the norms, then SAMPLES_PER_TENSOR values per tensor
+
+    @root_validator(skip_on_failure=True)
+    def _consistent(cls, values: dict) -> dict:
+        if layout_hash(values["numels"]) != values["layout"]:
+            raise ValueError("the layout's hash does not match the tensors' sizes")
+        if len(values["values"]) != 4 * len(values["numels"]) * (1 + SAMPLES_PER_TENSOR):
+            raise ValueError("the fingerprint's length does not match its tensors")
+        return values
+
+    def fingerprint(self) -> Fingerprint:
+        return Fingerprint.from_bytes(self.epoch, self.numels, self.values)
+
+
+class FingerprintRecord(BaseModel):
+    """What one state holder publishes: its fingerprints for its last HISTORY steps."""
+
+    states: conlist(StepFingerprint, min_items=1, max_items=HISTORY)
+    peer_id: constr(regex=r"^[1-9A-HJ-NP-Za-km-z]{1,128}$", strict=True)  # its libp2p peer id (base58)
+    time: confloat(ge=0.0, le=1e11, strict=True) = 0.0
+
+
+class FingerprintSchema(BaseModel):
+    fingerprints: dict[BytesWithPublicKey, FingerprintRecord]
+
+
+def fingerprint_validators(run_id: str) -> list[SchemaValidator]:
+    """The SchemaValidator of ``{run_id}_state_averager_fingerprints`` (merged into the run's validators)."""
+    return [SchemaValidator(FingerprintSchema, prefix=state_averager_prefix(run_id))]
+
+
+def step_record(fp: Fingerprint) -> StepFingerprint:
+    return StepFingerprint(epoch=fp.epoch, layout=fp.layout, numels=list(fp.numels), values=fp.to_bytes())
+
+
+@dataclass(frozen=True)
+class Published:
+    """One holder's record as read: the peer id it names, and its fingerprint per step."""
+
+    peer_id: str
+    steps: dict[int, Fingerprint]
+
+
+def read_fingerprints(dht: Any, key: str) -> dict[bytes, Published]:
+    """Every holder's published fingerprints under ``key``, by the key that signed them (one vote per key: the
+    peer id a record names is its own claim, so two keys naming one peer are two votes, and a forger naming
+    an honest peer takes nothing from it); malformed records are dropped."""
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out: dict[bytes, Published] = {}
+    for subkey, entry in found.value.items():
+        try:
+            record = FingerprintRecord.parse_obj(entry.value)
+            out[subkey] = Published(record.peer_id, {s.epoch: s.fingerprint() for s in record.states})
+        except Exception as e:  # a record of another version, or garbage: never crash the reader
+            logger.debug(f"ignoring a malformed state fingerprint record: {e}")
+    return out
+
+
+class FingerprintPublisher(threading.Thread):
+    """Publishes a holder's fingerprints every POLL seconds when its step or its parameters changed (every
+    REPUBLISH seconds otherwise), keeping its last HISTORY steps."""
+
+    def __init__(self, holder: Any) -> None:
+        super().__init__(daemon=True, name="state-fingerprints")
+        self.holder = holder
+        self.key = fingerprints_key(holder.prefix)
+        self.history: dict[int, StepFingerprint] = {}
+        self.published = (-1, torch.zeros(0), 0.0)  # step, sampled values, time
+        self.closed = threading.Event()
+
+    def run(self) -> None:
+        while not self.closed.wait(POLL):
+            try:
+                self.publish()
+            except Exception as e:  # network trouble degrades: the next round tries again
+                logger.debug(f"publishing the state's fingerprint failed: {e!r}")
+
+    def publish(self, force: bool = False) -> None:
+        """Publish the holder's fingerprint if its step or its sampled values changed since the last one (the
+        norms, a pass over every parameter, are computed only then), or REPUBLISH seconds went by."""
+        from hivemind.utils import get_dht_time
+
+        holder = self.holder
+        last_epoch, last_samples, last_time = self.published
+        with holder.lock_averaged_tensors:
+            epoch = int(holder.local_epoch)
+            tensors = holder.fingerprinted_tensors()
+            samples = sampled_values(tensors, epoch)
+            changed = epoch != last_epoch or not torch.equal(samples, last_samples)
+            if not (force or changed or time.monotonic() - last_time >= REPUBLISH):
+                return
+            fp = fingerprint(tensors, epoch, samples)
+        self.history[epoch] = step_record(fp)
+        for old in sorted(self.history)[:-HISTORY]:
+            del self.history[old]
+        record = FingerprintRecord(
+            states=[self.history[e] for e in sorted(self.history)],
+            peer_id=str(holder.dht.peer_id),
+            time=time.time(),
+        )
+        holder.dht.store(
+            self.key,
+            record.dict(),
+            get_dht_time() + EXPIRATION,
+            subkey=holder.public_key,
+            return_future=True,
+        )
+        self.published = (epoch, samples, time.monotonic())
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+# --- the holders ----------------------------------------------------------------------------------------
+
+
+class CheckedStateDownloads:
+    """A mixin for hivemind's ``TrainingStateAverager`` (and cotrain's ``DiLoCoStateAverager``): publishes
+    the fingerprint of the state it holds, and downloads a state only from a donor whose state matches the
+    fingerprints others published (see the module's doc). The first tensors of the served state, the
+    optimizer's parameters and the extra tensors, are the ones fingerprinted."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from cotrain.faults import PoisonedState
+
+        self.poisoned = PoisonedState.from_env()  # fault injection: serve a corrupted copy
+        self.public_key = RSASignatureValidator().local_public_key  # the process-wide key that signs records
+        self.suspects: dict[str, float] = {}  # donor -> until when it is asked last (averager's process)
+        super().__init__(*args, **kwargs)
+        self.fingerprints = FingerprintPublisher(self)
+        self.fingerprints.start()
+
+    def fingerprinted_tensors(self) -> list[torch.Tensor]:
+        """The tensors the fingerprint covers, in the order they are served (call under the tensors' lock)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]] + list(self.extra_tensors)
+
+    # --- serving ---
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        if self.poisoned.active:
+            tensors = self.poisoned.serve(tensors, self._fingerprinted_count())
+        return metadata, tensors, infos
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """hivemind's priority (the holder's step), which the poisoned-state attack raises."""
+        return self.poisoned.priority(DecentralizedAverager.state_sharing_priority.fget(self))
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        DecentralizedAverager.state_sharing_priority.fset(self, value)
+
+    def shutdown(self) -> None:
+        publisher = getattr(self, "fingerprints", None)
+        if publisher is not None:
+            publisher.close()
+        super().shutdown()
+
+    # --- downloading (in the averager's process) ---
+
+    async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
+        """hivemind's download (DecentralizedAverager._load_state_from_peers), with each donor's state checked
+        against the published fingerprints before it is handed to ``load_state_from_peers``."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils.timed_storage import ValueWithExpiration
+
+        # done a little before the caller stops waiting, so that a state found late is still taken
+        deadline = None if timeout is None else time.monotonic() + timeout - min(2.0, timeout / 10)
+        chunk_timeout = None
+        if timeout is not None:
+            chunk_timeout = self.next_chunk_timeout or self.request_timeout
+        try:
+            served = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True)
+            priorities = {
+                PeerID(peer): float(info.value)
+                for peer, info in (served.value.items() if served is not None else ())
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, int | float)
+            }
+            priorities.pop(self.peer_id, None)
+            if not priorities:
+                logger.info("No peer serves the swarm's state yet")
+                return
+            mine = str(self.peer_id)
+            records = {
+                key: published
+                for key, published in read_fingerprints(self.dht, fingerprints_key(self.prefix)).items()
+                if key != self.public_key and published.peer_id != mine
+            }
+            now = time.monotonic()
+            self.suspects = {peer: until for peer, until in self.suspects.items() if until > now}
+            order = donor_order({p.to_base58(): v for p, v in priorities.items()}, records, self.suspects)
+            fallback, refuted = None, 0
+            for position, (donor, _) in enumerate(order):
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
+                loaded = await self._download_state(PeerID.from_base58(donor), chunk_timeout, remaining)
+                if loaded is None:
+                    continue
+                found = self._judge(donor, loaded, records)
+                if found.accepted:
+                    future.set_result(loaded)
+                    return
+                if found.kind == "unverifiable":
+                    fallback = fallback or (donor, loaded)
+                    if not any(v for _, v in order[position + 1 :]):
+                        break  # no donor is left whose step another peer vouched for
+                else:
+                    refuted += 1
+                    self.suspects[donor] = time.monotonic() + SUSPECT_SECONDS
+            if fallback is not None:
+                donor, loaded = fallback
+                logger.info(
+                    f"No other peer published a fingerprint of the state at step {loaded[0]['epoch']}: "
+                    f"loading peer {donor}'s state unchecked"
+                )
+                future.set_result(loaded)
+            elif refuted:
+                logger.warning(
+                    f"None of the {len(order)} peers that serve the state served one that matches the "
+                    "published fingerprints; not loading a state"
+                )
+        except Exception as e:
+            logger.warning(f"Loading the state from peers failed: {e!r}")
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    def _judge(self, donor: str, loaded: tuple, records: Mapping[bytes, Published]) -> Verdict:
+        metadata, tensors = loaded
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        count = self._fingerprinted_count()
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or len(tensors) < count:
+            logger.warning(f"Peer {donor} served an incomplete state (no step, or tensors missing); skipped")
+            return Verdict("refuted")
+        mine = fingerprint(tensors[:count], epoch)
+        at_epoch = {key: p.steps[epoch] for key, p in records.items() if epoch in p.steps}
+        found = verdict(mine, at_epoch, {key for key, p in records.items() if p.peer_id == donor})
+        if found.kind == "refuted":
+            logger.warning(
+                f"Peer {donor} served a state for step {epoch} that does not match the fingerprints other "
+                f"peers published for that step ({found.agree} of {found.total} agree, distance "
+                f"{found.nearest:.3g} > {TOLERANCE:g}): not loading it, trying another peer"
+            )
+        elif found.kind == "verified":
+            logger.info(
+                f"The state from peer {donor} for step {epoch} matches {found.agree} of {found.total} "
+                f"published fingerprints (distance {found.nearest:.2g})"
+            )
+        return found
+
+    def _fingerprinted_count(self) -> int:
+        return sum(len(g["params"]) for g in self.optimizer.param_groups) + len(self.extra_tensors)
+
+    async def _download_state(self, peer: Any, chunk_timeout: float | None, timeout: float | None):
+        """One donor's (metadata, tensors), or None when it sent none (hivemind's download loop, for one
+        peer)."""
+        try:
+            return await asyncio.wait_for(self._download_from(peer, chunk_timeout), timeout)
+        except Exception as e:
+            logger.info(f"Failed to download the state from peer {peer}: {e!r}")
+            return None
+
+    async def _download_from(self, peer: Any, chunk_timeout: float | None):
+        from hivemind.compression import deserialize_torch_tensor
+        from hivemind.proto import averaging_pb2
+        from hivemind.utils.asyncio import aiter_with_timeout
+        from hivemind.utils.streaming import combine_from_streaming
+
+        started = time.monotonic()
+        logger.info(f"Downloading the state from peer {peer}")
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, parts, tensors = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a new tensor starts: the previous one is complete
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if not metadata:
+            logger.debug(f"Peer {peer} did not send its state")
+            return None
+        logger.info(f"Downloaded the state from peer {peer} in {time.monotonic() - started:.3f} s")
+        return metadata, tensors
+
+
+class CheckedTrainingStateAverager(CheckedStateDownloads, TrainingStateAverager):
+    """hivemind's ``TrainingStateAverager`` (the sync strategy's state, and the monitor's copy of it) with
+    checked downloads and published fingerprints."""
+
+
+def donor_order(
+    priorities: Mapping[str, float],
+    records: Mapping[Any, Published],
+    suspects: Mapping[str, float],
+) -> list[tuple[str, bool]]:
+    """The donors (peer ids) to ask, in order, each with whether another peer published a record for its
+    declared step (its priority, rounded down): suspects last, then vouched-for donors first, then by
+    priority (ties in random order, as hivemind breaks them)."""
+
+    def vouched(donor: str, priority: float) -> bool:
+        step = math.floor(priority) if math.isfinite(priority) else None
+        return any(step in p.steps for p in records.values() if p.peer_id != donor)
+
+    rows = [(donor, vouched(donor, p), p) for donor, p in priorities.items()]
+    rows.sort(key=lambda r: (r[0] not in suspects, r[1], r[2], random.random()), reverse=True)
+    return [(donor, v) for donor, v, _ in rows]

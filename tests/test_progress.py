@@ -1,0 +1,64 @@
+"""What the swarm's progress counts when peers lie about theirs (cotrain.swarm.progress)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from cotrain.swarm.progress import PROGRESS_CAP, RobustProgressTracker, capped, robust_epoch
+
+
+def test_a_lone_peer_far_ahead_does_not_move_the_swarm():
+    assert robust_epoch(5, [5, 5, 5, 10**6]) == 5
+    assert robust_epoch(5, [5, 5, 6]) == 6  # the first peer to finish the step: the swarm's next epoch
+    assert robust_epoch(5, [5, 9, 9]) == 9  # two peers beyond: this peer is behind
+    assert robust_epoch(5, [5, 8, 9]) == 8  # two peers at 8 or beyond
+    assert robust_epoch(5, []) == 5
+
+
+def test_claims_count_at_most_twice_the_median():
+    assert capped([10, 12, 11, 9, 1e6]) == [10, 12, 11, 9, PROGRESS_CAP * 11]
+    assert capped([]) == []
+
+
+def tracker(local_epoch: int, target: int) -> RobustProgressTracker:
+    """A RobustProgressTracker's parsing state without its DHT and threads: what parsing reads."""
+    t = object.__new__(RobustProgressTracker)
+    t.local_progress = SimpleNamespace(epoch=local_epoch, samples_accumulated=0)
+    t.performance_ema = SimpleNamespace(eps=1e-9, samples_per_second=1.0)
+    t.target_batch_size, t.prefix, t.status_loglevel = target, "run", logging.DEBUG
+    t.expected_drift_peers, t.expected_drift_rate = 3, 0.2
+    t.min_refresh_period, t.max_refresh_period, t.default_refresh_period = 0.5, 10.0, 3.0
+    return t
+
+
+def records(*peers: tuple[int, int, float]) -> dict:
+    now = get_dht_time()
+    return {
+        f"peer{i}".encode(): ValueWithExpiration(
+            dict(
+                peer_id=f"peer{i}".encode(),
+                epoch=epoch,
+                samples_accumulated=samples,
+                samples_per_second=rate,
+                time=now,
+                client_mode=False,
+            ),
+            now + 60,
+        )
+        for i, (epoch, samples, rate) in enumerate(peers)
+    }
+
+
+def test_an_inflated_report_does_not_trigger_the_step():
+    honest = [(3, 100, 10.0)] * 4
+    progress = tracker(3, target=1000)._parse_swarm_progress_data(records(*honest, (3, 10**9, 1e6)))
+    assert progress.epoch == 3
+    assert progress.samples_accumulated == 4 * 100 + PROGRESS_CAP * 100  # not a billion
+    assert progress.samples_accumulated < progress.target_batch_size
+    assert progress.eta_next_epoch > get_dht_time() + 5  # its samples/s are capped too
+    # an epoch claimed by one peer alone is ignored
+    progress = tracker(3, target=1000)._parse_swarm_progress_data(records(*honest, (10**6, 10, 10.0)))
+    assert progress.epoch == 3 and progress.samples_accumulated == 400

@@ -1,0 +1,421 @@
+"""State downloads that a malicious donor cannot poison (cotrain.swarm.statecheck).
+
+Fast: the fingerprint tolerates honest rounding and catches poisoned states; the vote over the published
+records; the order in which donors are asked; the record schema on a live DHT; the poisoned-state fault.
+Slow: live swarms on 127.0.0.1 (sync and DiLoCo) of 2 honest peers and one that serves a poisoned state with
+the highest priority; a newcomer names the poisoned donor and loads an honest peer's state.
+
+Run as a script, this file is one peer of those swarms: ``cotrain.SwarmPeer`` on a small regression model,
+writing its state (the tensors it serves) after each global step as JSON lines:
+
+    python tests/test_statecheck.py --out a.jsonl --strategy sync --steps 3 --until STOP [--initial-peers ...]
+    python tests/test_statecheck.py --out n.jsonl --strategy sync --newcomer --initial-peers ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import alive, cotrain_env, read_rows, wait_until
+from cotrain.faults import POISONED_PRIORITY_BONUS, PoisonedState
+from cotrain.swarm import statecheck as sc
+
+# --- the fingerprint ------------------------------------------------------------------------------------
+
+
+def state(seed: int = 0) -> list[torch.Tensor]:
+    """A model-like state: an embedding, weights, a bias of zeros, a norm's weight of ones, a scalar."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(500, 32, generator=g) * 0.02,
+        torch.randn(64, 32, generator=g) * 0.1,
+        torch.zeros(64),
+        torch.ones(64),
+        torch.tensor(0.5),
+    ]
+
+
+def rounded(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What an fp16 round trip (hivemind's averaging on the wire) leaves of a state."""
+    return [t.half().float() for t in tensors]
+
+
+def nudged(tensors: list[torch.Tensor], relative: float, seed: int = 1) -> list[torch.Tensor]:
+    """Each tensor moved by ``relative`` x its RMS per coordinate, at random (an honest peer's step taken
+    with its local instead of the averaged gradient is ~1e-2)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in tensors:
+        rms = t.pow(2).mean().sqrt()
+        out.append(t + relative * rms * torch.randn(t.shape, generator=g))
+    return out
+
+
+def test_honest_rounding_and_drift_pass():
+    honest = sc.fingerprint(state(), 7)
+    assert sc.distance(honest, sc.fingerprint(state(), 7)) == 0.0
+    assert sc.distance(honest, sc.fingerprint(rounded(state()), 7)) < 1e-3
+    assert sc.distance(honest, sc.fingerprint(nudged(state(), 1e-3), 7)) < 0.01
+    assert sc.distance(honest, sc.fingerprint(nudged(state(), 0.02), 7)) < sc.TOLERANCE
+    # the same values in another dtype (a peer that keeps its parameters in fp16 or bf16)
+    assert sc.distance(honest, sc.fingerprint([t.bfloat16() for t in state()], 7)) < 0.01
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [
+        pytest.param(lambda t: PoisonedState(True).serve(t, len(t)), id="random-same-norm"),
+        pytest.param(lambda t: [x * 1000 for x in t], id="scaled-x1000"),
+        pytest.param(lambda t: [-x for x in t], id="sign-flip"),
+        pytest.param(lambda t: [x * 1.5 for x in t], id="scaled-x1.5"),
+        pytest.param(lambda t: nudged(t, 0.5), id="noise-half-rms"),
+        pytest.param(lambda t: [torch.full_like(x, float("nan")) for x in t], id="nan"),
+        pytest.param(lambda t: t[:1] + [-t[1]] + t[2:], id="one-tensor-flipped"),
+        pytest.param(lambda t: state(seed=9), id="another-initialization"),
+    ],
+)
+def test_poisoned_states_fail(poison):
+    honest = sc.fingerprint(state(), 7)
+    assert sc.distance(honest, sc.fingerprint(poison(state()), 7)) > 3 * sc.TOLERANCE
+
+
+def test_layouts_and_steps_are_not_mixed():
+    honest = sc.fingerprint(state(), 7)
+    assert sc.distance(honest, sc.fingerprint(state()[:-1], 7)) == math.inf
+    assert sc.distance(honest, sc.fingerprint([state()[0].reshape(-1)] + state()[1:], 7)) == 0.0
+    # other positions are sampled at another step: fingerprints of two steps never compare equal
+    assert sc.distance(honest, sc.fingerprint(state(), 8)) > sc.TOLERANCE
+
+
+def test_fingerprint_bytes_round_trip_and_record_schema():
+    fp = sc.fingerprint(state(), 3)
+    entry = sc.step_record(fp)
+    assert len(entry.values) == 4 * len(fp.numels) * (1 + sc.SAMPLES_PER_TENSOR)
+    assert sc.distance(fp, entry.fingerprint()) < 1e-6  # float32 on the wire
+    record = sc.FingerprintRecord(states=[entry], peer_id="QmPeer", time=1.0)
+    assert sc.FingerprintRecord.parse_obj(record.dict()).states[0].epoch == 3
+    with pytest.raises(ValueError):  # a layout that does not match the sizes
+        sc.StepFingerprint(**{**entry.dict(), "numels": list(fp.numels[:-1])})
+    with pytest.raises(ValueError):  # values of another length
+        sc.StepFingerprint(**{**entry.dict(), "values": entry.values[:-4]})
+    with pytest.raises(ValueError):  # more steps than a record keeps
+        sc.FingerprintRecord(states=[entry] * (sc.HISTORY + 1), peer_id="QmPeer")
+
+
+# --- the vote -------------------------------------------------------------------------------------------
+
+
+def test_verdict_follows_the_majority_of_the_records_for_the_step():
+    honest, other = sc.fingerprint(state(), 5), sc.fingerprint(rounded(nudged(state(), 2e-3)), 5)
+    poisoned = sc.fingerprint(PoisonedState(True).serve(state(), 5), 5)
+    # 2 honest peers and a liar that publishes its honest state's fingerprint: the poisoned state is refuted
+    records = {"h1": honest, "h2": other, "liar": other}
+    assert sc.verdict(poisoned, records, {"liar"}).kind == "refuted"
+    assert sc.verdict(honest, records, {"h1"}).accepted
+    # the liar publishes the poisoned state's fingerprint: still 1 of 3, and the honest donors 2 of 3
+    records = {"h1": honest, "h2": other, "liar": poisoned}
+    found = sc.verdict(poisoned, records, {"liar"})
+    assert found.kind == "refuted" and (found.agree, found.total) == (1, 3) and found.nearest > 1
+    assert sc.verdict(other, records, {"h2"}).accepted
+    # one honest peer against one liar: nobody can tell, nothing is loaded from either
+    assert sc.verdict(honest, {"h1": honest, "liar": poisoned}, {"h1"}).kind == "refuted"
+    assert sc.verdict(poisoned, {"h1": honest, "liar": poisoned}, {"liar"}).kind == "refuted"
+    # a record that names the donor is the donor's, whatever key signed it; a forger's record that names
+    # an honest donor is one more vote, and not the donor's
+    records = {"h1": honest, "h2": other, "forged-h1": poisoned}
+    assert sc.verdict(honest, records, {"h1", "forged-h1"}).accepted
+    # a donor's own record never vouches for it alone
+    assert sc.verdict(poisoned, {"liar": poisoned}, {"liar"}).kind == "unverifiable"
+    assert sc.verdict(honest, {}, {"h1"}).kind == "unverifiable"
+
+
+def test_verdict_accepts_either_side_of_an_honest_split():
+    """DiLoCo peers that averaged in two groups hold two states at the same round: either is loaded; a peer
+    whose round failed alone is outvoted, as is a liar among them."""
+    a, b = sc.fingerprint(state(), 5), sc.fingerprint(nudged(state(), 0.5, seed=2), 5)
+    a2, b2 = sc.fingerprint(rounded(state()), 5), sc.fingerprint(rounded(nudged(state(), 0.5, seed=2)), 5)
+    lone = sc.fingerprint(nudged(state(), 0.5, seed=3), 5)
+    records = {"a1": a, "a2": a2, "b1": b, "b2": b2}
+    assert sc.verdict(a, records, {"a1"}).accepted and sc.verdict(b2, records, {"b2"}).accepted
+    records["lone"] = lone
+    found = sc.verdict(lone, records, {"lone"})
+    assert found.kind == "refuted" and found.agree == 1
+    records = {"a1": a, "a2": a2, "b1": b}  # 2 against 1: the larger group wins
+    assert sc.verdict(a, records, {"a1"}).accepted and not sc.verdict(b, records, {"b1"}).accepted
+
+
+def test_verdict_samples_its_voters_in_a_large_swarm():
+    honest = sc.fingerprint(state(), 5)
+    records = {f"h{i}": honest for i in range(3 * sc.MAX_VOTERS)}
+    found = sc.verdict(honest, records, {"h0"})
+    assert found.accepted and found.total == sc.MAX_VOTERS
+
+
+def test_donors_vouched_for_are_asked_first_and_suspects_last():
+    fp = sc.fingerprint(state(), 5)
+    steps = {"h1": [4, 5], "h2": [5], "liar": [5], "monitor": [2]}
+    records = {f"key-{peer}": sc.Published(peer, dict.fromkeys(held, fp)) for peer, held in steps.items()}
+    priorities = {"h1": 5.0, "h2": 5.0, "liar": 5.0 + POISONED_PRIORITY_BONUS, "monitor": 2.0, "far": 1e9}
+    order = sc.donor_order(priorities, records, suspects={})
+    # the liar's bonus puts it first among the peers at step 5 (what hivemind would do); a claim of a step
+    # nobody else holds ("far") comes after every donor whose step others vouch for
+    assert order[0] == ("liar", True)
+    assert sorted(order[1:3]) == [("h1", True), ("h2", True)]
+    assert order[3:] == [("far", False), ("monitor", False)]
+    order = sc.donor_order(priorities, records, suspects={"liar": time.monotonic() + 60})
+    assert order[-1][0] == "liar"
+
+
+def test_the_poisoned_state_fault():
+    honest = state()
+    assert PoisonedState(False).serve(honest, 5) == honest
+    assert PoisonedState(False).priority(4.0) == 4.0
+    attack = PoisonedState(True)
+    served = attack.serve(honest, 2)
+    assert attack.priority(4.0) == 4.0 + POISONED_PRIORITY_BONUS
+    assert served[2:] == honest[2:]  # only the first ``count`` tensors (the parameters) are replaced
+    for t, s in zip(honest[:2], served[:2], strict=True):
+        assert s.shape == t.shape and not torch.equal(s, t)
+        assert torch.linalg.vector_norm(s).item() == pytest.approx(torch.linalg.vector_norm(t).item(), 1e-4)
+    assert torch.equal(honest[0], state()[0])  # the holder's own tensors are left as they were
+
+
+@pytest.mark.timeout(90)
+def test_a_holder_publishes_signed_fingerprints_that_peers_read():
+    """A real state holder on a DHT on 127.0.0.1 publishes its fingerprint; the schema refuses a bad one."""
+    import hivemind
+
+    from cotrain.swarm.keys import state_fingerprints_key
+    from cotrain.swarm.records import make_validators
+
+    run_id = "statecheck-records"
+    validators, public_key = make_validators(run_id)
+    dht = hivemind.DHT(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators, nat_port_map=False, start=True
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    holder = sc.CheckedTrainingStateAverager(
+        dht=dht,
+        prefix=f"{run_id}_state_averager",
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        params=model.parameters(),
+        start=True,
+    )
+    try:
+        holder.local_epoch = 4
+        holder.fingerprints.publish(force=True)
+        key = state_fingerprints_key(run_id)
+        deadline = time.monotonic() + 30
+        found = sc.read_fingerprints(dht, key)
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.2)
+            found = sc.read_fingerprints(dht, key)
+        mine = found[public_key]
+        with holder.lock_averaged_tensors:
+            expected = sc.fingerprint(holder.fingerprinted_tensors(), 4)
+        assert mine.peer_id == str(dht.peer_id) and list(mine.steps) == [4]
+        assert sc.distance(mine.steps[4], expected) < 1e-6
+        # the schema refuses a record whose fingerprint does not match its layout, even under one's own key
+        bad = sc.FingerprintRecord(states=[sc.step_record(expected)], peer_id="QmPeer").dict()
+        bad["states"][0]["values"] = bad["states"][0]["values"][:-4]
+        from hivemind.utils import get_dht_time
+
+        assert not dht.store(key, bad, get_dht_time() + 30, subkey=public_key)
+    finally:
+        holder.shutdown()
+        dht.shutdown()
+
+
+# --- live swarms ----------------------------------------------------------------------------------------
+
+ATTACK_ENV = {"COTRAIN_ATTACK": "poisoned-state"}
+
+
+def relative_gap(a: list[float], b: list[float]) -> float:
+    a_, b_ = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((a_ - b_).norm() / b_.norm())
+
+
+class Peer:
+    """This file run as a peer script, in its own process group, its JSON lines in ``out``."""
+
+    def __init__(self, tmp: Path, name: str, args: list[str], env: dict | None = None):
+        self.name, self.out, self.log = name, tmp / f"{name}.jsonl", tmp / f"{name}.log"
+        self._log = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--out", str(self.out), *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**cotrain_env(), **(env or {})},
+            start_new_session=True,
+        )
+        self.pgid = os.getpgid(self.proc.pid)
+
+    def rows(self, event: str | None = None) -> list[dict]:
+        return [r for r in read_rows(self.out) if event is None or r["event"] == event]
+
+    def text(self) -> str:
+        self._log.flush()
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)  # hivemind's DHT, p2pd and averagers, if any are left
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_a_newcomer_refuses_the_poisoned_donor_and_loads_an_honest_state(strategy, tmp_path):
+    steps, stop = 5, tmp_path / "stop"
+    go = tmp_path / "go"  # the 3 peers start training together once all have joined
+    common = ["--strategy", strategy, "--run-id", f"statecheck-{strategy}", "--until", str(stop)]
+    peers: dict[str, Peer] = {}
+    try:
+        trainer = [*common, "--steps", str(steps), "--go", str(go)]
+        peers["h1"] = Peer(tmp_path, "h1", [*trainer, "--seed", "1"])
+        initial = wait_until(lambda: peers["h1"].rows("ready"), 60, what="the first peer")[0]["maddrs"]
+        join = ["--initial-peers", *initial]
+        peers["h2"] = Peer(tmp_path, "h2", [*trainer, *join, "--seed", "2"])
+        peers["liar"] = Peer(tmp_path, "liar", [*trainer, *join, "--seed", "3"], ATTACK_ENV)
+
+        wait_until(lambda: all(p.rows("ready") for p in peers.values()), 60, what="3 peers joined")
+        go.touch()
+
+        def idle() -> dict | None:
+            done = {name: p.rows("idle") for name, p in peers.items()}
+            return done if all(done.values()) else None
+
+        done = wait_until(idle, 150, what=f"3 peers at step {steps}")
+        step = done["h1"][-1]["step"]
+        assert step >= steps and all(rows[-1]["step"] == step for rows in done.values()), done
+        ids = {name: p.rows("ready")[0]["peer_id"] for name, p in peers.items()}
+        honest = {name: peers[name].rows("state")[-1]["values"] for name in ("h1", "h2")}
+        gap_honest = relative_gap(honest["h1"], honest["h2"])
+
+        newcomer = peers["new"] = Peer(tmp_path, "new", [*common, *join, "--newcomer"])
+        loaded = wait_until(lambda: newcomer.rows("loaded"), 90, what="the newcomer's download")[0]
+        text = newcomer.text()
+        # the poisoned donor was asked first (the highest priority) and named, and an honest state was loaded
+        assert f"Peer {ids['liar']} served a state for step {step} that does not match" in text, text[-4000:]
+        assert "(COTRAIN_ATTACK=poisoned-state): serving a poisoned state" in peers["liar"].text()
+        assert loaded["step"] == step, loaded
+        matched = [h for h in ("h1", "h2") if f"The state from peer {ids[h]} for step {step} matches" in text]
+        assert matched, text[-4000:]
+        gaps = {name: relative_gap(loaded["values"], values) for name, values in honest.items()}
+        print(f"{strategy}: honest peers differ by {gap_honest:.2e}; the newcomer from them by {gaps}")
+        assert min(gaps.values()) < 1e-6, gaps  # a copy of one honest peer's state, not the poisoned one
+        assert "Traceback" not in text
+    finally:
+        stop.touch()
+        for p in peers.values():
+            p.stop()
+    assert not alive([p.proc.pid for p in peers.values()])
+
+
+# --- the peer script ------------------------------------------------------------------------------------
+
+
+def flat(tensors: list[torch.Tensor]) -> list[float]:
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).tolist()
+
+
+def peer_main() -> None:
+    import logging
+
+    import cotrain
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategy", default="sync")
+    p.add_argument("--run-id", default="statecheck")
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--steps", type=int, default=3, help="train until this global step, then serve")
+    p.add_argument("--until", help="serve until this file exists")
+    p.add_argument("--newcomer", action="store_true", help="join, write the state loaded, leave")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--go", help="start training once this file exists (waiting up to 90 s)")
+    args = p.parse_args()
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)  # the same initial parameters on every peer
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    target = torch.arange(16, dtype=torch.float32) / 16
+    data = torch.Generator().manual_seed(args.seed)
+    out = open(args.out, "a", buffering=1)
+
+    def emit(**row) -> None:
+        out.write(json.dumps(row) + "\n")
+
+    peer = cotrain.SwarmPeer(
+        model,
+        # small steps, as a real model's (~0.5% of a tensor's values per step): a peer that stepped without
+        # the group's average stays well within the check's tolerance of the others
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        run_id=args.run_id,
+        target_batch_size=32,
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        batch_size_per_step=8,
+        matchmaking_time=2.0,
+        averaging_timeout=10.0,
+        load_state_timeout=30.0,
+        startup_timeout=30.0,
+        strategy=args.strategy,
+        local_steps=3,
+        torch_threads=1,
+    )
+    holder = peer.strategy.opt.state_averager
+
+    def served() -> list[float]:
+        with holder.lock_averaged_tensors:
+            return flat(holder.fingerprinted_tensors())
+
+    with peer:
+        emit(event="ready", maddrs=peer.maddrs, peer_id=peer.peer_id, step=peer.global_step)
+        if args.newcomer:
+            emit(event="loaded", step=peer.global_step, values=served())
+            return
+        deadline = time.monotonic() + 90
+        while args.go and not Path(args.go).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        while peer.global_step < args.steps:
+            x = torch.randn(8, 16, generator=data)
+            y = x @ target + 0.01 * torch.randn(8, generator=data)
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            loss.backward()
+            time.sleep(0.3)  # compute time: the peers see each other's progress before a step is due
+            if peer.step(loss=loss.item()):
+                emit(event="state", step=peer.global_step, values=served())
+        time.sleep(3.0)  # the last state averaging round and fingerprint settle
+        emit(event="state", step=peer.global_step, values=served())
+        emit(event="idle", step=peer.global_step)
+        while args.until and not Path(args.until).exists():
+            time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    peer_main()
+    sys.exit(0)
