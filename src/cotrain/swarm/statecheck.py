@@ -533,6 +533,12 @@ class CheckedTrainingStateAverager(CheckedStateDownloads, TrainingStateAverager)
     """hivemind's ``TrainingStateAverager`` (the sync strategy's state, and the monitor's copy of it) with
     checked downloads and published fingerprints."""
 
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        """The protocol names of hivemind's TrainingStateAverager (hivemind names them after the class), so
+        that peers, their access guard and their stubs see the same averager as before."""
+        return TrainingStateAverager._get_handle_name(namespace, method_name)
+
 
 def donor_order(
     priorities: Mapping[str, float],
