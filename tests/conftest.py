@@ -121,11 +121,37 @@ def cotrain_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
 
 
+# every role's log with the test file that started it, in order of start: a failed test's report shows the
+# tails of its file's logs (a module's story starts roles in one test and checks them in the next)
+ROLE_LOGS: list[tuple[str, Path]] = []
+LOG_TAIL_LINES = 25
+
+
+def _test_file() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with the last lines of the logs of the roles its test file started."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and report.when == "call":
+        here = item.nodeid.split("::")[0]
+        for log in [log for file, log in ROLE_LOGS if file == here][-8:]:
+            try:
+                tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            except OSError:
+                continue
+            report.sections.append((f"role log {log}", "\n".join(tail)))
+
+
 class Role:
     """A `cotrain` role started as a user would start it: in its own process group, like a terminal job."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
         self.check_listen(args)
+        ROLE_LOGS.append((_test_file(), log))
         self.args = args
         self.log_path = log
         self._log = open(log, "w")
