@@ -22,8 +22,8 @@ import torch
 
 from conftest import REPO, cotrain_env, read_rows, wait_until
 from cotrain.config import RunConfig
-from cotrain.swarm.diloco import OUTER_STATE_EVERY, carries_outer_state, fresh_lineage, next_lineage
 from cotrain.swarm.diloco_state import initialize_state, outer_optimizer_factory, set_schedule
+from cotrain.swarm.lineage import OUTER_STATE_EVERY, carries_outer_state, fresh_lineage, next_lineage
 
 PEER = REPO / "tests" / "diloco_peer.py"
 FP16_TOL = 2e-3  # relative to the pseudo-gradients' scale: what fp16 rounding of the averaged part leaves

@@ -10,6 +10,9 @@ import torch
 from hivemind.averaging.partition import AllreduceException
 
 from cotrain.config import RunConfig
+from cotrain.config import run as run_config
+from cotrain.engine.strategy import aggregation_of
+from cotrain.swarm import robust
 from cotrain.swarm.robust import (
     Aggregation,
     RobustPartReducer,
@@ -71,9 +74,10 @@ def test_the_aggregation_settings_are_checked():
     assert "aggregation must be one of mean, centered-clip" in text
     assert "clip_tau must be auto or a positive number" in text
     assert "clip_iterations" in text
-    assert Aggregation.of(RunConfig(aggregation="centered-clip", clip_tau="3")) == Aggregation(
+    assert aggregation_of(RunConfig(aggregation="centered-clip", clip_tau="3")) == Aggregation(
         "centered-clip", 3.0, 5
     )
+    assert robust.AGGREGATIONS == run_config.AGGREGATIONS  # the settings name what the reducers do
 
 
 # --- the reducer -----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from cotrain.families import family_problems
 # settings that were swarm-wide once and are each peer's own now: a [run] table (an older file or preset)
 # may still name them, and they are then read as [peer] settings
 STRATEGY_NAMES = ("sync", "diloco")  # cotrain.engine.strategy.STRATEGIES holds their classes
-AGGREGATIONS = ("mean", "centered-clip")  # cotrain.swarm.robust
+AGGREGATIONS = ("mean", "centered-clip")  # what cotrain.swarm.robust can do
 MOVED_TO_PEER = ("matchmaking_time", "averaging_timeout", "grad_compression")
 
 

@@ -57,7 +57,6 @@ RUN_SETTINGS = (
     "clip_tau",
     "clip_iterations",
 )
-CATCH_UP_WAIT = 5.0  # seconds a newcomer waits to see other peers before deciding it is the first
 
 
 class SwarmPeer:
@@ -353,27 +352,9 @@ class SwarmPeer:
 
     def catch_up(self) -> None:
         """Load the swarm's state when others are already further along (bounded, with a message)."""
-        from cotrain.swarm.served import served_epochs
+        from cotrain.engine.handover import catch_up
 
-        deadline = time.monotonic() + min(CATCH_UP_WAIT, self.peer_config.load_state_timeout)
-        if self.peer_config.initial_peers:  # the first peer has nobody to wait for
-            while self.strategy.num_peers <= 1 and time.monotonic() < deadline and not self._stop.is_set():
-                time.sleep(0.2)
-        me = self.dht.peer_id.to_bytes()
-        served = max((e for p, e in served_epochs(self.dht, self.run.run_id).items() if p != me), default=0)
-        swarm_step = max(self.strategy.swarm_step, int(served))  # with no trainer left, a monitor may serve
-        loaded = False
-        if swarm_step > self.global_step:
-            logger.info(
-                f"The swarm is at step {swarm_step} ({self.strategy.num_peers} peers): loading its current "
-                f"state (waiting up to {self.peer_config.load_state_timeout:.0f} s)"
-            )
-            before = self.global_step
-            self.strategy.load_state_from_peers()
-            loaded = self.global_step > before
-            logger.info(f"Starting from global step {self.global_step}")
-        self._last_epoch = self.global_step
-        self.events("started", {"step": self.global_step, "swarm_step": swarm_step, "loaded": loaded})
+        catch_up(self)
 
     def start(self) -> None:
         """Start healing (re-joining after a partition) and the NaN guard's first backup."""
@@ -526,38 +507,11 @@ class SwarmPeer:
 
     def leave_final_state(self, timeout: float | None = None) -> bool:
         """Done training (--max-steps, an epoch limit): before leaving, make sure a monitor that keeps the
-        swarm's checkpoints has this peer's final state. Announces it is leaving (the monitor then fetches
-        the newest state at once) and keeps serving it until a monitor serves a state at least as new, for up
-        to ``timeout`` seconds (default: load_state_timeout + 30). Returns whether a monitor has it."""
-        from cotrain.swarm.served import served_epochs
+        swarm's checkpoints has this peer's final state (cotrain.engine.handover). Waits up to ``timeout``
+        seconds (default: load_state_timeout + 30); returns whether a monitor has it."""
+        from cotrain.engine.handover import leave_final_state
 
-        monitors = self.connection.peers_in_role("monitor")
-        served = served_epochs(self.dht, self.run.run_id)
-        if not any(p in served for p in monitors):  # no monitor keeps checkpoints: nobody to wait for
-            return False
-        step = self.global_step
-        timeout = self.peer_config.load_state_timeout + 30 if timeout is None else timeout
-
-        def has_it() -> bool:
-            return any(served_epochs(self.dht, self.run.run_id).get(p, -1) >= step for p in monitors)
-
-        if has_it():
-            self.events("leaving", {"step": step, "monitor_has_it": True})
-            return True
-        self.connection.announce_leaving()
-        logger.info(
-            f"Leaving the final state (global step {step}) to the monitor's checkpoint "
-            f"(waiting up to {timeout:.0f} s)"
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self._stop.wait(1.0):
-            if has_it():
-                logger.info(f"The monitor holds global step {step}")
-                self.events("leaving", {"step": step, "monitor_has_it": True})
-                return True
-        logger.warning(f"No monitor took global step {step} within {timeout:.0f} s")
-        self.events("leaving", {"step": step, "monitor_has_it": False})
-        return False
+        return leave_final_state(self, timeout)
 
     # --- checkpoints ------------------------------------------------------------------------------
 

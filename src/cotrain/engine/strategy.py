@@ -166,7 +166,6 @@ class SyncStrategy(Strategy):
             state_compression,
             tracker_options,
         )
-        from cotrain.swarm.robust import Aggregation
 
         averager_opts = _averager_options(peer)
         run_id, target_batch_size = run.run_id, run.target_batch_size
@@ -196,9 +195,9 @@ class SyncStrategy(Strategy):
             averager_opts=averager_opts,
             # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
             grad_averager_factory=gradient_averager_factory(
-                dict(averager_opts, aggregation=Aggregation.of(run))
+                dict(averager_opts, aggregation=aggregation_of(run))
             ),
-            robust_progress=Aggregation.of(run).robust,
+            robust_progress=aggregation_of(run).robust,
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
             verbose=peer.verbose,
@@ -292,7 +291,6 @@ class DiLoCoStrategy(Strategy):
             gradient_compression,
             tracker_options,
         )
-        from cotrain.swarm.robust import Aggregation
 
         averager_opts = _averager_options(peer)
         self.run_id, self.load_state_timeout = run.run_id, peer.load_state_timeout
@@ -313,7 +311,7 @@ class DiLoCoStrategy(Strategy):
             compression=gradient_compression(peer.grad_compression),
             batch_size_per_step=batch_size_per_step,
             averager_opts=averager_opts,
-            aggregation=Aggregation.of(run),
+            aggregation=aggregation_of(run),
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
             verbose=peer.verbose,
@@ -401,6 +399,13 @@ class DiLoCoStrategy(Strategy):
             status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
             start=True,
         )
+
+
+def aggregation_of(run: RunConfig) -> Any:
+    """The aggregation (cotrain.swarm.robust.Aggregation) that a RunConfig asks for."""
+    from cotrain.swarm.robust import Aggregation, parse_tau
+
+    return Aggregation(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations)
 
 
 def _averager_options(peer: PeerConfig) -> dict:

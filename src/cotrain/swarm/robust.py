@@ -37,11 +37,11 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from cotrain.config.run import AGGREGATIONS
 from cotrain.faults import silent_allreduce
 
 logger = logging.getLogger(__name__)
 
+AGGREGATIONS = ("mean", "centered-clip")  # the same names as RunConfig's (cotrain.config.run)
 AUTO_TAU_FACTOR = 2.0  # auto tau: this many times the median distance of the contributions from the median
 # centered-clip: a contribution weighs at most the median weight. A higher cap lets one peer that claims
 # many samples outweigh the honest ones in a small group (at 4 x the median, one of 4 peers holds 57%).
@@ -71,11 +71,6 @@ class Aggregation:
     @property
     def robust(self) -> bool:
         return self.name == "centered-clip"
-
-    @classmethod
-    def of(cls, run) -> "Aggregation":
-        """The aggregation a RunConfig asks for."""
-        return cls(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations)
 
 
 def parse_tau(value: str | float | None) -> float | None:

@@ -1,0 +1,86 @@
+"""The swarm's state handed between peers: a newcomer catches up on joining, a peer done training leaves its
+final state to the monitor's checkpoint before it goes (both for ``SwarmPeer``, cotrain.engine.peer)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from cotrain.swarm.served import served_epochs
+
+if TYPE_CHECKING:
+    from cotrain.engine.peer import SwarmPeer
+
+logger = logging.getLogger(__name__)
+
+CATCH_UP_WAIT = 5.0  # seconds a newcomer waits to see other peers before deciding it is the first
+POLL = 0.5  # seconds between looks at the DHT while waiting
+
+
+def newest_served(peer: SwarmPeer) -> int:
+    """The newest step that another peer (a trainer, or a monitor with no trainer left) declares it serves."""
+    me = peer.dht.peer_id.to_bytes()
+    return int(max((e for p, e in served_epochs(peer.dht, peer.run.run_id).items() if p != me), default=0))
+
+
+def catch_up(peer: SwarmPeer) -> None:
+    """Load the swarm's state when others are already further along (bounded, with a message).
+
+    A peer given initial peers waits up to ``CATCH_UP_WAIT`` seconds to see either another trainer's progress
+    or a state served (a resumed monitor serves its checkpoint before any trainer is back) before it decides
+    that it starts the run."""
+    strategy, stop = peer.strategy, peer._stop
+    deadline = time.monotonic() + min(CATCH_UP_WAIT, peer.peer_config.load_state_timeout)
+    served = newest_served(peer)
+    if peer.peer_config.initial_peers:  # the first peer has nobody to wait for
+        while strategy.num_peers <= 1 and not served and time.monotonic() < deadline and not stop.is_set():
+            time.sleep(POLL)
+            served = newest_served(peer)
+    swarm_step = max(strategy.swarm_step, served or newest_served(peer))
+    loaded = False
+    if swarm_step > peer.global_step:
+        logger.info(
+            f"The swarm is at step {swarm_step} ({strategy.num_peers} peers): loading its current "
+            f"state (waiting up to {peer.peer_config.load_state_timeout:.0f} s)"
+        )
+        before = peer.global_step
+        strategy.load_state_from_peers()
+        loaded = peer.global_step > before
+        logger.info(f"Starting from global step {peer.global_step}")
+    peer._last_epoch = peer.global_step
+    peer.events("started", {"step": peer.global_step, "swarm_step": swarm_step, "loaded": loaded})
+
+
+def leave_final_state(peer: SwarmPeer, timeout: float | None = None) -> bool:
+    """Announce that ``peer`` is leaving (a monitor then fetches the newest state at once) and keep serving
+    its state until a monitor serves one at least as new, for up to ``timeout`` seconds (default:
+    load_state_timeout + 30). Returns whether a monitor has it; False at once when no monitor keeps
+    checkpoints."""
+    monitors = peer.connection.peers_in_role("monitor")
+    run_id = peer.run.run_id
+    if not any(p in served_epochs(peer.dht, run_id) for p in monitors):  # nobody to wait for
+        return False
+    step = peer.global_step
+    timeout = peer.peer_config.load_state_timeout + 30 if timeout is None else timeout
+
+    def has_it() -> bool:
+        return any(served_epochs(peer.dht, run_id).get(p, -1) >= step for p in monitors)
+
+    if has_it():
+        peer.events("leaving", {"step": step, "monitor_has_it": True})
+        return True
+    peer.connection.announce_leaving()
+    logger.info(
+        f"Leaving the final state (global step {step}) to the monitor's checkpoint "
+        f"(waiting up to {timeout:.0f} s)"
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not peer._stop.wait(1.0):
+        if has_it():
+            logger.info(f"The monitor holds global step {step}")
+            peer.events("leaving", {"step": step, "monitor_has_it": True})
+            return True
+    logger.warning(f"No monitor took global step {step} within {timeout:.0f} s")
+    peer.events("leaving", {"step": step, "monitor_has_it": False})
+    return False
