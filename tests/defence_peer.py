@@ -1,0 +1,84 @@
+"""A synchronous peer for the live tests of the defences: cotrain.SwarmPeer on a small regression model.
+
+Each peer fits the same linear map from data of its own seed with SGD. After every global step it writes, as a
+JSON line in --out, the step, the samples it trained on since the previous step (its own count, whatever it
+told the swarm), and its metrics report (group size, rounds averaged and failed). An attack comes from the
+environment (COTRAIN_ATTACK, cotrain.faults).
+
+    python tests/defence_peer.py --out a.jsonl --steps 6 [--initial-peers ADDR] [--aggregation centered-clip]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import cotrain
+
+DIM = 16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--target-batch-size", type=int, default=96)
+    p.add_argument("--step-sleep", type=float, default=0.1, help="seconds per micro-batch (simulated)")
+    p.add_argument("--aggregation", default="mean")
+    p.add_argument("--run-id", default="defence-test")
+    p.add_argument("--until", help="train on (past --steps) until this file exists")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)  # the same initial parameters on every peer
+    model = torch.nn.Linear(DIM, 1)
+    target = torch.arange(DIM, dtype=torch.float32) / DIM
+    data = torch.Generator().manual_seed(args.seed)
+    out = open(args.out, "a", buffering=1)
+
+    def emit(**row) -> None:
+        out.write(json.dumps(row) + "\n")
+
+    peer = cotrain.SwarmPeer(
+        model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        run_id=args.run_id,
+        target_batch_size=args.target_batch_size,
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        batch_size_per_step=args.batch,
+        matchmaking_time=2.0,
+        averaging_timeout=20.0,
+        load_state_timeout=30.0,
+        startup_timeout=30.0,
+        aggregation=args.aggregation,
+        torch_threads=1,
+    )
+    with peer:
+        emit(event="ready", maddrs=peer.maddrs, step=peer.global_step, at=time.time())
+        start, samples = peer.global_step, 0
+        while peer.global_step < start + args.steps or (args.until and not Path(args.until).exists()):
+            x = torch.randn(args.batch, DIM, generator=data)
+            y = x @ target + 0.01 * torch.randn(args.batch, generator=data)
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            loss.backward()
+            time.sleep(args.step_sleep)
+            samples += args.batch
+            if peer.step(loss=loss.item()):
+                emit(**peer.last_report, event="step", samples=samples, at=time.time())
+                samples = 0
+    emit(event="done", step=peer.global_step)
+    out.close()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Live test of the defences against malicious peers on 127.0.0.1: a peer that inflates its progress does not
+make the swarm step early. (A silent group member: tests/test_attacks.py; a poisoned donor:
+tests/test_statecheck.py; clipped gradients: tests/test_robust.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, cotrain_env, read_rows, wait_until
+
+PEER = REPO / "tests" / "defence_peer.py"
+TARGET = 96  # samples per global step; micro-batches of 8
+
+
+class Peer:
+    """tests/defence_peer.py in a process of its own (``attack``: its COTRAIN_ATTACK)."""
+
+    def __init__(self, tmp: Path, name: str, *args: str, attack: str = ""):
+        self.out, self.log_path = tmp / f"{name}.jsonl", tmp / f"{name}.log"
+        env = cotrain_env()
+        if attack:
+            env["COTRAIN_ATTACK"] = attack
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), "--out", str(self.out), "--target-batch-size", str(TARGET), *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def rows(self, event: str) -> list[dict]:
+        return [r for r in read_rows(self.out) if r["event"] == event]
+
+    def address(self) -> list[str]:
+        return wait_until(lambda: self.rows("ready"), 90, what=f"{self.out.stem} to start")[0]["maddrs"]
+
+    def text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def peers(tmp_path):
+    started: list[Peer] = []
+
+    def start(name: str, *args: str, attack: str = "") -> Peer:
+        started.append(Peer(tmp_path, name, *args, attack=attack))
+        return started[-1]
+
+    yield start
+    for peer in started:
+        peer.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_inflated_progress_does_not_trigger_early_steps(peers, tmp_path):
+    # a and the attacker c train until b has taken 8 global steps with them
+    done = tmp_path / "done"
+    robust = ["--aggregation", "centered-clip"]
+    a = peers("a", "--steps", "8", "--until", str(done), *robust)
+    address = a.address()
+    b = peers("b", "--steps", "8", "--seed", "1", "--initial-peers", *address, *robust)
+    c = peers(
+        "c", "--steps", "1", "--seed", "2", "--until", str(done), "--initial-peers", *address, *robust,
+        attack="inflate-progress",
+    )  # fmt: skip
+    joined = c.address() and c.rows("ready")[0]
+    try:
+        assert b.proc.wait(180) == 0, b.text()[-3000:]
+    finally:
+        done.touch()
+    assert a.proc.wait(60) == 0, a.text()[-3000:]
+    assert "inflate-progress" in c.text() and c.rows("step"), c.text()[-3000:]  # the attack was on
+    # Once the attacker is in, each honest peer still trains on about its share of the target (96 samples by 3
+    # peers of the same speed: 32): the liar's claim of 1000 x its samples counts as at most twice the median
+    # peer's. Without the cap its first micro-batch (8 samples, claimed as 8000) would end every step at once,
+    # and the honest peers would train 8 samples per step.
+    after = [r["samples"] for p in (a, b) for r in p.rows("step") if r["at"] > joined["at"] + 3]
+    assert len(after) >= 8, after
+    assert statistics.median(after) >= 24, after
