@@ -1,4 +1,4 @@
-"""Churn, the short version of benchmarks/chaos.py: four trainers and a monitor on 127.0.0.1, a trainer killed
+"""Churn, the short version of benchmarks/chaos.py: three trainers and a monitor on 127.0.0.1, a trainer killed
 like a vanishing machine (SIGKILL to its whole process tree) and replaced by a fresh one every ~12 s
 (`cotrain status` is left to the long run); once with each strategy (diloco: 2 inner steps per round)."""
 
@@ -21,7 +21,7 @@ def test_the_swarm_trains_on_while_trainers_vanish_and_new_ones_join(demo_data, 
     summary = tmp_path / "summary.json"
     driver = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--duration", "30", "--kill-every", "12",
-         "--trainers", "4", "--data", str(demo_data), "--out", str(tmp_path / "run"), "--json", str(summary),
+         "--trainers", "3", "--data", str(demo_data), "--out", str(tmp_path / "run"), "--json", str(summary),
          "--startup-timeout", "180", "--settle", "120", "--status-timeout", "0", "--strategy", strategy],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cotrain_env(),
     )  # fmt: skip
