@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import shutil
 import statistics
@@ -102,6 +103,9 @@ def peer_main(args: argparse.Namespace) -> None:
     from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
 
     torch.set_num_threads(1)
+    if args.keep_logs:  # cotrain's info lines (rounds, partial all-reduces) in the peer's log
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("cotrain").setLevel(logging.INFO)
     run_settings, peer_settings = MODES[args.mode]
     if is_diloco(args.mode):
         run_settings = {**run_settings, "local_steps": args.local_steps}
@@ -214,7 +218,7 @@ def worker_argv(mode: str, args, stop_at: int, target_batch_size: int) -> list[s
         "--matchmaking-time", str(args.matchmaking_time),
         "--micro-batch", str(args.micro_batch), "--accumulation", str(args.accumulation),
         "--step-time", str(args.step_time), "--stop-at", str(stop_at), "--peer-limit", str(args.limit),
-        "--expect-peers", str(args.peers),
+        "--expect-peers", str(args.peers), *(["--keep-logs"] if args.keep_logs else []),
     ]  # fmt: skip
 
 
@@ -408,6 +412,7 @@ def main() -> None:
         help="s (default: the preset's 60, or 3 x the bound of a DiLoCo round's all-reduce if more)",
     )
     ap.add_argument("--limit", type=float, default=1500.0, help="stop everything after this many seconds")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the peers' logs (cotrain's info lines)")
     ap.add_argument("--quick", action="store_true", help="target batch 1024, 2 timed steps, H = 10")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="sync", help=argparse.SUPPRESS)
@@ -440,7 +445,10 @@ def main() -> None:
     except BaseException:
         print(f"peers' logs kept in {tmp}", file=sys.stderr)
         raise
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep_logs:
+        print(f"peers' logs kept in {tmp}", flush=True)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows, args)
     _netns.print_finished(started)
 

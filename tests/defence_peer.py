@@ -11,7 +11,6 @@ environment (COTRAIN_ATTACK, cotrain.faults).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,8 +18,7 @@ from pathlib import Path
 import torch
 
 import cotrain
-
-DIM = 16
+from peer_task import DIM, INIT_SEED, Task, jsonl
 
 
 def main() -> None:
@@ -38,14 +36,9 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    torch.manual_seed(1234)  # the same initial parameters on every peer
+    torch.manual_seed(INIT_SEED)
     model = torch.nn.Linear(DIM, 1)
-    target = torch.arange(DIM, dtype=torch.float32) / DIM
-    data = torch.Generator().manual_seed(args.seed)
-    out = open(args.out, "a", buffering=1)
-
-    def emit(**row) -> None:
-        out.write(json.dumps(row) + "\n")
+    task, (emit, close) = Task(args.seed), jsonl(args.out)
 
     peer = cotrain.SwarmPeer(
         model,
@@ -66,9 +59,7 @@ def main() -> None:
         emit(event="ready", maddrs=peer.maddrs, step=peer.global_step, at=time.time())
         start, samples = peer.global_step, 0
         while peer.global_step < start + args.steps or (args.until and not Path(args.until).exists()):
-            x = torch.randn(args.batch, DIM, generator=data)
-            y = x @ target + 0.01 * torch.randn(args.batch, generator=data)
-            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            loss = task.loss(model, args.batch)
             loss.backward()
             time.sleep(args.step_sleep)
             samples += args.batch
@@ -76,7 +67,7 @@ def main() -> None:
                 emit(**peer.last_report, event="step", samples=samples, at=time.time())
                 samples = 0
     emit(event="done", step=peer.global_step)
-    out.close()
+    close()
     sys.exit(0)
 
 

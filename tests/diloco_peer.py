@@ -19,12 +19,7 @@ from pathlib import Path
 import torch
 
 import cotrain
-
-DIM = 16
-
-
-def flat(tensors) -> list[float]:
-    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).tolist()
+from peer_task import DIM, INIT_SEED, Task, flat, jsonl
 
 
 def main() -> None:
@@ -49,14 +44,9 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    torch.manual_seed(1234)  # the same initial parameters on every peer
+    torch.manual_seed(INIT_SEED)
     model = torch.nn.Linear(DIM, 1)
-    target = torch.arange(DIM, dtype=torch.float32) / DIM
-    data = torch.Generator().manual_seed(args.seed)
-    out = open(args.out, "a", buffering=1)
-
-    def emit(**row) -> None:
-        out.write(json.dumps(row) + "\n")
+    task, (emit, close) = Task(args.seed), jsonl(args.out)
 
     peer = cotrain.SwarmPeer(
         model,
@@ -115,21 +105,30 @@ def main() -> None:
             size=opt.last_group_size,
         )
 
-    opt._average, opt._outer_step = recorded_average, recorded_outer_step
+    averaged_from = opt._averaged
+
+    def recorded_averaged(gathered, partial):
+        """Every all-reduce that ended (overlapped rounds included): what the group sent, what it carried."""
+        lineage = opt.lineage.hex()
+        out = averaged_from(gathered, partial)
+        sent = sorted((v.get("round"), v.get("lineage", b"").hex()) for v in gathered.values())
+        row = dict(round=opt.local_epoch, sent=sent, carried=opt.last_carried_state, partial=partial)
+        emit(event="averaged", **row, lineage_before=lineage, lineage=opt.lineage.hex(), size=out[2])
+        return out
+
+    opt._average, opt._outer_step, opt._averaged = recorded_average, recorded_outer_step, recorded_averaged
     with peer:
         emit(event="ready", maddrs=peer.maddrs, step=peer.global_step, peer_id=peer.peer_id)
         print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
         start = peer.global_step
         while peer.global_step < start + args.rounds or (args.until and not Path(args.until).exists()):
-            x = torch.randn(args.batch, DIM, generator=data)
-            y = x @ target + 0.01 * torch.randn(args.batch, generator=data)
-            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            loss = task.loss(model, args.batch)
             loss.backward()
             time.sleep(args.step_sleep)
             if peer.step(loss=loss.item()):
                 emit(event="step", **peer.last_report)
     emit(event="done", step=peer.global_step)
-    out.close()
+    close()
     sys.exit(0)
 
 

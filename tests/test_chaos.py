@@ -1,5 +1,5 @@
-"""Churn, the short version of benchmarks/chaos.py: three trainers and a monitor on 127.0.0.1, a trainer killed
-like a vanishing machine (SIGKILL to its whole process tree) and replaced by a fresh one every ~12 s
+"""Churn, the short version of benchmarks/chaos.py: three trainers and a monitor on 127.0.0.1, a trainer
+killed like a vanishing machine (SIGKILL to its whole process tree) and replaced by a fresh one every ~12 s
 (`cotrain status` is left to the long run); once with each strategy (diloco: 2 inner steps per round)."""
 
 from __future__ import annotations

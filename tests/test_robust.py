@@ -125,6 +125,27 @@ def test_a_nan_or_misshaped_part_is_dropped_and_the_others_are_averaged(aggregat
     assert reducer.suspicion() == [0, 0, 1, 1, 1]
 
 
+def test_the_replaced_reducer_retires_without_a_warning():
+    import logging
+
+    from hivemind.averaging.partition import TensorPartReducer
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("hivemind.averaging.partition")
+    log.addHandler(handler)
+    try:
+        replaced = TensorPartReducer([torch.Size([4])], 3)
+        robust.retire(replaced)
+        replaced.finalize()
+        assert replaced.finished.is_set() and not records
+        TensorPartReducer([torch.Size([4])], 3).finalize()  # hivemind's own finalize would warn
+        assert "received 0.0%" in records[-1].getMessage()
+    finally:
+        log.removeHandler(handler)
+
+
 def test_the_reducer_counts_contributions_far_outside_tau():
     honest = [(torch.tensor([1.0, 1.0, 1.0, 1.0]) + 0.01 * i, 1.0) for i in range(4)]
     attack = (torch.full((4,), -1000.0), 1.0)

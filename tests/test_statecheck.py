@@ -15,7 +15,6 @@ writing its state (the tensors it serves) after each global step as JSON lines:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -30,6 +29,7 @@ import torch
 from conftest import alive, cotrain_env, read_rows, wait_until
 from cotrain.faults import POISONED_PRIORITY_BONUS, PoisonedState
 from cotrain.swarm import statecheck as sc
+from peer_task import DIM, INIT_SEED, Task, flat, jsonl
 
 # --- the fingerprint ------------------------------------------------------------------------------------
 
@@ -337,10 +337,6 @@ def test_a_newcomer_refuses_the_poisoned_donor_and_loads_an_honest_state(strateg
 # --- the peer script ------------------------------------------------------------------------------------
 
 
-def flat(tensors: list[torch.Tensor]) -> list[float]:
-    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).tolist()
-
-
 def peer_main() -> None:
     import logging
 
@@ -360,14 +356,9 @@ def peer_main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    torch.manual_seed(1234)  # the same initial parameters on every peer
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    target = torch.arange(16, dtype=torch.float32) / 16
-    data = torch.Generator().manual_seed(args.seed)
-    out = open(args.out, "a", buffering=1)
-
-    def emit(**row) -> None:
-        out.write(json.dumps(row) + "\n")
+    torch.manual_seed(INIT_SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    task, (emit, _) = Task(args.seed), jsonl(args.out)
 
     peer = cotrain.SwarmPeer(
         model,
@@ -402,9 +393,7 @@ def peer_main() -> None:
         while args.go and not Path(args.go).exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         while peer.global_step < args.steps:
-            x = torch.randn(8, 16, generator=data)
-            y = x @ target + 0.01 * torch.randn(8, generator=data)
-            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            loss = task.loss(model, 8)
             loss.backward()
             time.sleep(0.3)  # compute time: the peers see each other's progress before a step is due
             if peer.step(loss=loss.item()):

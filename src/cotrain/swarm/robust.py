@@ -215,7 +215,15 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = RobustPartReducer(
             default.part_shapes, default.num_senders, aggregation, refused
         )
-        default.finalize()
+        retire(default)
+
+
+def retire(reducer: TensorPartReducer) -> None:
+    """Finish a reducer that is replaced before it received anything, without hivemind's warning (at every
+    all-reduce, on every peer) that it "received 0.0% of input tensors"."""
+    if hasattr(reducer, "current_part_future"):
+        reducer.current_part_future.cancel()
+    reducer.finished.set()
 
 
 class RobustAveraging:
