@@ -534,7 +534,7 @@ def main() -> None:
     ap.add_argument("--run-limit", type=float, default=1200.0, help="seconds allowed per swarm")
     ap.add_argument("--limit", type=float, default=2400.0, help="stop everything after this many seconds")
     ap.add_argument("--retries", type=int, default=1, help="runs again a swarm whose trainer stopped early")
-    ap.add_argument("--json", help="also write the runs (curves included) to this file")
+    ap.add_argument("--json", help="also write the runs (curves included) to this file (with --collect too)")
     ap.add_argument("--merge", nargs="+", help="report on runs saved with --json instead (later files win)")
     ap.add_argument("--collect", nargs="+", help="report on the run folders of earlier invocations instead")
     ap.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed, first-seed + 1, ...")
@@ -547,7 +547,10 @@ def main() -> None:
         if arm.strategy == "diloco" and args.steps % arm.local_steps:
             ap.error(f"--steps {args.steps} is not a multiple of H = {arm.local_steps} ({arm.key})")
     if args.collect:
-        return finish(collect(args.collect, args), args)
+        runs = collect(args.collect, args)
+        if args.json:  # to --merge with the runs of other invocations
+            Path(args.json).write_text(json.dumps(runs))
+        return finish(runs, args)
     if args.merge:
         merged = {}
         for name in args.merge:
