@@ -139,9 +139,12 @@ class DiLoCoOptimizer:
         with torch.no_grad():
             # the changes, the global parameters, the outer momentum (see _launch)
             buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters * 3]
-        # a dead group member is given up on after next_chunk_timeout (its parts then stay un-averaged and
-        # the round is retried without it), well within the round's averaging_timeout
-        chunk_timeout = max(5.0, averaging_timeout / 4)
+        # a dead group member is given up on after next_chunk_timeout as a sender, twice that as a reducer
+        # (its parts then stay un-averaged), within the round's averaging_timeout. A live reducer's first
+        # results come only once every sender's part reached it: on a saturated link nearly the whole
+        # transfer, so the reducer's limit (2/3 of averaging_timeout) must exceed it, or a slow round ends
+        # partial for a peer (measured at 10 Mbit/s with a limit of half the timeout: 185 s against 192 s)
+        chunk_timeout = max(5.0, averaging_timeout / 3)
         # the changes go as --grad-compression says; the outer state at least in fp16 (never 8-bit: its
         # average must stay where the peers already agree)
         n = len(self.parameters)
