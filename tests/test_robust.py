@@ -135,15 +135,38 @@ def test_the_replaced_reducer_retires_without_a_warning():
     handler.emit = records.append
     log = logging.getLogger("hivemind.averaging.partition")
     log.addHandler(handler)
-    try:
+
+    async def main() -> None:  # reducers are made in the averager's event loop
         replaced = TensorPartReducer([torch.Size([4])], 3)
         robust.retire(replaced)
         replaced.finalize()
         assert replaced.finished.is_set() and not records
         TensorPartReducer([torch.Size([4])], 3).finalize()  # hivemind's own finalize would warn
         assert "received 0.0%" in records[-1].getMessage()
+
+    try:
+        asyncio.run(main())
     finally:
         log.removeHandler(handler)
+
+
+@pytest.mark.parametrize("name", ["mean", "centered-clip"])
+def test_a_late_sender_is_excluded_with_centered_clip_only(name):
+    from types import SimpleNamespace
+
+    averaging = robust.RobustAveraging()
+    averaging.aggregation, averaging.peer_id = Aggregation(name), "me"
+
+    async def all_reduces() -> None:  # 3 all-reduces in which "slow" sent nothing within the sender timeout
+        for _ in range(robust.STRIKES):
+            reducer = RobustPartReducer([torch.Size([4])], 3, Aggregation(name))
+            runner = SimpleNamespace(
+                tensor_part_reducer=reducer, sender_peer_ids=["me", "other", "slow"], banned_senders={"slow"}
+            )
+            averaging._note_suspicion(runner)
+
+    asyncio.run(all_reduces())
+    assert averaging.excluded_peers() == ({"slow"} if name == "centered-clip" else set())
 
 
 def test_the_reducer_counts_contributions_far_outside_tau():

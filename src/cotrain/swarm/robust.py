@@ -15,10 +15,11 @@ minority of peers cannot inflate. The weights (the samples each peer reports) ar
 Whatever the aggregation, a reducer refuses contributions that are not a part of the expected shape or
 hold NaN or Inf: the sender is dropped from the rest of that all-reduce (hivemind's ban of a failed
 sender), the round goes on with the others. Each reducer counts, per sender, the contributions it clipped
-far outside ``tau`` and the ones it refused (``RobustPartReducer.suspicion``). A peer caught (or dropped
-for sending nothing within the sender timeout) in ``STRIKES`` all-reduces is excluded by this peer for
-``EXCLUSION_SECONDS``, with one log line naming it: its requests to join this peer's groups are refused,
-and in groups it still meets (led by another peer) this peer's reducer refuses its contributions.
+far outside ``tau`` and the ones it refused (``RobustPartReducer.suspicion``). A peer caught (or, with
+centered-clip, dropped for sending nothing within the sender timeout) in ``STRIKES`` all-reduces is
+excluded by this peer for ``EXCLUSION_SECONDS``, with one log line naming it: its requests to join this
+peer's groups are refused, and in groups it still meets (led by another peer) this peer's reducer refuses
+its contributions.
 """
 
 import asyncio
@@ -286,7 +287,9 @@ class RobustAveraging:
         if not hasattr(self, "_strikes"):
             self._strikes, self._excluded_until = {}, {}
         counts = dict(zip(runner.sender_peer_ids, reducer.suspicion(), strict=True))
-        for peer_id in runner.banned_senders:  # sent nothing (or stopped) within the sender timeout
+        # sent nothing (or stopped) within the sender timeout: a strike with centered-clip only; with the mean
+        # a slow honest peer (a loaded machine, a congested link) must not be excluded for being late
+        for peer_id in runner.banned_senders if self.aggregation.robust else ():
             counts[peer_id] = counts.get(peer_id, 0) + 1
         for peer_id, count in counts.items():
             if not count or peer_id == self.peer_id:
