@@ -87,9 +87,9 @@ def test_inflated_progress_does_not_trigger_early_steps(peers, tmp_path):
     assert a.proc.wait(60) == 0, a.text()[-3000:]
     assert "inflate-progress" in c.text() and c.rows("step"), c.text()[-3000:]  # the attack was on
     # Once the attacker is in, each honest peer still trains on about its share of the target (96 samples by 3
-    # peers of the same speed: 32): the liar's claim of 1000 x its samples counts as at most twice the median
-    # peer's. Without the cap its first micro-batch (8 samples, claimed as 8000) would end every step at once,
-    # and the honest peers would train 8 samples per step.
+    # peers of the same speed: 32; 20-32 measured on a loaded machine): the liar's claim of 1000 x its samples
+    # counts as at most twice the median peer's. Without the cap its first micro-batch (8 samples, claimed as
+    # 8000) would end every step at once, and the honest peers would train 8 samples per step.
     after = [r["samples"] for p in (a, b) for r in p.rows("step") if r["at"] > joined["at"] + 3]
     assert len(after) >= 8, after
-    assert statistics.median(after) >= 24, after
+    assert statistics.median(after) >= 16, after

@@ -134,6 +134,9 @@ def test_the_replaced_reducer_retires_without_a_warning():
     handler = logging.Handler()
     handler.emit = records.append
     log = logging.getLogger("hivemind.averaging.partition")
+    level, disabled = log.level, log.disabled
+    log.setLevel(logging.WARNING)  # whatever earlier tests left on hivemind's loggers
+    log.disabled = False
     log.addHandler(handler)
 
     async def main() -> None:  # reducers are made in the averager's event loop
@@ -148,6 +151,8 @@ def test_the_replaced_reducer_retires_without_a_warning():
         asyncio.run(main())
     finally:
         log.removeHandler(handler)
+        log.setLevel(level)
+        log.disabled = disabled
 
 
 @pytest.mark.parametrize("name", ["mean", "centered-clip"])
