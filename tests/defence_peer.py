@@ -10,7 +10,6 @@ environment (COTRAIN_ATTACK, cotrain.faults).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -18,21 +17,13 @@ from pathlib import Path
 import torch
 
 import cotrain
-from peer_task import DIM, INIT_SEED, Task, jsonl
+from peer_task import DIM, INIT_SEED, Task, jsonl, peer_arguments
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p = peer_arguments(target_batch_size=96, step_sleep=0.1, run_id="defence-test")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--initial-peers", nargs="*", default=[])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--target-batch-size", type=int, default=96)
-    p.add_argument("--step-sleep", type=float, default=0.1, help="seconds per micro-batch (simulated)")
     p.add_argument("--aggregation", default="mean")
-    p.add_argument("--run-id", default="defence-test")
-    p.add_argument("--until", help="train on (past --steps) until this file exists")
     args = p.parse_args()
 
     torch.set_num_threads(1)

@@ -10,7 +10,6 @@ as JSON lines in --out, so a test can recompute the outer step from the peers' o
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -19,28 +18,18 @@ from pathlib import Path
 import torch
 
 import cotrain
-from peer_task import DIM, INIT_SEED, Task, flat, jsonl
+from peer_task import DIM, INIT_SEED, Task, flat, jsonl, peer_arguments
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p = peer_arguments(target_batch_size=16, step_sleep=0.05, run_id="diloco-test")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--client-mode", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local-steps", type=int, default=12)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--target-batch-size", type=int, default=16)
-    p.add_argument(
-        "--step-sleep", type=float, default=0.05, help="seconds per inner step (simulated compute)"
-    )
     p.add_argument("--overlap", action="store_true")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--averaging-timeout", type=float, default=15.0)
-    p.add_argument("--run-id", default="diloco-test")
-    p.add_argument("--until", help="train on (past --rounds) until this file exists")
     args = p.parse_args()
 
     torch.set_num_threads(1)

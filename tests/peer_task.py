@@ -4,6 +4,7 @@ batches from its seed; and the JSON lines a peer script writes for its test to r
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable, Iterable
 
@@ -39,3 +40,19 @@ def jsonl(path: str) -> tuple[Callable[..., None], Callable[[], None]]:
 
 def flat(tensors: Iterable[torch.Tensor]) -> list[float]:
     return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).tolist()
+
+
+def peer_arguments(*, target_batch_size: int, step_sleep: float, run_id: str) -> argparse.ArgumentParser:
+    """The options every peer script takes (its own added after): where it writes, whom it joins, its data
+    seed and batch, the swarm's target batch, its simulated compute, its run, and --until FILE (train on past
+    its steps until FILE exists)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--target-batch-size", type=int, default=target_batch_size)
+    p.add_argument("--step-sleep", type=float, default=step_sleep, help="seconds per step (simulated)")
+    p.add_argument("--run-id", default=run_id)
+    p.add_argument("--until", help="train on (past the steps asked) until this file exists")
+    return p
