@@ -11,7 +11,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from cotrain.roles.monitor import aggregate
 from cotrain.swarm.keys import metrics_key
-from cotrain.swarm.records import LocalMetrics, MetricsSchema, read_metrics
+from cotrain.swarm.records import MAX_LOSS, LocalMetrics, MetricsSchema, read_metrics, reported_loss
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -39,6 +39,11 @@ def good(**kw) -> dict:
 def test_out_of_schema_values_are_refused(bad):
     with pytest.raises(ValueError):
         LocalMetrics(**{**good(), **bad})
+
+
+@pytest.mark.parametrize("total", [3e9, math.inf, math.nan])
+def test_a_diverged_trainers_loss_is_published_as_the_bound(total):
+    assert LocalMetrics(**{**good(), "loss": reported_loss(total)}).loss == MAX_LOSS
 
 
 def test_aggregate_follows_the_seed_recipe():

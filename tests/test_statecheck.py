@@ -177,6 +177,19 @@ def test_donors_vouched_for_are_asked_first_and_suspects_last():
     assert order[-1][0] == "liar"
 
 
+def test_a_donor_ahead_of_the_downloader_beats_a_vouched_for_one_that_is_not():
+    # after a partition: the cut-off peer holds step 1 (vouched for by everyone's records); the trainer that
+    # went on holds step 3, vouched for by its own records only
+    fp = sc.fingerprint(state(), 1)
+    steps = {"went-on": [1, 2, 3], "monitor": [1]}
+    records = {f"key-{peer}": sc.Published(peer, dict.fromkeys(held, fp)) for peer, held in steps.items()}
+    priorities = {"went-on": 3.0, "monitor": 1.0}
+    assert sc.donor_order(priorities, records, {}) == [("monitor", True), ("went-on", False)]  # a newcomer
+    assert sc.donor_order(priorities, records, {}, held=1) == [("went-on", False), ("monitor", False)]
+    # nobody ahead (a peer that reloads its own step): vouched-for donors are still asked first
+    assert sc.donor_order(priorities, records, {}, held=3) == [("monitor", True), ("went-on", False)]
+
+
 def test_the_poisoned_state_fault():
     honest = state()
     assert PoisonedState(False).serve(honest, 5) == honest

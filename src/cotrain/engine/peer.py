@@ -433,7 +433,7 @@ class SwarmPeer:
         ``loss``: mean loss per micro-batch since the last record (default: the mean of the losses given to
         ``step`` since then); ``mini_steps``: how many micro-batches it covers. ``step`` calls this at each
         global step. Returns the report (also in ``last_report``)."""
-        from cotrain.swarm.records import LocalMetrics, publish_metrics
+        from cotrain.swarm.records import LocalMetrics, publish_metrics, reported_loss
 
         if loss is None:
             mini_steps = self._mini_steps if mini_steps is None else mini_steps
@@ -446,7 +446,7 @@ class SwarmPeer:
             step=strategy.global_step,
             samples_per_second=strategy.samples_per_second,
             samples_accumulated=self._contribution,
-            loss=float(total),
+            loss=reported_loss(float(total)),
             mini_steps=int(mini_steps),
             group_size=strategy.last_group_size,
             client_mode=self.connection.client_mode,

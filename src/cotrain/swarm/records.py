@@ -9,6 +9,7 @@ NaN, absurd).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -25,6 +26,12 @@ logger = logging.getLogger(__name__)
 
 MAX_SAMPLES_PER_SECOND = 1e6
 MAX_STEP = 10**9  # a step beyond any schedule; steps far ahead of the swarm are the monitor's to ignore
+MAX_LOSS = 1e7  # a diverged trainer's loss sum is reported as this bound
+
+
+def reported_loss(total: float) -> float:
+    """A trainer's loss sum as its record carries it: a diverged one (huge, infinite or NaN) as MAX_LOSS."""
+    return min(max(total, 0.0), MAX_LOSS) if math.isfinite(total) else MAX_LOSS
 
 
 class LocalMetrics(BaseModel):
@@ -33,7 +40,7 @@ class LocalMetrics(BaseModel):
     step: conint(ge=0, le=MAX_STEP, strict=True)
     samples_per_second: confloat(ge=0.0, le=MAX_SAMPLES_PER_SECOND, strict=True)
     samples_accumulated: conint(ge=0, le=10**9, strict=True)
-    loss: confloat(ge=0.0, le=1e7, strict=True)  # sum over mini_steps, as in the seed recipe
+    loss: confloat(ge=0.0, le=MAX_LOSS, strict=True)  # sum over mini_steps, as in the seed recipe
     mini_steps: conint(ge=0, le=10**7, strict=True)
     group_size: conint(
         ge=1, le=100_000, strict=True

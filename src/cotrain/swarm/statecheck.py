@@ -33,9 +33,13 @@ Which records count, and when a state is loaded (``verdict``):
   that nobody can break: neither state is loaded.
 - It is *unverifiable* when no peer other than the donor published a record for E (a swarm of peers that
   publish none, a single trainer beside a monitor at an older step): loaded with an info line, unless a
-  donor whose declared step others did vouch for is still left to ask. Donors are asked in this order: those
-  whose declared step (their priority) has a record of another peer first, then by priority, suspects last;
-  so a donor that claims a step nobody else holds is only asked when no vouched-for donor serves.
+  donor whose declared step others did vouch for is still left to ask. Donors are asked in this order:
+  suspects last; first those whose declared step (their priority) is ahead of the downloader's own step;
+  among those, the ones whose step has a record of another peer first, then by priority. So a donor that
+  claims a step nobody else holds is only asked when no vouched-for donor ahead of the downloader serves;
+  and a vouched-for donor that is not ahead cannot keep it behind: after a partition, the trainers that went
+  on training hold steps that only their own records vouch for, while the older step the cut-off peer
+  already holds is vouched for by everyone (``donor_order``).
 The monitor's record is one vote like any other: a record cannot prove that it comes from the monitor (in a
 public swarm anyone can run one). A peer that loaded nothing retries at its next step, as it is still behind.
 This assumes that most record publishers for a step are honest: one attacker with many keys (Sybil) can
@@ -49,9 +53,11 @@ statistics differ between honest peers by design, and sync's are not averaged.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import logging
 import math
+import multiprocessing as mp
 import random
 import threading
 import time
@@ -366,6 +372,7 @@ class CheckedStateDownloads:
         self.poisoned = PoisonedState.from_env()  # fault injection: serve a corrupted copy
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key that signs records
         self.suspects: dict[str, float] = {}  # donor -> until when it is asked last (averager's process)
+        self._held = mp.Value(ctypes.c_double, -1.0)  # the step held at the last download, for the averager
         super().__init__(*args, **kwargs)
         self.fingerprints = FingerprintPublisher(self)
         self.fingerprints.start()
@@ -397,7 +404,13 @@ class CheckedStateDownloads:
             publisher.close()
         super().shutdown()
 
-    # --- downloading (in the averager's process) ---
+    # --- downloading ---
+
+    def load_state_from_peers(self, **kwargs: Any):
+        self._held.value = float(self.local_epoch)  # read by the averager's process: donors not ahead come last
+        return super().load_state_from_peers(**kwargs)
+
+    # (in the averager's process)
 
     async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
         """hivemind's download (DecentralizedAverager._load_state_from_peers), with each donor's state checked
@@ -429,10 +442,14 @@ class CheckedStateDownloads:
             }
             now = time.monotonic()
             self.suspects = {peer: until for peer, until in self.suspects.items() if until > now}
-            order = donor_order({p.to_base58(): v for p, v in priorities.items()}, records, self.suspects)
+            order = donor_order(
+                {p.to_base58(): v for p, v in priorities.items()}, records, self.suspects, self._held.value
+            )
             fallback, refuted = None, 0
-            for position, (donor, _) in enumerate(order):
+            for position, (donor, worth) in enumerate(order):
                 if deadline is not None and time.monotonic() >= deadline:
+                    break
+                if fallback is not None and not worth:
                     break
                 remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
                 loaded = await self._download_state(PeerID.from_base58(donor), chunk_timeout, remaining)
@@ -444,7 +461,7 @@ class CheckedStateDownloads:
                     return
                 if found.kind == "unverifiable":
                     fallback = fallback or (donor, loaded)
-                    if not any(v for _, v in order[position + 1 :]):
+                    if not any(worth for _, worth in order[position + 1 :]):
                         break  # no donor is left whose step another peer vouched for
                 else:
                     refuted += 1
@@ -544,15 +561,19 @@ def donor_order(
     priorities: Mapping[str, float],
     records: Mapping[Any, Published],
     suspects: Mapping[str, float],
+    held: float = -1,
 ) -> list[tuple[str, bool]]:
-    """The donors (peer ids) to ask, in order, each with whether another peer published a record for its
-    declared step (its priority, rounded down): suspects last, then vouched-for donors first, then by
-    priority (ties in random order, as hivemind breaks them)."""
+    """The donors (peer ids) to ask, in order, each with whether it is worth asking once an unverifiable state
+    is in hand: suspects last; then the donors whose declared step (their priority, rounded down) is ahead of
+    ``held``, the downloader's own step; among those, the ones whose step another peer published a record for
+    (vouched for) first; then by priority (ties in random order, as hivemind breaks them). Where some donor is
+    ahead, a vouched-for donor that is not cannot bring the downloader forward: not worth asking."""
 
     def vouched(donor: str, priority: float) -> bool:
         step = math.floor(priority) if math.isfinite(priority) else None
         return any(step in p.steps for p in records.values() if p.peer_id != donor)
 
-    rows = [(donor, vouched(donor, p), p) for donor, p in priorities.items()]
-    rows.sort(key=lambda r: (r[0] not in suspects, r[1], r[2], random.random()), reverse=True)
-    return [(donor, v) for donor, v, _ in rows]
+    rows = [(donor, vouched(donor, p), p > held and math.floor(p) > held, p) for donor, p in priorities.items()]
+    some_ahead = any(ahead for _, _, ahead, _ in rows)
+    rows.sort(key=lambda r: (r[0] not in suspects, r[2], r[1], r[3], random.random()), reverse=True)
+    return [(donor, v and (ahead or not some_ahead)) for donor, v, ahead, _ in rows]
