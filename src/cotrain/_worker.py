@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -82,7 +83,16 @@ def run_role(command: str, resolved_config: str) -> int:
     return fail(command, error)
 
 
+def share_pages_with_children() -> None:
+    """The DHT and the averagers are forked from this process after torch, transformers and the model are
+    loaded: their pages are shared until written. Freezing the garbage collector's objects before each fork
+    keeps the child's collections from writing to (and so copying) every object the parent made; the parent
+    unfreezes them after the fork."""
+    os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
+
+
 def main(argv: list[str]) -> int:
+    share_pages_with_children()
     parser = argparse.ArgumentParser(prog="python -m cotrain._worker")
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("--resolved-config", required=True, metavar="FILE")

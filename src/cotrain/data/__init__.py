@@ -24,7 +24,7 @@ _WHERE = {
     "document_split": "dataset",
     "load_prepared": "dataset",
     "prepare_dataset": "dataset",
-    "read_manifest": "dataset",
+    "read_manifest": "manifest",
     "DataError": "errors",
     "OBJECTIVES": "objectives",
     "import_recipe": "sources",

@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerFast
 from cotrain.data.albert import MIN_MAX_LENGTH
 from cotrain.data.errors import DataError
 from cotrain.data.fsutil import check_replaceable, replace_dir, temp_dir_beside
+from cotrain.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from cotrain.data.objectives import OBJECTIVES, SPLITS, BuildSpec, columns, schema
 from cotrain.data.pipeline import build_shards, read_spool, spool_documents
 from cotrain.data.shards import ShardWriter, read_shard, sha256_file
@@ -47,9 +48,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
 OBJECTIVE = "sop+mlm"
-MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer"
 DEFAULT_SHARD_SIZE = 10_000
 
@@ -232,32 +231,6 @@ def prepare_dataset(
         )  # fmt: skip
 
     return write_atomically(out_dir, build)
-
-
-def parse_manifest(data: bytes | str, where: str) -> dict[str, Any]:
-    """A manifest from its JSON text, checked for this cotrain's format version."""
-    try:
-        manifest = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{where} is corrupt ({e}); run `cotrain prepare` again") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise DataError(
-            f"{where} has data format version {version}, this cotrain reads version {FORMAT_VERSION}; "
-            "run `cotrain prepare` again"
-        )
-    return manifest
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of a prepared dataset folder, or DataError saying how to get one."""
-    path = Path(path)
-    if not path.is_dir():
-        raise DataError(f"no prepared dataset at {path}: run `cotrain prepare` first")
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise DataError(f"{path} has no {MANIFEST}: it is not a prepared dataset; run `cotrain prepare`")
-    return parse_manifest(manifest_path.read_bytes(), str(path))
 
 
 def _load_split(path: Path, split: str, manifest: dict[str, Any]) -> datasets.Dataset:

@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -88,8 +89,9 @@ def read_shard(path: Path, entry: dict[str, Any], verify: bool = True) -> pa.Tab
                 f"shard {entry['path']} is corrupt: its sha256 is {actual[:12]}..., the manifest says "
                 f"{entry['sha256'][:12]}...; delete it (or prepare the dataset again)"
             )
-    try:
-        table = pq.read_table(path)
+    try:  # (not pq.read_table: that imports pyarrow.dataset and pandas, 56 MB more in every trainer)
+        with pq.ParquetFile(path) as shard:
+            table = shard.read()
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"cannot read shard {path} ({e}); prepare the dataset again") from None
     if table.num_rows != entry["num_examples"]:
@@ -97,3 +99,11 @@ def read_shard(path: Path, entry: dict[str, Any], verify: bool = True) -> pa.Tab
             f"shard {entry['path']} has {table.num_rows} examples, the manifest says {entry['num_examples']}"
         )
     return table
+
+
+def take_rows(table: pa.Table, indices: np.ndarray) -> list[dict]:
+    """The rows of ``table`` at ``indices``, as dicts. The index array is built from the numpy buffer:
+    ``table.take(indices)`` converts it with ``pa.array``, which imports pandas to check its input."""
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    wrapped = pa.Array.from_buffers(pa.int64(), len(indices), [None, pa.py_buffer(indices)])
+    return table.take(wrapped).to_pylist()

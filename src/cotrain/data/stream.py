@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from cotrain.data.dataset import MANIFEST, TOKENIZER, parse_manifest, read_manifest
+from cotrain.data.dataset import TOKENIZER
 from cotrain.data.errors import DataError
 from cotrain.data.fetch import download, fetch_bytes, is_url
-from cotrain.data.shards import read_shard, sha256_file
+from cotrain.data.manifest import MANIFEST, parse_manifest, read_manifest
+from cotrain.data.shards import read_shard, sha256_file, take_rows
 from cotrain.data.tokenizer import load_tokenizer, tokenizer_hash
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class ExampleStream:
                 self._verified.add(index)
                 permutation = np.random.default_rng([self.seed, epoch, index]).permutation(table.num_rows)
                 for start in range(0, len(permutation), ROWS_PER_TAKE):
-                    yield from table.take(permutation[start : start + ROWS_PER_TAKE]).to_pylist()
+                    yield from take_rows(table, permutation[start : start + ROWS_PER_TAKE])
                 del table
 
     def close(self) -> None:

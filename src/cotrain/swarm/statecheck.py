@@ -407,7 +407,7 @@ class CheckedStateDownloads:
     # --- downloading ---
 
     def load_state_from_peers(self, **kwargs: Any):
-        self._held.value = float(self.local_epoch)  # read by the averager's process: donors not ahead come last
+        self._held.value = float(self.local_epoch)  # for the averager's process: donors not ahead come last
         return super().load_state_from_peers(**kwargs)
 
     # (in the averager's process)
@@ -573,7 +573,7 @@ def donor_order(
         step = math.floor(priority) if math.isfinite(priority) else None
         return any(step in p.steps for p in records.values() if p.peer_id != donor)
 
-    rows = [(donor, vouched(donor, p), p > held and math.floor(p) > held, p) for donor, p in priorities.items()]
+    rows = [(donor, vouched(donor, p), p >= held + 1, p) for donor, p in priorities.items()]  # held: a step
     some_ahead = any(ahead for _, _, ahead, _ in rows)
     rows.sort(key=lambda r: (r[0] not in suspects, r[2], r[1], r[3], random.random()), reverse=True)
     return [(donor, v and (ahead or not some_ahead)) for donor, v, ahead, _ in rows]
