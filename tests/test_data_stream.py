@@ -92,6 +92,20 @@ def shard_paths(manifest: dict) -> list[str]:
     return [entry["path"] for entry in manifest["shards"]["train"]]
 
 
+def test_a_stream_reads_and_shuffles_its_shards_without_importing_pandas(demo_data: Path) -> None:
+    """pq.read_table (pyarrow.dataset) and pa.array on numpy import pandas: 56 MB more in every trainer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, itertools; from cotrain.data import ExampleStream; "
+        f"s = ExampleStream({str(demo_data)!r}, seed=3); rows = list(itertools.islice(iter(s), 300)); "
+        "print(len(rows), 'pandas' in sys.modules, 'pyarrow.dataset' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["300", "False", "False"], (out.stdout, out.stderr)
+
+
 def test_stream_from_url_is_per_peer_cached_and_works_offline(
     sharded: tuple[Path, dict], serve: Callable[..., Server], tmp_path: Path
 ) -> None:
