@@ -111,6 +111,29 @@ def network_guard():
     assert not guard.violations, f"a test peer listened off loopback: {sorted(set(guard.violations))}"
 
 
+SESSION_STARTED = time.time()
+
+
+def remove_dead_shared_memory(since: float) -> None:
+    """torch's shared-memory files (/dev/shm/torch_<pid>_*, hivemind's averagers) made since ``since`` by
+    processes that are gone. torch_shm_manager removes them when its clients exit, but a test that kills a
+    peer's whole process tree kills the manager too: without this, a full run leaves about 1 GB in RAM."""
+    for path in Path("/dev/shm").glob("torch_*_*"):
+        try:
+            pid = int(path.name.split("_")[1])
+            if not psutil.pid_exists(pid) and path.stat().st_mtime >= since:
+                path.unlink()
+        except (ValueError, OSError):
+            continue
+
+
+@pytest.fixture(autouse=True, scope="module")
+def shared_memory_cleanup():
+    """After each test file (its peers are gone by then), the shared-memory files its killed peers left."""
+    yield
+    remove_dead_shared_memory(SESSION_STARTED)
+
+
 def check_announced(maddrs: list[str]) -> None:
     for addr in maddrs:
         ip = addr.split("/")[2]

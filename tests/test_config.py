@@ -257,15 +257,16 @@ def test_a_supervised_worker_gets_the_resolved_config_as_a_private_file(monkeypa
 
 
 def test_a_trainers_supervisor_checks_its_dataset_without_the_heavy_libraries(tmp_path):
-    """The supervisor stays for the whole run: it must not hold torch, transformers or pyarrow (measured: 52 MB
-    USS more when it did, through the dataset module). Checked in a fresh interpreter."""
+    """The supervisor stays for the whole run: it must not hold torch, transformers or pyarrow (measured: 52
+    MB USS more when it did, through the dataset module). Checked in a fresh interpreter."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "manifest.json").write_text('{"format_version": 2}')
     code = (
         "import sys; from cotrain import cli; "
         f"ns, c = cli.parse(['train', '--preset', 'albert-tiny', '--dataset-path', {str(data)!r}, "
-        f"'--output-dir', {str(tmp_path / 'out')!r}]); cli.check_local_paths('train', c); import cotrain.procs; "
+        f"'--output-dir', {str(tmp_path / 'out')!r}]); cli.check_local_paths('train', c); "
+        "import cotrain.procs; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & "
         "{'torch', 'hivemind', 'transformers', 'pyarrow', 'datasets', 'tokenizers', 'numpy', 'pandas'}))"
     )
