@@ -117,6 +117,7 @@ class DiLoCoStateAverager(CheckedStateDownloads, TrainingStateAverager):
     def load_state_from_peers(self, **kwargs: Any) -> bool | None:
         """Download the newest state a peer serves: global parameters (into the model too), outer momentum,
         round, inner optimizer and schedule. Returns True when loaded (None when nothing was)."""
+        self.note_held_step()
         loaded = DecentralizedAverager.load_state_from_peers(self, **kwargs)
         if loaded is None:
             return None

@@ -407,8 +407,13 @@ class CheckedStateDownloads:
     # --- downloading ---
 
     def load_state_from_peers(self, **kwargs: Any):
-        self._held.value = float(self.local_epoch)  # for the averager's process: donors not ahead come last
+        self.note_held_step()
         return super().load_state_from_peers(**kwargs)
+
+    def note_held_step(self) -> None:
+        """Tell the averager's process the step this peer holds before a download: donors not ahead of it
+        come last (``donor_order``)."""
+        self._held.value = float(self.local_epoch)
 
     # (in the averager's process)
 
