@@ -39,8 +39,8 @@ peer = cotrain.SwarmPeer(
     initial_peers=initial,
     host_maddrs=["/ip4/127.0.0.1/tcp/0"],
     batch_size_per_step=8,
-    matchmaking_time=2.0,
-    averaging_timeout=10.0,
+    matchmaking_time=3.0,
+    averaging_timeout=15.0,
     load_state_timeout=20.0,
     startup_timeout=30.0,
     max_grad_norm=1.0,
@@ -51,17 +51,24 @@ with peer:
     while not os.path.exists(go):  # all three have joined: train together
         time.sleep(0.2)
     with torch.no_grad():
-        start = loss_of(held_out).item()
+        start = worst = loss_of(held_out).item()
+    groups = []  # the averaging group's size at each global step
     deadline = time.monotonic() + 90
     while peer.global_step < steps and time.monotonic() < deadline:
         x = torch.randn(8, 16, generator=data)
         loss = loss_of(x)
         loss.backward()
+        before = peer.global_step
         peer.step(loss=loss.item())
-        time.sleep(0.05)
+        if peer.global_step > before:
+            groups.append(peer.last_group_size)
+        with torch.no_grad():
+            worst = max(worst, loss_of(held_out).item())
+        time.sleep(0.3)
     with torch.no_grad():
         end = loss_of(held_out).item()
-    print("RESULT " + json.dumps({"start": start, "end": end, "step": peer.global_step}), flush=True)
+    result = {"start": start, "end": end, "worst": worst, "step": peer.global_step, "groups": groups}
+    print("RESULT " + json.dumps(result), flush=True)
 """
 
 
@@ -117,17 +124,27 @@ class Swarm:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_a_sign_flipped_gradient_reaches_the_honest_trainers_through_the_mean(tmp_path):
-    clean = Swarm("byzantine-clean", "", tmp_path / "go-clean")
-    attacked = Swarm("byzantine-attacked", "sign-flip", tmp_path / "go-attacked")
+    # one swarm after the other: 3 trainers on 2 cores form whole groups more reliably than 6
+    swarms = []
     try:
-        clean_results, attacked_results = clean.results(), attacked.results()
+        swarms.append(Swarm("byzantine-clean", "", tmp_path / "go-clean"))
+        clean_results = swarms[-1].results()
+        swarms.append(Swarm("byzantine-attacked", "sign-flip", tmp_path / "go-attacked"))
+        attacked_results = swarms[-1].results()
     finally:
-        clean.kill()
-        attacked.kill()
+        for swarm in swarms:
+            swarm.kill()
     for r in clean_results[:2] + attacked_results[:2]:
         assert r["step"] >= 4, (clean_results, attacked_results)
-    # the clean swarm learns; the honest trainers of the attacked one end worse than they started
+    # the clean swarm learns; the honest trainers of the attacked one are thrown far from the solution (their
+    # held-out loss, checked after every step, rises well above where it started). They may recover before the
+    # end: once their gradients are large, the attacker's x1000 parts overflow fp16, are refused as non-finite
+    # (in both modes) and the attacker is excluded.
     assert all(r["end"] < 0.7 * r["start"] for r in clean_results[:2]), clean_results
-    assert all(not r["end"] < r["start"] for r in attacked_results[:2]), attacked_results
+    assert all(r["worst"] < 1.5 * r["start"] for r in clean_results[:2]), clean_results
+    assert all(not r["worst"] < 10 * r["start"] for r in attacked_results[:2]), (
+        attacked_results,
+        clean_results,
+    )

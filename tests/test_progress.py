@@ -62,3 +62,11 @@ def test_an_inflated_report_does_not_trigger_the_step():
     # an epoch claimed by one peer alone is ignored
     progress = tracker(3, target=1000)._parse_swarm_progress_data(records(*honest, (10**6, 10, 10.0)))
     assert progress.epoch == 3 and progress.samples_accumulated == 400
+
+
+def test_a_peer_still_at_the_previous_epoch_counts_in_the_median():
+    # two honest peers, one of them still at epoch 2, and a liar at 3: the median of the epoch's reports is
+    # not half the liar's claim (the honest peer at 3 has 8 samples, the lagging one 0 for epoch 3)
+    reports = records((3, 8, 10.0), (2, 40, 10.0), (3, 8000, 10.0))
+    progress = tracker(3, target=96)._parse_swarm_progress_data(reports)
+    assert progress.epoch == 3 and progress.samples_accumulated == 8 + PROGRESS_CAP * 8

@@ -7,8 +7,9 @@ download a state that does not exist. ``RobustProgressTracker`` (with ``--aggreg
 counts what a minority cannot inflate:
 
 - a peer's samples count at most ``PROGRESS_CAP`` times the median of the samples reported for the epoch
-  (and its samples per second, which set the estimated time of the step, at most ``PROGRESS_CAP`` times
-  the median rate): one liar moves the step no earlier than an honest peer twice the median's speed would;
+  over every peer, one not at the epoch yet counting 0 (and its samples per second, which set the estimated
+  time of the step, at most ``PROGRESS_CAP`` times the median rate): one liar moves the step no earlier than
+  an honest peer twice the median's speed would;
 - an epoch ahead of this peer's next one counts as the swarm's only when at least two full peers report
   it (or reached beyond it): a lone peer far ahead is ignored.
 
@@ -47,11 +48,12 @@ def robust_epoch(local_epoch: int, epochs: list[int]) -> int:
     return best
 
 
-def capped(values: list[float], cap: float = PROGRESS_CAP) -> list[float]:
-    """``values`` capped at ``cap`` times their median."""
-    if not values:
+def capped(values: list[float], cap: float = PROGRESS_CAP, among: list[float] | None = None) -> list[float]:
+    """``values`` capped at ``cap`` times the median of ``among`` (default: of ``values``)."""
+    reference = values if among is None else among
+    if not values or not reference:
         return values
-    limit = cap * float(np.median(values))
+    limit = cap * float(np.median(reference))
     return [min(v, limit) for v in values]
 
 
@@ -73,7 +75,12 @@ class RobustProgressTracker(ProgressTracker):
             self.local_progress.epoch, [peer.epoch for peer in entries if not peer.client_mode]
         )
         current = [peer for peer in entries if peer.epoch == global_epoch]
-        samples = capped([float(peer.samples_accumulated) for peer in current])
+        # the median is over every peer, those not at the epoch counting 0 for it: while one honest peer of
+        # three is still at the previous epoch, the median of the other two alone would be half a liar's claim
+        samples = capped(
+            [float(peer.samples_accumulated) for peer in current],
+            among=[float(p.samples_accumulated) if p.epoch == global_epoch else 0.0 for p in entries],
+        )
         rates = capped([float(peer.samples_per_second) for peer in entries])
         rate_of = {id(peer): rate for peer, rate in zip(entries, rates, strict=True)}
         total_samples = int(sum(samples))
