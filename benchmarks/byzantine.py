@@ -492,6 +492,8 @@ def main() -> None:
         return
     if not WIKITEXT.exists():
         sys.exit(f"{WIKITEXT} not found")
+    if args.logs and Path(args.logs).is_dir() and any(Path(args.logs).iterdir()):
+        sys.exit(f"--logs {args.logs} is not empty (it holds an earlier run's swarms): give a new folder")
     install_exit_handlers(args.limit)
     started = print_started()
     tmp = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="cotrain-byzantine-"))
