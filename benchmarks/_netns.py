@@ -214,14 +214,9 @@ class Network:
 def remove_shared_memory(pids: list[int]) -> None:
     """Delete the torch shared-memory files (``/dev/shm/torch_<pid>_*``) of these processes once they are
     gone: a process killed together with its ``torch_shm_manager`` leaves them behind, holding RAM."""
-    gone = {pid for pid in pids if not _exists(pid)}
-    shm = Path("/dev/shm")
-    if not gone or not shm.is_dir():
-        return
-    for path in shm.glob("torch_*"):
-        parts = path.name.split("_")
-        if len(parts) > 1 and parts[1].isdigit() and int(parts[1]) in gone:
-            path.unlink(missing_ok=True)
+    from cotrain.shm import remove_leftovers
+
+    remove_leftovers(pids)
 
 
 class TimeUp(Exception):

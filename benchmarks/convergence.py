@@ -50,7 +50,14 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import TimeUp, die_with_parent, install_exit_handlers, print_finished, print_started  # noqa: E402
+from _netns import (  # noqa: E402
+    TimeUp,
+    die_with_parent,
+    install_exit_handlers,
+    print_finished,
+    print_started,
+    remove_shared_memory,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -166,10 +173,7 @@ class Swarm:
         time.sleep(0.5)
         # torch's shared-memory tensors (hivemind's averagers) of processes killed here stay in /dev/shm, in
         # RAM, until removed: a few hundred MB per swarm, which add up over a benchmark on a small machine
-        for pid in self.tree:
-            if not psutil.pid_exists(pid):
-                for leftover in Path("/dev/shm").glob(f"torch_{pid}_*"):
-                    leftover.unlink(missing_ok=True)
+        remove_shared_memory(sorted(self.tree))
 
 
 def read_jsonl(path: Path) -> list[dict]:

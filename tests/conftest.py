@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cotrain.shm import remove_leftovers
+
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHARED = REPO.parent / "shared"  # beside the repository in the project's workspace; absent in a fresh clone
@@ -114,41 +116,12 @@ def network_guard():
 SESSION_STARTED = time.time()
 
 
-def mapped_shared_memory() -> set[str]:
-    """The names of torch's /dev/shm files that some process still maps."""
-    names = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            text = (entry / "maps").read_text(errors="replace")
-        except OSError:
-            continue
-        names.update(line.rsplit("/", 1)[-1] for line in text.splitlines() if "/dev/shm/torch_" in line)
-    return names
-
-
-def remove_dead_shared_memory(since: float) -> None:
-    """torch's shared-memory files (/dev/shm/torch_<pid>_*, hivemind's averagers) made since ``since`` by
-    processes that are gone and mapped by none. torch_shm_manager removes them when its clients exit, but a
-    test that kills a peer's whole process tree kills the manager too: without this, a full run leaves about
-    1 GB in RAM. A file another process still maps stays: torch unlinks it when its last user frees it (and
-    aborts that process if the file is gone)."""
-    mapped = mapped_shared_memory()
-    for path in Path("/dev/shm").glob("torch_*_*"):
-        try:
-            pid = int(path.name.split("_")[1])
-            if path.name not in mapped and not psutil.pid_exists(pid) and path.stat().st_mtime >= since:
-                path.unlink()
-        except (ValueError, OSError):
-            continue
-
-
 @pytest.fixture(autouse=True, scope="module")
 def shared_memory_cleanup():
-    """After each test file (its peers are gone by then), the shared-memory files its killed peers left."""
+    """After each test file (its peers are gone by then), the shared-memory files its killed peers left:
+    without this, a full run leaves about 1 GB in RAM (cotrain.shm)."""
     yield
-    remove_dead_shared_memory(SESSION_STARTED)
+    remove_leftovers(since=SESSION_STARTED)
 
 
 def check_announced(maddrs: list[str]) -> None:
