@@ -5,8 +5,9 @@
 - a namespace holding only a bridge (``br0``);
 - one namespace per host, each with a veth pair: ``eth0`` (address ``10.213.0.<i+1>/24``) inside the host's
   namespace, ``v<i>`` on the bridge;
-- a ``tbf`` qdisc at ``rate_mbit`` on both ends of every veth: ``eth0`` limits what the host sends (its
-  upload), ``v<i>`` what it receives (its download). The kernel has no ``netem``: no added latency or loss.
+- a ``tbf`` qdisc at ``rate_mbit`` (or the host's entry of ``rates``) on both ends of every veth: ``eth0``
+  limits what the host sends (its upload), ``v<i>`` what it receives (its download). The kernel has no
+  ``netem``: no added latency or loss.
 - TCP congestion control in every host's namespace: ``congestion`` if given (one of the machine's
   ``net.ipv4.tcp_allowed_congestion_control``: a namespace may set no other), else what a new namespace
   inherits from the machine; ``congestion_control()`` says which.
@@ -123,6 +124,7 @@ class Network:
     burst_bytes: int = 64 * 1024
     queue_ms: int = 50
     congestion: str = ""
+    rates: list[float] | None = None  # per host, Mbit/s each way; default rate_mbit for every host
     tag: str = field(default_factory=lambda: f"{PREFIX}-{os.getpid()}")
     created: list[str] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)  # processes seen in the namespaces (remember_pids)
@@ -167,6 +169,8 @@ class Network:
     def create(self) -> None:
         if not 1 <= self.hosts <= 200:
             raise ValueError("hosts must be between 1 and 200")
+        if self.rates is not None and len(self.rates) != self.hosts:
+            raise ValueError(f"{len(self.rates)} rates for {self.hosts} hosts")
         br = self.bridge_ns
         self._add_ns(br)
         _run("ip", "-n", br, "link", "add", "br0", "type", "bridge")
@@ -188,9 +192,14 @@ class Network:
                     "-qw",
                     f"net.ipv4.tcp_congestion_control={self.congestion}",
                 )
-            if self.rate_mbit > 0:
-                self.shape(ns, "eth0", self.rate_mbit)
-                self.shape(br, f"v{i}", self.rate_mbit)
+            rate = self.rate(i)
+            if rate > 0:
+                self.shape(ns, "eth0", rate)
+                self.shape(br, f"v{i}", rate)
+
+    def rate(self, i: int) -> float:
+        """Host i's link rate, Mbit/s each way (0: not shaped)."""
+        return self.rates[i] if self.rates else self.rate_mbit
 
     def congestion_control(self) -> str:
         """The TCP congestion control of the hosts' namespaces."""

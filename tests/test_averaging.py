@@ -63,3 +63,23 @@ def test_two_averagers_reading_ahead_average_exactly():
 def test_read_ahead_below_one_is_refused():
     with pytest.raises(ValueError, match="read_ahead must be at least 1"):
         gradient_averager_factory({"read_ahead": 0})
+
+
+def test_the_gradient_averager_serves_no_state_and_a_newcomer_asks_none():
+    """A trainer's gradient accumulators are no state to share: its averager declares nothing under its
+    prefix's ``all_averagers`` key (hivemind's would, and serve a model-sized buffer to every newcomer through
+    a download without a timeout to open it); newcomers (``load_state_bounded``) ask only the state averagers."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    param = torch.nn.Parameter(torch.zeros(1024))
+    param.grad = torch.ones_like(param)
+    averager = gradient_averager_factory()([param], dht=dht, prefix="noshare_grad_averager", start=True)
+    try:
+        assert not averager.allow_state_sharing
+        averager.state_sharing_priority = 5  # as a trainer sets it after each step
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            assert dht.get("noshare_grad_averager.all_averagers", latest=True) is None
+            time.sleep(0.5)
+    finally:
+        averager.shutdown()
+        dht.shutdown()

@@ -23,7 +23,12 @@ READ_AHEAD_PARTS = 1
 class SwarmGradientAverager(RobustAveraging, GradientAverager):
     """hivemind's GradientAverager, as cotrain's trainers run it: ``read_ahead`` parts of each all-reduce
     stream are received, decoded and held while the reducer waits for the other senders; reducers combine
-    the parts with ``aggregation`` (cotrain.swarm.robust)."""
+    the parts with ``aggregation`` (cotrain.swarm.robust).
+
+    It shares no state: hivemind's would be the peer's gradient accumulators, which a newcomer that
+    downloaded them resets at once (``load_state_bounded``). Serving them sent a model-sized buffer of raw
+    gradients to every newcomer, and hivemind's download of them has no timeout for opening the stream: in a
+    16-trainer swarm a newcomer waited on it for minutes (docs/benchmarks.md, scale)."""
 
     def __init__(
         self,
@@ -34,6 +39,7 @@ class SwarmGradientAverager(RobustAveraging, GradientAverager):
         **kwargs,
     ) -> None:
         self.aggregation = aggregation
+        kwargs["allow_state_sharing"] = False
         super().__init__(*args, start=False, **kwargs)
         # handed by hivemind's averager to each AllReduceRunner, and by it to its TensorPartContainer
         self.allreduce_kwargs["prefetch"] = read_ahead

@@ -173,9 +173,9 @@ def load_state_bounded(opt: hivemind.Optimizer, timeout: float, should_stop: Cal
                 )
                 return False
             try:
+                # hivemind also downloads its gradient averager's "state" here: another peer's gradient
+                # accumulators, reset below; cotrain's gradient averagers serve none (SwarmGradientAverager)
                 opt.state_averager.load_state_from_peers(timeout=min(remaining, opt.load_state_timeout))
-                if opt.grad_averager is not None:
-                    opt.grad_averager.load_state_from_peers(timeout=min(remaining, opt.load_state_timeout))
                 break
             except Exception as e:
                 logger.info(f"Loading state from peers failed ({e!r}); retrying for {remaining:.0f} more s")
