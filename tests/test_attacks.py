@@ -263,7 +263,7 @@ def test_a_silent_member_joins_the_group_and_contributes_nothing(monkeypatch):
         averaged = (got - mean).abs() < 1e-4
         kept = (got - own[0]).abs() < 1e-6
         assert (averaged | kept).all()
-        assert averaged.float().mean() == pytest.approx(0.75)  # the three honest reducers' parts were averaged
+        assert averaged.float().mean() == pytest.approx(0.75)  # the 3 honest reducers' parts were averaged
 
 
 # --- the hooks in a real peer ----------------------------------------------------------------------------

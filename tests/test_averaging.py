@@ -68,7 +68,7 @@ def test_read_ahead_below_one_is_refused():
 def test_the_gradient_averager_serves_no_state_and_a_newcomer_asks_none():
     """A trainer's gradient accumulators are no state to share: its averager declares nothing under its
     prefix's ``all_averagers`` key (hivemind's would, and serve a model-sized buffer to every newcomer through
-    a download without a timeout to open it); newcomers (``load_state_bounded``) ask only the state averagers."""
+    a download without a timeout to open it); newcomers (``load_state_bounded``) ask only state averagers."""
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     param = torch.nn.Parameter(torch.zeros(1024))
     param.grad = torch.ones_like(param)

@@ -421,3 +421,25 @@ def peer_main() -> None:
 if __name__ == "__main__":
     peer_main()
     sys.exit(0)
+
+
+def test_verdict_where_every_honest_peer_holds_a_state_of_its_own():
+    """Small averaging groups whose members mix: 8 honest records at the step, each ~0.3 from the others (no
+    two within TOLERANCE); an honest donor's state is loaded, a sign-flipped or random one is not."""
+    honest = [sc.fingerprint(nudged(state(), 0.3, seed=10 + i), 5) for i in range(8)]
+    assert all(sc.distance(a, b) > sc.TOLERANCE for i, a in enumerate(honest) for b in honest[i + 1 :])
+    records = {f"h{i}": fp for i, fp in enumerate(honest)}
+    spread = sc.spread(list(honest))
+    assert sc.TOLERANCE < spread < 1.0
+    found = sc.verdict(honest[0], records, {"h0"})
+    assert found.accepted  # the donor's own record left out of the spread
+    assert found.tolerance == pytest.approx(sc.SPREAD_FACTOR * sc.spread(honest[1:]))
+    poisoned = sc.fingerprint(PoisonedState(True).serve(state(), 5), 5)
+    records["liar"] = poisoned
+    found = sc.verdict(poisoned, records, {"liar"})
+    assert found.kind == "refuted" and found.nearest > found.tolerance
+    flipped = sc.fingerprint([-t for t in state()], 5)
+    assert sc.verdict(flipped, records, {"liar"}).kind == "refuted"
+    # where honest peers agree, one liar's far record does not widen the tolerance
+    close = {f"h{i}": sc.fingerprint(rounded(nudged(state(), 1e-3, seed=i)), 5) for i in range(3)}
+    assert sc.spread([*close.values(), poisoned]) < sc.TOLERANCE

@@ -28,6 +28,10 @@ Which records count, and when a state is loaded (``verdict``):
   agreeing records, ties allowed): loaded. Not a strict majority, because honest DiLoCo peers do split: a
   peer whose round failed, or two groups that averaged apart, hold different global parameters at the same
   round (measured: distances of 0.05 to 2 on small tensors) until their next round averages the outer state.
+- Records agree within ``TOLERANCE``, or within ``SPREAD_FACTOR`` x the records' ``spread`` where that is
+  larger: in a swarm of small averaging groups (``--target-group-size`` below the swarm's size) honest peers
+  each hold a state of their own at a step, as far apart as some poisons; a state is then checked only
+  against what honest peers' own differences allow (a sign flip or garbage farther than that is refuted).
 - It is *refuted* when records of other peers for E exist and it fails that test: not loaded, the donor is
   named and tried last for a while, and the next donor is asked. One honest peer against one liar is a tie
   that nobody can break: neither state is loaded.
@@ -59,6 +63,7 @@ import logging
 import math
 import multiprocessing as mp
 import random
+import statistics
 import threading
 import time
 from collections.abc import Collection, Hashable, Mapping, Sequence
@@ -85,6 +90,11 @@ SAMPLES_PER_TENSOR = 8  # sampled values per tensor: 36 bytes per tensor in a re
 # a sign flip: 2; zeros: 1; a scale by s: |s - 1| / max(s, 1), 0.33 for s = 1.5). 0.1 is ~7x the largest
 # honest distance and a third of the smallest poison above.
 TOLERANCE = 0.1
+# Where honest peers' states are spread (``spread``), records within SPREAD_FACTOR x that spread agree.
+# Measured with 16 trainers in groups of 4 (benchmarks/scale.py): honest peers at the same step 0.16 to 1.9
+# apart, each holding a state of its own (zero-initialized biases, moved in each group's own direction, differ
+# by O(1)).
+SPREAD_FACTOR = 2.0
 SCALE_FLOOR = 1e-6  # typical values below this count as this (a tensor of zeros against one of ~1e-9 agree)
 HISTORY = 3  # steps each record keeps: a downloader checks a step its peers have just left
 EXPIRATION = 120.0  # seconds a record stays valid
@@ -202,6 +212,7 @@ class Verdict:
     agree: int = 0
     total: int = 0
     nearest: float = math.inf
+    tolerance: float = TOLERANCE  # the distance within which records agreed (``verdict``)
 
     @property
     def accepted(self) -> bool:
@@ -223,6 +234,7 @@ def verdict(
         records = {k: records[k] for k in records if k in donor or k in others}
     if all(k in donor for k in records):
         return Verdict("unverifiable", len(records), len(records))
+    tolerance = max(tolerance, SPREAD_FACTOR * spread([fp for k, fp in records.items() if k not in donor]))
     distances = {k: distance(state, fp) for k, fp in records.items()}
     agree = {k for k, d in distances.items() if d <= tolerance}
     nearest = min(d for k, d in distances.items() if k not in donor)
@@ -230,7 +242,21 @@ def verdict(
     outside = [fp for k, fp in records.items() if k not in agree]
     rivals = max((sum(distance(r, fp) <= tolerance for fp in records.values()) for r in outside), default=0)
     ok = any(k not in donor for k in agree) and len(agree) >= rivals
-    return Verdict("verified" if ok else "refuted", len(agree), len(records), nearest)
+    return Verdict("verified" if ok else "refuted", len(agree), len(records), nearest, tolerance)
+
+
+def spread(fingerprints: Sequence[Fingerprint]) -> float:
+    """How far apart honest peers' states are at a step: the median, over the fingerprints, of the distance
+    from each to its nearest other one (0 for fewer than 3). Near 0 when peers averaged together, even in
+    separate groups (each has a near twin); large when every peer holds a state of its own, as in a swarm of
+    small averaging groups whose members' parameters mix through changing groups. A minority of liars' records
+    cannot move the median."""
+    if len(fingerprints) < 3:
+        return 0.0
+    nearest = [
+        min(distance(a, b) for j, b in enumerate(fingerprints) if j != i) for i, a in enumerate(fingerprints)
+    ]
+    return statistics.median(nearest)
 
 
 # --- the records ----------------------------------------------------------------------------------------
@@ -503,7 +529,7 @@ class CheckedStateDownloads:
             logger.warning(
                 f"Peer {donor} served a state for step {epoch} that does not match the fingerprints other "
                 f"peers published for that step ({found.agree} of {found.total} agree, distance "
-                f"{found.nearest:.3g} > {TOLERANCE:g}): not loading it, trying another peer"
+                f"{found.nearest:.3g} > {found.tolerance:.3g}): not loading it, trying another peer"
             )
         elif found.kind == "verified":
             logger.info(
