@@ -13,6 +13,7 @@ import signal
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 from conftest import (
@@ -270,11 +271,19 @@ def test_no_traceback_and_no_library_warning_in_logs(swarm):
         assert "Warning:" not in text and "warnings.warn(" not in text, (name, text[-3000:])
 
 
+def describe(pid: int) -> str:
+    try:
+        return f"{pid} {' '.join(psutil.Process(pid).cmdline())[:120]}"
+    except psutil.Error:
+        return str(pid)
+
+
 def _assert_gone(pids: list[int], within: float) -> None:
     deadline = time.monotonic() + within
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.25)
-    assert not alive(pids), f"processes left: {alive(pids)}"
+    left = alive(pids)
+    assert not left, f"processes left: {[describe(pid) for pid in left]}"
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,7 @@ from pathlib import Path
 from cotrain.cli import fail
 from cotrain.config import Config, load_resolved, write_toml
 from cotrain.errors import UserError
-from cotrain.procs import StopSignals
+from cotrain.procs import StopSignals, exit_worker, supervisor_pid
 
 ROLES = ("train", "monitor", "eval")
 
@@ -101,7 +101,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    rc = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    exit_worker(main(sys.argv[1:]), supervisor_pid())

@@ -6,8 +6,9 @@ dies, and they print tracebacks when Ctrl+C reaches the whole terminal group. So
 - the supervisor (the process the user started) owns the signals: on Ctrl+C or SIGTERM it asks the worker
   to stop (SIGTERM), waits a grace period, then kills the worker's whole process group;
 - the worker runs in a new session, so the terminal's Ctrl+C never reaches hivemind's children directly;
-- the worker watches its supervisor: if the supervisor vanishes (even by SIGKILL) the worker stops and,
-  after a grace period, kills its own process group, hivemind's children included;
+- the worker watches its supervisor: if the supervisor vanishes (even by SIGKILL) the worker stops and
+  kills its own process group, hivemind's children included, when it exits or after a grace period,
+  whichever comes first (nobody else is left to clean up after it);
 - the worker gets the resolved config as a file (written by the supervisor into a private temporary
   folder), never by parsing the user's command line again.
 """
@@ -38,6 +39,22 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def supervisor_pid() -> int | None:
+    """The PID of the supervisor that started this worker (None outside a supervised worker)."""
+    pid = os.environ.get(SUPERVISOR_ENV)
+    return int(pid) if pid else None
+
+
+def exit_worker(rc: int, supervisor_pid: int | None) -> None:
+    """End a worker process: where its supervisor is gone, with its whole process group (what hivemind left
+    running dies with it; the supervisor would have killed it), else alone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if supervisor_pid is not None and os.getppid() != supervisor_pid and os.getpgrp() == os.getpid():
+        kill_group(os.getpgrp())
+    os._exit(rc)
 
 
 def supervise(role: str, config: Config) -> int:
@@ -93,8 +110,7 @@ class StopSignals:
         self.event = threading.Event()
         self.pid = os.getpid()
         self._deadline_started = False
-        supervisor = os.environ.get(SUPERVISOR_ENV)
-        self.supervisor_pid = int(supervisor) if supervisor else None
+        self.supervisor_pid = supervisor_pid()
 
     def install(self) -> StopSignals:
         signal.signal(signal.SIGTERM, self._handle)
