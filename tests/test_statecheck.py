@@ -443,3 +443,48 @@ def test_verdict_where_every_honest_peer_holds_a_state_of_its_own():
     # where honest peers agree, one liar's far record does not widen the tolerance
     close = {f"h{i}": sc.fingerprint(rounded(nudged(state(), 1e-3, seed=i)), 5) for i in range(3)}
     assert sc.spread([*close.values(), poisoned]) < sc.TOLERANCE
+
+
+def test_verdict_where_small_groups_agree_within_each_and_not_across():
+    """Groups of 2 to 4 that averaged together, far apart from each other: a state that another peer's record
+    vouches for is loaded though a larger group exists, unless that group is a strict majority; one liar is
+    refuted either way."""
+    centres = [nudged(state(), 0.5, seed=20 + g) for g in range(3)]
+    sizes = [2, 3, 4]
+    records = {
+        f"g{g}m{m}": sc.fingerprint(rounded(nudged(centres[g], 1e-3, seed=100 * g + m)), 5)
+        for g, size in enumerate(sizes)
+        for m in range(size)
+    }
+    assert sc.spread(list(records.values())) < sc.TOLERANCE / 2  # each record has a near twin
+    donor = sc.fingerprint(centres[0], 5)
+    found = sc.verdict(donor, records, {"g0m0"})
+    assert found.accepted and (found.agree, found.total) == (2, 9)  # 2 agree, a group of 4 is no majority
+    poisoned = sc.fingerprint(PoisonedState(True).serve(state(), 5), 5)
+    assert sc.verdict(poisoned, {**records, "liar": poisoned}, {"liar"}).kind == "refuted"
+    # a group holding a strict majority of the records outvotes a smaller one
+    records.update(
+        {f"g2m{m}": sc.fingerprint(rounded(nudged(centres[2], 1e-3, seed=m)), 5) for m in range(4, 7)}
+    )
+    found = sc.verdict(donor, records, {"g0m0"})
+    assert found.kind == "refuted" and (found.agree, found.total) == (2, 12)
+    # where honest peers agree, two liars that publish the same poisoned fingerprint are outvoted
+    agreeing = {f"h{i}": sc.fingerprint(rounded(nudged(state(), 1e-3, seed=i)), 5) for i in range(3)}
+    liars = {"liar1": poisoned, "liar2": poisoned}
+    assert sc.verdict(poisoned, {**agreeing, **liars}, {"liar1"}).kind == "refuted"
+
+
+def test_verdict_counts_a_rival_group_among_the_records_that_disagree():
+    """A record halfway between two states agrees with both: it counts for the donor's state, not also for the
+    rival group (3 against 3 of 6 is no majority for the rival)."""
+    a, b = state(), nudged(state(), 0.15, seed=7)
+    middle = [(x + y) / 2 for x, y in zip(a, b, strict=True)]
+    fa, fb, fm = (sc.fingerprint(t, 5) for t in (a, b, middle))
+    assert sc.distance(fa, fb) > sc.TOLERANCE >= max(sc.distance(fa, fm), sc.distance(fb, fm))
+    records = {"a0": fa, "a1": sc.fingerprint(rounded(a), 5), "m": fm}
+    records.update({f"b{i}": sc.fingerprint(rounded(nudged(b, 1e-3, seed=i)), 5) for i in range(3)})
+    found = sc.verdict(fa, records, {"a0"})
+    assert found.accepted and (found.agree, found.total, found.rivals) == (3, 6, 3)
+    records["b3"] = sc.fingerprint(rounded(nudged(b, 1e-3, seed=3)), 5)  # now 4 of 7 agree on the other
+    found = sc.verdict(fa, records, {"a0"})
+    assert found.kind == "refuted" and found.rivals == 4 and found.nearest <= found.tolerance

@@ -23,11 +23,15 @@ together are within ``TOLERANCE`` (measured, see its comment).
 Which records count, and when a state is loaded (``verdict``):
 - Each record is one vote (one per signing key); a record that names the donor's peer id is the donor's
   own, and the downloader's own records are left out.
-- A state at step E is *verified* when the records for E that match it, which must include another peer's
-  than the donor's, are at least as many as the records that match any other state (the largest group of
-  agreeing records, ties allowed): loaded. Not a strict majority, because honest DiLoCo peers do split: a
-  peer whose round failed, or two groups that averaged apart, hold different global parameters at the same
-  round (measured: distances of 0.05 to 2 on small tensors) until their next round averages the outer state.
+- A state at step E is *verified* when the records for E that match it include another peer's than the
+  donor's, and no group of records that match another state is both larger and a strict majority of the
+  records for E: loaded. Not "the largest group", because honest peers do split: DiLoCo peers whose round
+  failed, or two groups that averaged apart, hold different global parameters at the same round (measured:
+  distances of 0.05 to 2 on small tensors) until their next round averages the outer state; and in a swarm
+  of small averaging groups (16 trainers in groups of 4) each group's members agree with each other and
+  with no other group, so the records for a step form several groups of a few, of changing sizes (a newcomer
+  there refused honest donors whose state matched another peer's record to 5e-4, because another group
+  had more records).
 - Records agree within ``TOLERANCE``, or within ``SPREAD_FACTOR`` x the records' ``spread`` where that is
   larger: in a swarm of small averaging groups (``--target-group-size`` below the swarm's size) honest peers
   each hold a state of their own at a step, as far apart as some poisons; a state is then checked only
@@ -46,8 +50,11 @@ Which records count, and when a state is loaded (``verdict``):
   already holds is vouched for by everyone (``donor_order``).
 The monitor's record is one vote like any other: a record cannot prove that it comes from the monitor (in a
 public swarm anyone can run one). A peer that loaded nothing retries at its next step, as it is still behind.
-This assumes that most record publishers for a step are honest: one attacker with many keys (Sybil) can
-outvote them, as in any vote; a private swarm's tokens (cotrain.access) bound who can publish at all. An
+This assumes that most record publishers for a step are honest, and that where they agree (one state holds
+a strict majority of the records) colluding liars are outvoted; where honest peers split into several groups
+without a majority, one liar is still refuted (no other record vouches for its state) but two that publish
+the same poisoned fingerprint are not. One attacker with many keys (Sybil) can outvote honest peers, as in
+any vote; a private swarm's tokens (cotrain.access) bound who can publish at all. An
 attacker that knows the sampled positions can also craft a state that matches the fingerprint while it
 differs elsewhere (keeping every tensor's norm): the check stops a peer that serves garbage, scaled or
 sign-flipped parameters, not a state crafted against it. Optimizer statistics are not checked: DiLoCo's inner
@@ -213,6 +220,7 @@ class Verdict:
     total: int = 0
     nearest: float = math.inf
     tolerance: float = TOLERANCE  # the distance within which records agreed (``verdict``)
+    rivals: int = 0  # the largest group of records that agree on another state
 
     @property
     def accepted(self) -> bool:
@@ -238,11 +246,13 @@ def verdict(
     distances = {k: distance(state, fp) for k, fp in records.items()}
     agree = {k for k, d in distances.items() if d <= tolerance}
     nearest = min(d for k, d in distances.items() if k not in donor)
-    # the largest group of records that agree with a state this one is not
+    # the largest group of records that agree with a state this one is not, among the records that do not
+    # agree with this one (agreement is not transitive: a record between two states agrees with both)
     outside = [fp for k, fp in records.items() if k not in agree]
-    rivals = max((sum(distance(r, fp) <= tolerance for fp in records.values()) for r in outside), default=0)
-    ok = any(k not in donor for k in agree) and len(agree) >= rivals
-    return Verdict("verified" if ok else "refuted", len(agree), len(records), nearest, tolerance)
+    rivals = max((sum(distance(r, fp) <= tolerance for fp in outside) for r in outside), default=0)
+    # a rival group refutes a state another peer vouches for only where it is larger and a strict majority
+    ok = any(k not in donor for k in agree) and (len(agree) >= rivals or 2 * rivals <= len(records))
+    return Verdict("verified" if ok else "refuted", len(agree), len(records), nearest, tolerance, rivals)
 
 
 def spread(fingerprints: Sequence[Fingerprint]) -> float:
@@ -526,10 +536,15 @@ class CheckedStateDownloads:
         at_epoch = {key: p.steps[epoch] for key, p in records.items() if epoch in p.steps}
         found = verdict(mine, at_epoch, {key for key, p in records.items() if p.peer_id == donor})
         if found.kind == "refuted":
+            why = (
+                f"distance {found.nearest:.3g} > {found.tolerance:.3g}"
+                if found.nearest > found.tolerance
+                else f"{found.rivals} agree on another state"
+            )
             logger.warning(
                 f"Peer {donor} served a state for step {epoch} that does not match the fingerprints other "
-                f"peers published for that step ({found.agree} of {found.total} agree, distance "
-                f"{found.nearest:.3g} > {found.tolerance:.3g}): not loading it, trying another peer"
+                f"peers published for that step ({found.agree} of {found.total} agree, {why}): not loading "
+                "it, trying another peer"
             )
         elif found.kind == "verified":
             logger.info(
