@@ -15,8 +15,10 @@ A configuration runs ``--minutes`` of training after every trainer has joined; f
 ``--group-sizes`` entry (the trainers' ``--target-group-size``; 0: the whole swarm, one big group against
 Moshpit-style small groups) one configuration without churn, and one with churn (``--churn``): every
 ``--kill-every`` seconds a random trainer's host vanishes (SIGKILL to every process in its namespace) and a
-new trainer starts on a new host. A newcomer is also started once in a configuration without churn. Each
-configuration reports:
+new trainer starts on a new host. A newcomer is also started once in a configuration without churn, as soon
+as the first trainers have joined. A configuration goes on past ``--minutes`` (without churn) until every
+newcomer contributes or ``--newcomer-timeout`` seconds have passed since its start. Each configuration
+reports:
 
 - global steps, and global steps per minute (the highest step any trainer reached);
 - the averaging groups formed (the group size each trainer saw at each global step: a histogram, the
@@ -331,6 +333,13 @@ class Swarm:
         threading.Thread(target=read, daemon=True).start()
         return k
 
+    def newcomers_waiting(self, t0: float, timeout: float) -> list[int]:
+        """The trainers started after ``t0`` that are alive, have not contributed yet and were started less
+        than ``timeout`` seconds ago."""
+        now = time.monotonic()
+        fresh = [k for k in self.alive() if self.started[k] > max(t0, now - timeout)]
+        return [k for k in fresh if not any("contributing" in m for m in self.inbox[k])]
+
     def wait_ready(self, ks: list[int], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for k in ks:
@@ -406,10 +415,12 @@ def run_config(args: argparse.Namespace, group_size: int, churn: bool, logdir: P
             t0 = time.monotonic()
             end = t0 + args.minutes * 60
             next_kill = t0 + args.kill_every if churn else float("inf")
-            newcomer_at = t0 + args.minutes * 20 if not churn else float("inf")  # a third of the way
+            newcomer_at = t0 if not churn else float("inf")
             memory = []
-            while time.monotonic() < end:
+            while time.monotonic() < end or swarm.newcomers_waiting(t0, args.newcomer_timeout):
                 now = time.monotonic()
+                if now >= end:  # only waiting for newcomers to contribute: no more churn
+                    next_kill = float("inf")
                 if now >= newcomer_at:
                     newcomer_at = float("inf")
                     swarm.start_trainer(at_once=True)
@@ -556,6 +567,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--matchmaking-time", type=float, default=5.0)
     ap.add_argument("--averaging-timeout", type=float, default=30.0)
     ap.add_argument("--join-timeout", type=float, default=600.0, help="s for every first trainer to join")
+    ap.add_argument(
+        "--newcomer-timeout", type=float, default=150.0,
+        help="a configuration goes on until its newcomers contribute, at most this many s after their start",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="which trainers vanish")
     ap.add_argument("--quick", action="store_true", help="group size 4, 2 minutes, plus 2 minutes of churn")
     ap.add_argument("--json", default="", help="also write the results to this file")
