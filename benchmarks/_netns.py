@@ -481,6 +481,34 @@ def say(**msg) -> None:
     print(TAG + json.dumps(msg), flush=True)
 
 
+def simulated_peer(run, peer, model, connection):
+    """A ``cotrain.SwarmPeer`` of a peer process around ``model``, with the preset's optimizer and schedule,
+    joined through ``connection``; its compute is the benchmark's to simulate (``fixed_gradients``)."""
+    from cotrain.engine import SwarmPeer
+    from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
+
+    return SwarmPeer.from_config(
+        run,
+        peer,
+        model,
+        connection=connection,
+        params=parameter_groups(model, run.weight_decay),
+        optimizer=optimizer_factory(run),
+        scheduler=scheduler_factory(run),
+        batch_size_per_step=peer.per_device_train_batch_size * peer.gradient_accumulation_steps,
+    )
+
+
+def fixed_gradients(model, seed: int) -> None:
+    """Random gradients on every parameter, as a backward pass would leave them, kept for every step (nothing
+    zeroes them): the simulated compute's gradients."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-4
+
+
 class Peers:
     """The n peer processes, each in its namespace, spoken to with JSON lines over stdin/stdout."""
 

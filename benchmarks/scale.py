@@ -60,7 +60,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _netns  # noqa: E402
-from _netns import CpuSampler, say  # noqa: E402
+from _netns import CpuSampler, fixed_gradients, say, simulated_peer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = "albert-tiny"
@@ -160,8 +160,8 @@ def peer_main(args: argparse.Namespace) -> None:
 
     from cotrain.config import resolve
     from cotrain.data import ExampleStream, tokenizer_hash
-    from cotrain.engine import SwarmConnection, SwarmPeer
-    from cotrain.models import model_for_tokenizer, optimizer_factory, parameter_groups, scheduler_factory
+    from cotrain.engine import SwarmConnection
+    from cotrain.models import model_for_tokenizer
 
     # this process's start (``ip netns exec`` execs it in the process the driver forked)
     launched = time.monotonic() - (time.time() - psutil.Process().create_time())
@@ -177,21 +177,10 @@ def peer_main(args: argparse.Namespace) -> None:
     connection.agree(run, tokenizer_hash(tokenizer))
     model = model_for_tokenizer(run, tokenizer)
     samples = peer.per_device_train_batch_size * peer.gradient_accumulation_steps
-    swarm = SwarmPeer.from_config(
-        run,
-        peer,
-        model,
-        connection=connection,
-        params=parameter_groups(model, run.weight_decay),
-        optimizer=optimizer_factory(run),
-        scheduler=scheduler_factory(run),
-        batch_size_per_step=samples,
-    )
+    swarm = simulated_peer(run, peer, model, connection)
     swarm.catch_up()
     swarm.start()
-    gen = torch.Generator().manual_seed(args.index)
-    for p in model.parameters():  # gradients as a backward pass would leave them (kept: no zero_grad)
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-4
+    fixed_gradients(model, args.index)
     say(ready=True, pid=os.getpid(), maddrs=swarm.maddrs)
     if not args.at_once:
         sys.stdin.readline()  # the first trainers start computing together

@@ -59,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _netns  # noqa: E402
-from _netns import CpuSampler, Peers, say  # noqa: E402
+from _netns import CpuSampler, Peers, fixed_gradients, say, simulated_peer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL = 0.90
@@ -99,8 +99,8 @@ def peer_main(args: argparse.Namespace) -> None:
     import torch
 
     from cotrain.config import resolve
-    from cotrain.engine import SwarmConnection, SwarmPeer
-    from cotrain.models import build_model, optimizer_factory, parameter_groups, scheduler_factory
+    from cotrain.engine import SwarmConnection
+    from cotrain.models import build_model
 
     torch.set_num_threads(1)
     if args.keep_logs:  # cotrain's info lines (rounds, partial all-reduces) in the peer's log
@@ -133,19 +133,8 @@ def peer_main(args: argparse.Namespace) -> None:
     say(maddrs=connection.maddrs())
     model = build_model(run, vocab_size=30000)
     samples = peer.per_device_train_batch_size * peer.gradient_accumulation_steps
-    swarm = SwarmPeer.from_config(
-        run,
-        peer,
-        model,
-        connection=connection,
-        params=parameter_groups(model, run.weight_decay),
-        optimizer=optimizer_factory(run),
-        scheduler=scheduler_factory(run),
-        batch_size_per_step=samples,
-    )
-    gen = torch.Generator().manual_seed(args.index)
-    for p in model.parameters():  # gradients as a backward pass would leave them (kept: no zero_grad)
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-4
+    swarm = simulated_peer(run, peer, model, connection)
+    fixed_gradients(model, args.index)
     on_device = [0.0]  # seconds inside opt.step on work a GPU peer does on its GPU (see the module's doc)
     opt = swarm.strategy.opt
     if swarm.strategy.name == "diloco":
