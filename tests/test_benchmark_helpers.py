@@ -19,6 +19,7 @@ import convergence  # noqa: E402
 import footprint  # noqa: E402
 import overhead  # noqa: E402
 import scale  # noqa: E402
+import soak  # noqa: E402
 
 
 def test_allreduce_bound_is_twice_n_minus_one_over_n_messages_at_link_rate():
@@ -262,3 +263,30 @@ def test_the_scale_benchmark_counts_the_dht_requests_of_a_peer(monkeypatch):
     finally:
         second.shutdown()
         first.shutdown()
+
+
+def test_the_soak_measures_growth_per_process_kind_after_the_settling_time():
+    def rows(worker, dht):
+        return [{"kind": "worker", "pss": worker}, {"kind": "dht", "pss": dht}, {"kind": "dht", "pss": 10.0}]
+
+    # before the settling time (t < 100) the worker grew from 50 to 100: not counted; after it, the worker
+    # holds 100 then 110 (mean of the first quarter 100, of the last 110), the DHT processes stay at 30 + 10
+    samples = [(0.0, rows(50.0, 30.0)), (50.0, rows(100.0, 30.0))]
+    samples += [(100.0 + t, rows(100.0 if t < 40 else 110.0, 30.0)) for t in range(0, 80, 10)]
+    growth = soak.memory_growth(samples, since=100.0)
+    assert growth["worker"] == pytest.approx(0.1) and growth["dht"] == 0.0
+    assert growth["total"] == pytest.approx(10 / 140, abs=1e-4)
+    assert soak.memory_growth(samples[:3], since=100.0) == {}  # one sample after settling: nothing to say
+
+
+def test_the_soak_finds_the_longest_step_and_the_held_out_loss():
+    monitor = [
+        {"step": 1, "time": 100.0}, {"step": 1, "time": 101.0}, {"step": 2, "time": 110.0},
+        {"kind": "eval", "step": 2, "time": 112.0, "eval_loss": 9.0},
+        {"step": 3, "time": 120.0}, {"step": 4, "time": 190.0},
+        {"kind": "eval", "step": 4, "time": 195.0, "eval_loss": 8.0},
+        {"kind": "eval", "step": 4, "time": 300.0, "eval_loss": 7.5},
+    ]  # fmt: skip
+    assert soak.step_gaps(monitor) == (10.0, 70.0)  # gaps 10, 10, 70 between the steps' first rows
+    assert soak.held_out(monitor, settle_at=200.0) == [9.0, 8.0, 7.5]
+    assert soak.held_out([], settle_at=200.0) == [] and soak.step_gaps([]) == (0.0, 0.0)
