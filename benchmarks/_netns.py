@@ -11,6 +11,7 @@
 - TCP congestion control in every host's namespace: ``congestion`` if given (one of the machine's
   ``net.ipv4.tcp_allowed_congestion_control``: a namespace may set no other), else what a new namespace
   inherits from the machine; ``congestion_control()`` says which.
+- hosts behind NAT (``add_nat_host``): a home network behind one of the hosts, which masquerades for it.
 
 Nothing is created in the machine's own namespace and the addresses exist only inside these namespaces.
 ``close()`` (also on exit from ``with``) kills every process still running inside them and deletes them;
@@ -21,6 +22,7 @@ Nothing is created in the machine's own namespace and the addresses exist only i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -36,6 +38,7 @@ import psutil
 
 PREFIX = "cotrain-bench"
 SUBNET = "10.213.0"
+NAT_SUBNET = "10.214"  # home networks behind NAT: 10.214.<k>.0/24
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _OURS = re.compile(rf"^{PREFIX}-(\d+)-")
 TAG = "@@"  # marks the lines a peer process writes for the benchmark on its stdout
@@ -55,8 +58,8 @@ def allreduce_bound_s(n: int, message_bytes: float, rate_bits_per_s: float) -> f
     return 2 * (n - 1) / n * message_bytes * 8 / rate_bits_per_s
 
 
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
+def _run(*argv: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30, input=input)
 
 
 def list_netns() -> list[str]:
@@ -128,6 +131,8 @@ class Network:
     tag: str = field(default_factory=lambda: f"{PREFIX}-{os.getpid()}")
     created: list[str] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)  # processes seen in the namespaces (remember_pids)
+    nat: dict[int, str] = field(default_factory=dict)  # host behind NAT -> its private address
+    routers: set[int] = field(default_factory=set)  # hosts that masquerade for a home network
 
     @property
     def bridge_ns(self) -> str:
@@ -137,7 +142,7 @@ class Network:
         return f"{self.tag}-h{i}"
 
     def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
+        return self.nat.get(i) or f"{SUBNET}.{i + 1}"
 
     def exec_argv(self, i: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.host_ns(i), *argv]
@@ -197,6 +202,33 @@ class Network:
                 self.shape(ns, "eth0", rate)
                 self.shape(br, f"v{i}", rate)
 
+    def add_nat_host(self, router: int) -> int:
+        """A host behind a NAT, as a volunteer's machine behind a home router: a namespace of its own joined
+        by a veth pair (``eth0`` there, ``lan<k>`` at the router) to host ``router``, with a private address
+        (``10.214.<k>.2/24``, the router's end ``.1``) and its default route through the router. The router
+        forwards what the home host sends, masquerading it as its own address on the bridge (nftables), and
+        forwards nothing that starts outside: the home host dials out and cannot be dialed (no port
+        forwarding). Returns the host's index, which ``host_ns``, ``address`` and ``exec_argv`` take. Needs
+        the ``nft`` command (Debian's nftables)."""
+        if not 0 <= router < self.hosts:
+            raise ValueError(f"router must be one of the {self.hosts} hosts on the bridge")
+        k = len(self.nat)
+        i = self.hosts + k
+        ns, rns, lan = self.host_ns(i), self.host_ns(router), f"lan{k}"
+        self._add_ns(ns)
+        _run("ip", "-n", rns, "link", "add", lan, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "-n", rns, "addr", "add", f"{NAT_SUBNET}.{k}.1/24", "dev", lan)
+        _run("ip", "-n", rns, "link", "set", lan, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{NAT_SUBNET}.{k}.2/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "route", "add", "default", "via", f"{NAT_SUBNET}.{k}.1")
+        if router not in self.routers:
+            _run("ip", "netns", "exec", rns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            _run("ip", "netns", "exec", rns, "nft", "-f", "-", input=NAT_RULES)
+            self.routers.add(router)
+        self.nat[i] = f"{NAT_SUBNET}.{k}.2"
+        return i
+
     def rate(self, i: int) -> float:
         """Host i's link rate, Mbit/s each way (0: not shaped)."""
         return self.rates[i] if self.rates else self.rate_mbit
@@ -218,6 +250,48 @@ class Network:
     def remember_pids(self) -> None:
         """Note the processes now running in the namespaces, whose shared memory ``close`` removes."""
         self.seen.update(pid for name in self.created for pid in netns_pids(name))
+
+
+# a home router: what its LANs send out of eth0 leaves with the router's address; of what comes in on eth0
+# only the replies to connections opened from inside are forwarded
+NAT_RULES = """
+table ip cotrain_nat {
+  chain postrouting {
+    type nat hook postrouting priority srcnat; policy accept;
+    oifname "eth0" masquerade
+  }
+  chain forward {
+    type filter hook forward priority filter; policy drop;
+    ct state established,related accept
+    iifname "lan*" oifname "eth0" accept
+  }
+}
+"""
+
+
+def tcp_connects(
+    net: Network, src: int, address: str, dst: int, port: int = 5203, timeout: float = 3
+) -> bool:
+    """Whether host ``src`` opens a TCP connection to ``address``:``port`` while host ``dst`` listens on that
+    port (on every address it has): what a NAT lets through."""
+    import sys
+
+    listen = (
+        "import socket\n"
+        "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+        f"s.bind(('0.0.0.0',{port}));s.listen(1);print('ready',flush=True)\n"
+        f"s.settimeout({timeout + 2});s.accept()\n"
+    )
+    dial = f"import socket\nsocket.create_connection(('{address}',{port}),timeout={timeout})\n"
+    server = start_in_ns(net, dst, [sys.executable, "-c", listen], stdout=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError("TCP test listener did not start")
+        client = subprocess.run(net.exec_argv(src, [sys.executable, "-c", dial]), capture_output=True,
+                                timeout=timeout + 10)  # fmt: skip
+        return client.returncode == 0
+    finally:
+        stop_process(server, grace=1)
 
 
 def remove_shared_memory(pids: list[int]) -> None:
@@ -639,6 +713,26 @@ def print_finished(started: float) -> None:
     print(
         f"took {time.time() - started:.0f} s; load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
+
+
+@contextlib.contextmanager
+def logs_folder(prefix: str, keep: bool):
+    """A new temporary folder for a benchmark's logs: kept, and its path printed, when the benchmark fails or
+    ``keep`` says so; removed otherwise."""
+    import shutil
+    import sys
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    except BaseException:
+        print(f"logs kept in {tmp}", file=sys.stderr)
+        raise
+    if keep:
+        print(f"logs kept in {tmp}", flush=True)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prepare_namespaces(script: str, limit_s: float) -> None:

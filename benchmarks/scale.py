@@ -46,10 +46,8 @@ import logging
 import multiprocessing as mp
 import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -592,12 +590,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _netns.prepare_namespaces("scale.py", args.limit)
     started = _netns.print_started()
-    tmp = Path(tempfile.mkdtemp(prefix="cotrain-scale-"))
     from chaos import prepare_data
 
-    args.data = str(prepare_data(tmp))
     rows = []
-    try:
+    with _netns.logs_folder("cotrain-scale-", args.keep_logs) as tmp:
+        args.data = str(prepare_data(tmp))
         configs = [(g, False) for g in args.group_sizes]
         if args.churn:
             configs += [(g, True) for g in args.group_sizes]
@@ -605,13 +602,6 @@ def main(argv: list[str] | None = None) -> int:
             logdir = tmp / f"g{group_size}{'-churn' if churn else ''}"
             rows.append(run_config(args, group_size, churn, logdir))
             print(f"  {json.dumps(rows[-1])}", flush=True)
-    except BaseException:
-        print(f"logs kept in {tmp}", file=sys.stderr)
-        raise
-    if args.keep_logs:
-        print(f"logs kept in {tmp}", flush=True)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows, args)
     summary = summary_line(rows, args)
     if args.json:

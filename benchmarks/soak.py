@@ -20,6 +20,7 @@ What it checks, after ``--settle`` seconds (10 minutes by default):
 
     python benchmarks/soak.py [--minutes 60] [--trainers 4] [--kill-every 300] [--settle 600] [--json FILE]
 
+``--json`` also keeps every memory sample (PSS per process kind of each role), the kills and the evaluations.
 The last line is ``{"event": "soak_summary", "minutes": ..., "max_growth": ..., "crashed": ..., ...}``.
 """
 
@@ -55,6 +56,14 @@ def memory_growth(samples: list[tuple[float, list[dict]]], since: float) -> dict
     for kind in (*kinds, "total"):
         series = [sum(r["pss"] for r in rows if kind in ("total", r["kind"])) for rows in after]
         out[kind] = round(growth(series), 4)
+    return out
+
+
+def per_kind(rows: list[dict]) -> dict[str, float]:
+    """One memory sample of a role: PSS (MiB) per process kind, summed over the processes of that kind."""
+    out: dict[str, float] = {}
+    for r in rows:
+        out[r["kind"]] = round(out.get(r["kind"], 0.0) + r["pss"], 1)
     return out
 
 
@@ -126,6 +135,7 @@ def main() -> int:
                   "--averaging-timeout", str(args.averaging_timeout), "--torch-threads", "1"]  # fmt: skip
         samples: dict[str, list[tuple[float, list[dict]]]] = {}
         killed: list[str] = []
+        kills: list[tuple[float, str, str]] = []  # (s since the start, killed, started)
         try:
             monitor = ["monitor", *common, "--output-dir", str(root / "monitor"), "--dataset-path", str(data),
                        "--save-every", "20", "--refresh-period", "1", "--dashboard-port", "-1"]  # fmt: skip
@@ -171,6 +181,7 @@ def main() -> int:
                     kill_tree(swarm.procs[victim].pid)
                     killed.append(victim)
                     joined = new_trainer()
+                    kills.append((round(now - t0, 1), victim, joined))
                     print(f"  {now - t0:.0f} s: {victim} killed, {joined} started", flush=True)
                 if now >= next_sample:
                     next_sample = now + args.interval
@@ -225,7 +236,18 @@ def main() -> int:
         "loss_falling": len(loss) == 3 and loss[2] < loss[1] <= loss[0],
     }
     if args.json:
-        args.json.write_text(json.dumps({"growth": growths, "summary": summary}, indent=1) + "\n")
+        series = {
+            name: [(round(t - t0, 1), per_kind(rows)) for t, rows in taken] for name, taken in samples.items()
+        }
+        evals = [(r["time"], r["step"], r["eval_loss"]) for r in monitor_rows if r.get("kind") == "eval"]
+        results = {
+            "growth": growths,
+            "summary": summary,
+            "memory": series,
+            "kills": kills,
+            "evaluations": evals,
+        }
+        args.json.write_text(json.dumps(results) + "\n")
     print_finished(started)
     print(json.dumps(summary), flush=True)
     return 0 if not crashed else 1

@@ -48,10 +48,8 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -425,19 +423,11 @@ def main() -> None:
         return peer_main(args)
     _netns.prepare_namespaces("utilization.py", args.limit)
     started = _netns.print_started()
-    tmp = Path(tempfile.mkdtemp(prefix="cotrain-utilization-"))
     rows = []
-    try:
+    with _netns.logs_folder("cotrain-utilization-", args.keep_logs) as tmp:
         for mode in args.modes:
             rows.append(run_mode(mode, args, tmp))
             print(f"  {mode}: {json.dumps(rows[-1])}", flush=True)
-    except BaseException:
-        print(f"peers' logs kept in {tmp}", file=sys.stderr)
-        raise
-    if args.keep_logs:
-        print(f"peers' logs kept in {tmp}", flush=True)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows, args)
     _netns.print_finished(started)
 

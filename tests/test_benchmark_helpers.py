@@ -1,10 +1,13 @@
 """Helpers of the benchmarks: the all-reduce bound, namespace names, convergence curves, the overhead script's
-arms, the footprint's process kinds, and the libp2p all-to-all reference (live, on 127.0.0.1)."""
+arms, the footprint's process kinds, the libp2p all-to-all reference (live, on 127.0.0.1), and the home
+router's NAT between namespaces (where root, iproute2 and nftables allow)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +20,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import _netns  # noqa: E402
 import convergence  # noqa: E402
 import footprint  # noqa: E402
+import nat  # noqa: E402
 import overhead  # noqa: E402
 import scale  # noqa: E402
 import soak  # noqa: E402
@@ -290,3 +294,32 @@ def test_the_soak_finds_the_longest_step_and_the_held_out_loss():
     assert soak.step_gaps(monitor) == (10.0, 70.0)  # gaps 10, 10, 70 between the steps' first rows
     assert soak.held_out(monitor, settle_at=200.0) == [9.0, 8.0, 7.5]
     assert soak.held_out([], settle_at=200.0) == [] and soak.step_gaps([]) == (0.0, 0.0)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "nft")),
+    reason="needs root, iproute2 and nftables to build namespaces and a NAT",
+)
+def test_a_host_behind_the_home_router_dials_out_and_cannot_be_dialed():
+    with _netns.Network(3, 0) as net:
+        home = net.add_nat_host(router=2)
+        assert (home, net.address(home)) == (3, "10.214.0.2")
+        assert _netns.tcp_connects(net, home, net.address(1), dst=1)  # out through the router
+        assert not _netns.tcp_connects(net, 1, net.address(home), dst=home)  # no route to a private address
+        assert not _netns.tcp_connects(net, 1, net.address(2), dst=home)  # no port forwarding at the router
+        assert _netns.tcp_connects(net, 1, net.address(2), dst=2)  # the router's own ports answer
+        names = net.created[:]
+    assert not set(names) & set(_netns.list_netns())  # every namespace deleted
+
+
+def test_the_nat_benchmark_counts_the_steps_a_trainer_averaged_with_another_peer():
+    rows = [
+        {"step": 1, "time": 110.0, "group_size": 1, "rounds_averaged": 0, "rounds_failed": 1},
+        {"step": 2, "time": 120.0, "group_size": 2, "rounds_averaged": 1, "rounds_failed": 1},
+        {"kind": "other"},
+        {"step": 3, "time": 130.0, "group_size": 2, "rounds_averaged": 2, "rounds_failed": 1},
+    ]
+    got = nat.trainer_summary(rows, started=100.0)
+    assert got == {"joined": True, "steps": 3, "averaged": 2, "averaged_share": 0.667, "rounds_averaged": 2,
+                   "rounds_failed": 1, "first_step_s": 10.0}  # fmt: skip
+    assert nat.trainer_summary([], started=100.0)["joined"] is False
