@@ -1,29 +1,33 @@
 """Behind NAT: a trainer on a home network joins a swarm through its router and averages with the others.
 
 The hosts are network namespaces on one machine (``benchmarks/_netns.py``), links shaped to ``--rate`` Mbit/s
-both ways: the monitor on ``h0``, a public trainer on ``h1``, and ``h2`` a home router that runs nothing of
-cotrain: behind it a home host with a private address (10.214.0.2). The router masquerades what the home host
-sends and forwards nothing that starts outside (nftables; no port forwarding, no UPnP): the home host dials
-out and cannot be dialed, which the script checks with TCP before any peer starts.
+both ways: the monitor on ``h0``, a public trainer on ``h1``, and ``--homes`` home routers (2 by default) that
+run nothing of cotrain, each with a home host behind it on a private network of its own (10.214.<k>.2). A
+router masquerades what its home host sends and forwards nothing that starts outside (nftables; no port
+forwarding, no UPnP): a home host dials out and cannot be dialed, by the public hosts or by the other home,
+which the script checks with TCP before any peer starts. Two homes matter: one home trainer averaging with a
+public one is carried by the connection the home trainer opened (libp2p streams go both ways over it); two
+homes must also exchange parts with each other, and no connection between them can be opened directly.
 
-For each way of joining (``--modes``) a fresh swarm (the monitor, the public trainer, the home trainer:
+For each way of joining (``--modes``) a fresh swarm (the monitor, the public trainer, the home trainers:
 cotrain's own roles, ``albert-tiny`` on the built-in demo corpus, one CPU thread each) trains for
 ``--minutes``:
 
-- ``client``: the home trainer with ``--client-mode --host-maddrs /ip4/127.0.0.1/tcp/0``, the command line of
+- ``client``: the home trainers with ``--client-mode --host-maddrs /ip4/127.0.0.1/tcp/0``, the command line of
   docs/deploy.md, section 4 (a client listens on nothing others can reach anyway);
 - ``relay``: a full peer with ``--use-auto-relay``, reachable through a libp2p relay among the swarm's public
   peers (docs/deploy.md, section 5);
 - ``plain``: a full peer with neither, as a volunteer who forgot the flag would join.
 
-Reported per mode, from the trainers' OUTPUT_DIR/metrics.jsonl: whether the home trainer joined and when
-(its first global step), its global steps and how many of them it averaged in a group of 2 (with the public
-trainer), its rounds averaged and failed, the same for the public trainer, and the swarm's global steps.
+Reported per mode and trainer, from the trainers' OUTPUT_DIR/metrics.jsonl: whether it joined and when (its
+first global step), its global steps and how many of them it averaged with every trainer (a group of all
+of them) and with at least one other, its rounds averaged and failed; and the swarm's global steps.
 
-    python benchmarks/nat.py [--modes client relay plain] [--minutes 3] [--rate 100] [--keep-logs]
+    python benchmarks/nat.py [--modes client relay plain] [--homes 2] [--minutes 3] [--rate 100] [--keep-logs]
 
 Needs root, iproute2 and nftables (``apt-get install nftables``). The last line is
-``{"event": "nat_summary", "modes": {"client": {"joined": ..., "averaged_share": ...}, ...}}``.
+``{"event": "nat_summary", "modes": {"client": {"joined": ..., "with_all_share": ...}, ...}}`` (the home
+trainers' lowest share of steps averaged with every trainer).
 """
 
 from __future__ import annotations
@@ -42,50 +46,56 @@ from convergence import read_jsonl  # noqa: E402
 from footprint import prepare  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-MONITOR, PUBLIC, ROUTER = 0, 1, 2
+MONITOR, PUBLIC = 0, 1  # the home routers are the hosts after them
 MODES = {"client": ["--client-mode"], "relay": ["--use-auto-relay"], "plain": []}
 LISTEN = {"client": "127.0.0.1"}  # the address a mode's home trainer listens on, if not its own
 
 
-def trainer_summary(rows: list[dict], started: float) -> dict:
-    """What a trainer's metrics lines say: its global steps, how many it averaged with another peer, its
-    rounds averaged and failed (the last line's counters), and seconds from ``started`` (wall clock) to its
-    first step."""
+def trainer_summary(rows: list[dict], started: float, everyone: int) -> dict:
+    """What a trainer's metrics lines say: its global steps, how many it averaged with another peer and with
+    ``everyone`` (a group of every trainer), its rounds averaged and failed (the last line's counters), and
+    seconds from ``started`` (wall clock) to its first step."""
     steps = [r for r in rows if isinstance(r.get("step"), int) and "group_size" in r]
     if not steps:
-        return {"joined": False, "steps": 0, "averaged": 0, "averaged_share": 0.0, "rounds_averaged": 0,
-                "rounds_failed": 0, "first_step_s": None}  # fmt: skip
-    averaged = sum(1 for r in steps if r["group_size"] >= 2)
+        return {"joined": False, "steps": 0, "averaged": 0, "with_all": 0, "with_all_share": 0.0,
+                "rounds_averaged": 0, "rounds_failed": 0, "first_step_s": None}  # fmt: skip
+    with_all = sum(1 for r in steps if r["group_size"] >= everyone)
     return {
         "joined": True,
         "steps": len(steps),
-        "averaged": averaged,
-        "averaged_share": round(averaged / len(steps), 3),
+        "averaged": sum(1 for r in steps if r["group_size"] >= 2),
+        "with_all": with_all,
+        "with_all_share": round(with_all / len(steps), 3),
         "rounds_averaged": steps[-1].get("rounds_averaged", 0),
         "rounds_failed": steps[-1].get("rounds_failed", 0),
         "first_step_s": round(steps[0]["time"] - started, 1) if "time" in steps[0] else None,
     }
 
 
+def nat_reach(net: _netns.Network, homes: list[int]) -> dict:
+    """TCP checks of the NAT before any peer starts: each home host reaches the public trainer's host, and
+    nobody reaches a home host, at its private address or at its router's (raises otherwise)."""
+    reach = {}
+    for k, home in enumerate(homes):
+        router = home - len(homes)  # add_nat_host numbers the homes after the hosts, in the routers' order
+        reach[f"home{k}_dials_out"] = _netns.tcp_connects(net, home, net.address(PUBLIC), PUBLIC)
+        reach[f"home{k}_dialed_at_router"] = _netns.tcp_connects(net, PUBLIC, net.address(router), home)
+        for src in [PUBLIC, *(h for h in homes if h != home)]:
+            reach[f"home{k}_dialed_from_h{src}"] = _netns.tcp_connects(net, src, net.address(home), home)
+    if any(v != key.endswith("dials_out") for key, v in reach.items()):
+        raise RuntimeError(f"the NAT does not behave as a home router: {reach}")
+    return reach
+
+
 def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dict:
-    """One swarm of the monitor, the public trainer and the home trainer (joined as ``mode`` says)."""
+    """One swarm of the monitor, the public trainer and the home trainers (joined as ``mode`` says)."""
     out = root / mode
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
     procs = []
-    with _netns.Network(3, args.rate) as net:
-        home = net.add_nat_host(ROUTER)
-        reach = {
-            "home_dials_out": _netns.tcp_connects(net, home, net.address(PUBLIC), PUBLIC),
-            "dialed_at_private_address": _netns.tcp_connects(net, PUBLIC, net.address(home), home),
-            "dialed_at_router_address": _netns.tcp_connects(net, PUBLIC, net.address(ROUTER), home),
-        }
-        if reach != {
-            "home_dials_out": True,
-            "dialed_at_private_address": False,
-            "dialed_at_router_address": False,
-        }:
-            raise RuntimeError(f"the NAT does not behave as a home router: {reach}")
+    with _netns.Network(2 + args.homes, args.rate) as net:
+        homes = [net.add_nat_host(router) for router in range(2, 2 + args.homes)]
+        reach = nat_reach(net, homes)
 
         def start(name: str, host: int, argv: list[str], listen: str = "") -> None:
             common = ["--preset", args.preset, "--run-id", f"nat-{mode}", "--max-seq-length", "128",
@@ -107,14 +117,15 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
                 time.sleep(0.5)
             initial = [a for a in peers_file.read_text().split() if f"/{net.address(MONITOR)}/" in a]
             started = time.time()
-            trainers = (("public", PUBLIC, [], ""), ("home", home, MODES[mode], LISTEN.get(mode, "")))
+            trainers = [("public", PUBLIC, [], "")]
+            trainers += [(f"home{k}", h, MODES[mode], LISTEN.get(mode, "")) for k, h in enumerate(homes)]
             for name, host, extra, listen in trainers:
                 start(name, host, ["train", "--initial-peers", *initial, "--per-device-train-batch-size", "8",
                                    "--seed", str(host), *extra], listen)  # fmt: skip
             end = time.monotonic() + args.minutes * 60
             while time.monotonic() < end and all(p.poll() is None for p in procs):
                 time.sleep(2)
-            names = ("monitor", "public", "home")
+            names = ["monitor", *(t[0] for t in trainers)]
             crashed = [n for n, p in zip(names, procs, strict=True) if p.poll() is not None]
         finally:
             net.remember_pids()
@@ -125,8 +136,10 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
         "flags": " ".join(MODES[mode]) or "(none)",
         "reach": reach,
         "crashed": crashed,
-        "home": trainer_summary(read_jsonl(out / "home" / "metrics.jsonl"), started),
-        "public": trainer_summary(read_jsonl(out / "public" / "metrics.jsonl"), started),
+        "trainers": {
+            name: trainer_summary(read_jsonl(out / name / "metrics.jsonl"), started, len(trainers))
+            for name, *_ in trainers
+        },
     }
     monitor_rows = read_jsonl(out / "monitor" / "metrics.jsonl")
     steps = [r["step"] for r in monitor_rows if isinstance(r.get("step"), int)]
@@ -137,6 +150,7 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--homes", type=int, default=2, help="home trainers, each behind a NAT of its own")
     ap.add_argument("--minutes", type=float, default=3.0, help="training time of each mode's swarm")
     ap.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every link, each way")
     ap.add_argument("--preset", default="albert-tiny")
@@ -145,6 +159,8 @@ def main() -> int:
     ap.add_argument("--keep-logs", action="store_true", help="keep the roles' logs and metrics")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
+    if not 1 <= args.homes <= 8:
+        ap.error("--homes must be between 1 and 8")
     if not shutil.which("nft"):
         sys.exit("nat.py needs nftables for the home router's NAT: apt-get install nftables")
     _netns.prepare_namespaces("nat.py", limit_s=len(args.modes) * (args.minutes * 60 + 300) + 600)
@@ -154,34 +170,36 @@ def main() -> int:
         data = root / "data"
         prepare(data, args.preset, 128)
         for mode in args.modes:
-            print(f"{mode}: the home trainer joins with {' '.join(MODES[mode]) or 'no flag'}", flush=True)
+            print(f"{mode}: the home trainers join with {' '.join(MODES[mode]) or 'no flag'}", flush=True)
             results[mode] = run_mode(mode, args, data, root)
-            home, public = results[mode]["home"], results[mode]["public"]
-            print(f"  home: {json.dumps(home)}\n  public: {json.dumps(public)}\n"
-                  f"  global steps {results[mode]['global_steps']}, crashed {results[mode]['crashed']}",
-                  flush=True)  # fmt: skip
+            for name, t in results[mode]["trainers"].items():
+                print(f"  {name}: {json.dumps(t)}", flush=True)
+            print(
+                f"  global steps {results[mode]['global_steps']}, crashed {results[mode]['crashed']}",
+                flush=True,
+            )
     print(
-        f"\n{'mode':8s} {'flags':18s} {'joined':>6s} {'first step s':>12s} {'home steps':>10s} "
-        f"{'averaged (group 2)':>18s} {'rounds ok/failed':>16s} {'public averaged':>15s} "
-        f"{'global steps':>12s}"
+        f"\n{'mode':8s} {'trainer':8s} {'joined':>6s} {'first step s':>12s} {'steps':>6s} "
+        f"{'with all':>14s} {'with one or more':>16s} {'rounds ok/failed':>16s} {'global steps':>12s}"
     )
     for mode, r in results.items():
-        h, p = r["home"], r["public"]
-        print(
-            f"{mode:8s} {r['flags']:18s} {str(h['joined']):>6s} {h['first_step_s'] or '-':>12} "
-            f"{h['steps']:>10d} "
-            f"{h['averaged']:>10d} ({100 * h['averaged_share']:3.0f}%) "
-            f"{h['rounds_averaged']:>8d}/{h['rounds_failed']:<7d} {p['averaged']:>6d} of {p['steps']:<5d} "
-            f"{r['global_steps']:>12d}"
-        )
+        for name, t in r["trainers"].items():
+            print(
+                f"{mode:8s} {name:8s} {str(t['joined']):>6s} {t['first_step_s'] or '-':>12} {t['steps']:>6d} "
+                f"{t['with_all']:>7d} ({100 * t['with_all_share']:3.0f}%) {t['averaged']:>16d} "
+                f"{t['rounds_averaged']:>8d}/{t['rounds_failed']:<7d} {r['global_steps']:>12d}"
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     _netns.print_finished(started)
-    summary = {
-        "event": "nat_summary",
-        "modes": {m: {"joined": r["home"]["joined"], "averaged_share": r["home"]["averaged_share"],
-                      "global_steps": r["global_steps"]} for m, r in results.items()},
-    }  # fmt: skip
+    summary = {"event": "nat_summary", "homes": args.homes, "modes": {}}
+    for mode, r in results.items():
+        homes = [t for name, t in r["trainers"].items() if name.startswith("home")]
+        summary["modes"][mode] = {
+            "joined": all(t["joined"] for t in homes),
+            "with_all_share": min(t["with_all_share"] for t in homes),
+            "global_steps": r["global_steps"],
+        }
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -300,26 +300,38 @@ def test_the_soak_finds_the_longest_step_and_the_held_out_loss():
     os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "nft")),
     reason="needs root, iproute2 and nftables to build namespaces and a NAT",
 )
+def test_the_soak_averages_the_training_loss_over_windows_of_global_steps():
+    rows = [{"step": s, "time": 100.0 + s, "loss": 10.0 - s / 10} for s in range(1, 101)]
+    rows += [{"kind": "eval", "step": 50, "time": 150.5, "eval_loss": 1.0}, {"step": 101, "time": 201.0}]
+    first, at_settle, last = soak.training_loss(rows, settle_at=150.0, window=10)
+    assert first == pytest.approx(10.0 - 5.5 / 10)  # steps 1-10
+    assert at_settle == pytest.approx(10.0 - 45.5 / 10)  # steps 41-50, the last before t = 150
+    assert last == pytest.approx(10.0 - 95.5 / 10)  # steps 91-100 (101 has no loss)
+    assert soak.training_loss([], settle_at=150.0) == []
+
+
 def test_a_host_behind_the_home_router_dials_out_and_cannot_be_dialed():
-    with _netns.Network(3, 0) as net:
-        home = net.add_nat_host(router=2)
-        assert (home, net.address(home)) == (3, "10.214.0.2")
+    with _netns.Network(4, 0) as net:
+        home, other = net.add_nat_host(router=2), net.add_nat_host(router=3)
+        assert (home, net.address(home), net.address(other)) == (4, "10.214.0.2", "10.214.1.2")
         assert _netns.tcp_connects(net, home, net.address(1), dst=1)  # out through the router
         assert not _netns.tcp_connects(net, 1, net.address(home), dst=home)  # no route to a private address
         assert not _netns.tcp_connects(net, 1, net.address(2), dst=home)  # no port forwarding at the router
         assert _netns.tcp_connects(net, 1, net.address(2), dst=2)  # the router's own ports answer
+        assert not _netns.tcp_connects(net, other, net.address(2), dst=home)  # nor from another home
+        assert nat.nat_reach(net, [home, other])["home1_dials_out"]
         names = net.created[:]
     assert not set(names) & set(_netns.list_netns())  # every namespace deleted
 
 
-def test_the_nat_benchmark_counts_the_steps_a_trainer_averaged_with_another_peer():
+def test_the_nat_benchmark_counts_the_steps_a_trainer_averaged_with_others_and_with_everyone():
     rows = [
         {"step": 1, "time": 110.0, "group_size": 1, "rounds_averaged": 0, "rounds_failed": 1},
         {"step": 2, "time": 120.0, "group_size": 2, "rounds_averaged": 1, "rounds_failed": 1},
         {"kind": "other"},
-        {"step": 3, "time": 130.0, "group_size": 2, "rounds_averaged": 2, "rounds_failed": 1},
+        {"step": 3, "time": 130.0, "group_size": 3, "rounds_averaged": 2, "rounds_failed": 1},
     ]
-    got = nat.trainer_summary(rows, started=100.0)
-    assert got == {"joined": True, "steps": 3, "averaged": 2, "averaged_share": 0.667, "rounds_averaged": 2,
-                   "rounds_failed": 1, "first_step_s": 10.0}  # fmt: skip
-    assert nat.trainer_summary([], started=100.0)["joined"] is False
+    got = nat.trainer_summary(rows, started=100.0, everyone=3)
+    assert got == {"joined": True, "steps": 3, "averaged": 2, "with_all": 1, "with_all_share": 0.333,
+                   "rounds_averaged": 2, "rounds_failed": 1, "first_step_s": 10.0}  # fmt: skip
+    assert nat.trainer_summary([], started=100.0, everyone=3)["joined"] is False

@@ -73,7 +73,8 @@ class NetworkConfig:
     )
     use_auto_relay: bool = opt(
         False,
-        "Behind NAT: find relays among the swarm's public peers and become reachable through them.",
+        "Behind NAT: ask libp2p for relays among the swarm's public peers to become reachable through them "
+        "(not reached in cotrain's NAT benchmark: behind NAT prefer --client-mode).",
         roles=("train", "monitor", "eval"),
     )
     use_google_dns: bool = opt(
