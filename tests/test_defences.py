@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -86,10 +85,15 @@ def test_inflated_progress_does_not_trigger_early_steps(peers, tmp_path):
         done.touch()
     assert a.proc.wait(60) == 0, a.text()[-3000:]
     assert "inflate-progress" in c.text() and c.rows("step"), c.text()[-3000:]  # the attack was on
-    # Once the attacker is in, each honest peer still trains on about its share of the target (96 samples by 3
-    # peers of the same speed: 32; 20-32 measured on a loaded machine): the liar's claim of 1000 x its samples
-    # counts as at most twice the median peer's. Without the cap its first micro-batch (8 samples, claimed as
-    # 8000) would end every step at once, and the honest peers would train 8 samples per step.
-    after = [r["samples"] for p in (a, b) for r in p.rows("step") if r["at"] > joined["at"] + 3]
-    assert len(after) >= 8, after
-    assert statistics.median(after) >= 16, after
+    # Once the attacker is in, the honest peers still train on about their share of the target at each global
+    # step (96 samples by 3 peers of the same speed: 64 for the two; 40-64 measured on a loaded machine): the
+    # liar's claim of 1000 x its samples counts as at most twice the median peer's. Without the cap its first
+    # micro-batch (8 samples, claimed as 8000) would end every step at once, and the two honest peers would
+    # train 8 samples each per step, 16 together. Counted per global step of the swarm (a's steps) rather than
+    # per peer: a peer that joined one epoch behind may stay there, stepping at once with one micro-batch into
+    # the others' all-reduce each time (b in one CI run: 8 per step while a trained 32).
+    window = [(p, r) for p in (a, b) for r in p.rows("step") if r["at"] > joined["at"] + 3]
+    steps = sum(1 for p, _ in window if p is a)
+    assert steps >= 4, window
+    per_step = sum(r["samples"] for _, r in window) / steps
+    assert per_step >= 28, [(p.out.stem, r["step"], r["samples"]) for p, r in window]
