@@ -90,7 +90,6 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     TOLERANCE,
     Fingerprint,
     Verdict,
-    _flat,
     distance,
     fingerprint,
     layout_hash,
