@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from cotrain.swarm.progress import PROGRESS_CAP, RobustProgressTracker, capped, robust_epoch
+from cotrain.swarm.progress import PROGRESS_CAP, RobustProgressTracker, capped, robust_epoch, witnessed_epoch
 
 
 def test_a_lone_peer_far_ahead_does_not_move_the_swarm():
@@ -16,6 +16,13 @@ def test_a_lone_peer_far_ahead_does_not_move_the_swarm():
     assert robust_epoch(5, [5, 9, 9]) == 9  # two peers beyond: this peer is behind
     assert robust_epoch(5, [5, 8, 9]) == 8  # two peers at 8 or beyond
     assert robust_epoch(5, []) == 5
+
+
+def test_the_witnessed_epoch_is_one_that_two_other_peers_reached():
+    assert witnessed_epoch([16, 19]) == 16  # an honest peer and a liar that ran ahead
+    assert witnessed_epoch([16, 17, 40]) == 17
+    assert witnessed_epoch([50]) == 50  # a newcomer beside a single peer takes its epoch
+    assert witnessed_epoch([]) is None
 
 
 def test_claims_count_at_most_twice_the_median():

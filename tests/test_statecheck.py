@@ -190,6 +190,17 @@ def test_a_donor_ahead_of_the_downloader_beats_a_vouched_for_one_that_is_not():
     assert sc.donor_order(priorities, records, {}, held=3) == [("monitor", True), ("went-on", False)]
 
 
+def test_a_donor_beyond_the_witnessed_step_is_asked_only_when_no_other_serves():
+    # an honest peer at 16 and a liar that ran ahead to 19 by claiming the samples of its own steps
+    assert sc.within_witnessed({"honest": 16.0, "liar": 19.0}, 16) == ({"honest": 16.0}, ["liar"])
+    # one step of slack (a peer that has just stepped), a claim that is not a number is beyond any step
+    offered = {"a": 16.0, "b": 17.0, "c": float("inf")}
+    assert sc.within_witnessed(offered, 16) == ({"a": 16.0, "b": 17.0}, ["c"])
+    # no progress records, or every donor beyond (records not yet published): every donor is asked
+    assert sc.within_witnessed({"a": 50.0}, None) == ({"a": 50.0}, [])
+    assert sc.within_witnessed({"a": 50.0, "b": 60.0}, 10) == ({"a": 50.0, "b": 60.0}, [])
+
+
 def test_the_poisoned_state_fault():
     honest = state()
     assert PoisonedState(False).serve(honest, 5) == honest
@@ -248,6 +259,70 @@ def test_a_holder_publishes_signed_fingerprints_that_peers_read():
     finally:
         holder.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_newcomer_takes_the_witnessed_step_not_a_lone_peer_far_ahead():
+    """Real holders on DHTs on 127.0.0.1: an honest one at step 16 and one at step 19 that no other peer's
+    progress reaches (a liar that ran ahead), both reporting their progress. A newcomer that counts progress
+    robustly (``progress_key``) loads step 16; one that does not takes the highest priority, 19."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from cotrain.swarm.keys import progress_key
+
+    run_id = "statecheck-witnessed"
+    dhts, holders = [], []
+
+    def holder(epoch: int | None, **kwargs) -> sc.CheckedTrainingStateAverager:
+        initial = dhts[0].get_visible_maddrs() if dhts else []
+        dhts.append(
+            hivemind.DHT(
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial, nat_port_map=False, start=True
+            )
+        )
+        torch.manual_seed(epoch or 0)
+        made = sc.CheckedTrainingStateAverager(
+            dht=dhts[-1],
+            prefix=f"{run_id}_state_averager",
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=torch.nn.Linear(8, 4).parameters(),
+            allow_state_sharing=epoch is not None,
+            declare_state_period=5,
+            start=True,
+            **kwargs,
+        )
+        holders.append(made)
+        if epoch is not None:
+            made.local_epoch = epoch
+            made.state_sharing_priority = epoch
+            made.fingerprints.publish(force=True)
+            peer_id = dhts[-1].peer_id.to_bytes()
+            progress = dict(
+                peer_id=peer_id, epoch=epoch, samples_accumulated=8, samples_per_second=1.0,
+                time=get_dht_time(), client_mode=False,
+            )  # fmt: skip
+            assert dhts[-1].store(progress_key(run_id), progress, get_dht_time() + 60, subkey=peer_id)
+        return made
+
+    try:
+        holder(16)
+        holder(19)
+        offered = f"{run_id}_state_averager.all_averagers"
+        wait_until(
+            lambda: len((dhts[0].get(offered, latest=True) or [{}])[0]) == 2, 30, what="both holders to serve"
+        )
+        robust = holder(None, progress_key=progress_key(run_id))
+        robust.load_state_from_peers(timeout=30)
+        assert robust.local_epoch == 16
+        plain = holder(None)
+        plain.load_state_from_peers(timeout=30)
+        assert plain.local_epoch == 19  # hivemind's order: the highest priority first
+    finally:
+        for made in holders:
+            made.shutdown()
+        for dht in dhts:
+            dht.shutdown()
 
 
 # --- live swarms ----------------------------------------------------------------------------------------

@@ -249,13 +249,14 @@ class SyncStrategy(Strategy):
         from hivemind.compression import NoCompression
 
         from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
-        from cotrain.swarm.keys import state_averager_prefix
+        from cotrain.swarm.keys import progress_key, state_averager_prefix
         from cotrain.swarm.optimizer import request_timeout
         from cotrain.swarm.statecheck import CheckedTrainingStateAverager
 
         return CheckedTrainingStateAverager(
             dht=dht,
             prefix=state_averager_prefix(run.run_id),
+            progress_key=progress_key(run.run_id) if aggregation_of(run).robust else None,
             optimizer=optimizer_factory(run),
             params=parameter_groups(model, run.weight_decay),
             scheduler=scheduler_factory(run),
@@ -379,7 +380,7 @@ class DiLoCoStrategy(Strategy):
 
         from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
         from cotrain.swarm.diloco_state import DiLoCoStateAverager, outer_optimizer_factory
-        from cotrain.swarm.keys import state_averager_prefix
+        from cotrain.swarm.keys import progress_key, state_averager_prefix
         from cotrain.swarm.optimizer import request_timeout
 
         groups = parameter_groups(model, run.weight_decay)
@@ -387,6 +388,7 @@ class DiLoCoStrategy(Strategy):
         return DiLoCoStateAverager(
             dht=dht,
             prefix=state_averager_prefix(run.run_id),
+            progress_key=progress_key(run.run_id) if aggregation_of(run).robust else None,
             optimizer=outer_optimizer_factory(run.outer_lr, run.outer_momentum),
             params=groups,
             inner_optimizer=inner,

@@ -52,7 +52,7 @@ from cotrain.swarm.diloco_state import (
     outer_optimizer_factory,
     set_schedule,
 )
-from cotrain.swarm.keys import outer_averager_prefix, state_averager_prefix
+from cotrain.swarm.keys import outer_averager_prefix, progress_key, state_averager_prefix
 from cotrain.swarm.lineage import (
     OuterAverager,
     carries_outer_state,
@@ -121,6 +121,7 @@ class DiLoCoOptimizer:
         self.state_averager = DiLoCoStateAverager(
             dht=dht,
             prefix=state_averager_prefix(run_id),
+            progress_key=progress_key(run_id) if aggregation.robust else None,
             optimizer=outer_optimizer_factory(outer_lr, outer_momentum),
             params=groups,
             inner_optimizer=inner,

@@ -58,12 +58,13 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _make_state_averager(self, **kwargs):
         """hivemind's state averager (with the arguments hivemind.Optimizer gives it), its downloads checked
         against the fingerprints that peers publish of their state (cotrain.swarm.statecheck)."""
-        from cotrain.swarm.keys import state_averager_prefix
+        from cotrain.swarm.keys import progress_key, state_averager_prefix
         from cotrain.swarm.statecheck import CheckedTrainingStateAverager
 
         return CheckedTrainingStateAverager(
             dht=self.dht,
             prefix=state_averager_prefix(self.run_id),
+            progress_key=progress_key(self.run_id) if self.robust_progress else None,
             min_matchmaking_time=self.matchmaking_time,
             allreduce_timeout=self.allreduce_timeout,
             shutdown_timeout=self.shutdown_timeout,

@@ -11,7 +11,10 @@ counts what a minority cannot inflate:
   time of the step, at most ``PROGRESS_CAP`` times the median rate): one liar moves the step no earlier than
   an honest peer twice the median's speed would;
 - an epoch ahead of this peer's next one counts as the swarm's only when at least two full peers report
-  it (or reached beyond it): a lone peer far ahead is ignored.
+  it (or reached beyond it): a lone peer far ahead is ignored;
+- a peer that downloads the state asks no donor beyond the epoch that two other full peers reached
+  (``witnessed_epoch``, applied by cotrain.swarm.statecheck) while a donor within it serves: otherwise a
+  newcomer or a lagging peer would take a lone liar's epoch and become its second witness.
 
 The all-reduce's weights are capped at their median by the reducers (cotrain.swarm.robust).
 """
@@ -46,6 +49,15 @@ def robust_epoch(local_epoch: int, epochs: list[int]) -> int:
             best = epoch
             break
     return best
+
+
+def witnessed_epoch(epochs: list[int], witnesses: int = WITNESSES) -> int | None:
+    """The largest epoch that at least ``witnesses`` of the full peers' reported ``epochs`` reached (every
+    one of them where fewer report: a newcomer beside a single peer takes its epoch); None when none
+    report."""
+    if not epochs:
+        return None
+    return sorted(epochs, reverse=True)[min(witnesses, len(epochs)) - 1]
 
 
 def capped(values: list[float], cap: float = PROGRESS_CAP, among: list[float] | None = None) -> list[float]:

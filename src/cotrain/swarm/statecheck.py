@@ -47,7 +47,10 @@ Which records count, and when a state is loaded (``verdict``):
   claims a step nobody else holds is only asked when no vouched-for donor ahead of the downloader serves;
   and a vouched-for donor that is not ahead cannot keep it behind: after a partition, the trainers that went
   on training hold steps that only their own records vouch for, while the older step the cut-off peer
-  already holds is vouched for by everyone (``donor_order``).
+  already holds is vouched for by everyone (``donor_order``). With robust aggregation, a donor whose step is
+  beyond the one that two other full peers' progress records reached is not asked while a donor within it
+  serves (``within_witnessed``): a lone liar that runs ahead would otherwise hand its epoch to every
+  newcomer, which would then vouch for it as the second witness of cotrain.swarm.progress.
 The monitor's record is one vote like any other: a record cannot prove that it comes from the monitor (in a
 public swarm anyone can run one). A peer that loaded nothing retries at its next step, as it is still behind.
 This assumes that most record publishers for a step are honest, and that where they agree (one state holds
@@ -99,6 +102,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     verdict,
 )
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
+from cotrain.swarm.progress import witnessed_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -244,9 +248,13 @@ class CheckedStateDownloads:
     fingerprints others published (see the module's doc). The first tensors of the served state, the
     optimizer's parameters and the extra tensors, are the ones fingerprinted."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, progress_key: str | None = None, **kwargs: Any) -> None:
+        """``progress_key``: the run's progress records (cotrain.swarm.keys.progress_key), given where the
+        swarm's progress is counted robustly: donors beyond the epoch that two other full peers reached are
+        then not asked while one within it serves (``within_witnessed``)."""
         from cotrain.faults import PoisonedState
 
+        self.progress_key = progress_key
         self.poisoned = PoisonedState.from_env()  # fault injection: serve a corrupted copy
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key that signs records
         self.suspects: dict[str, float] = {}  # donor -> until when it is asked last (averager's process)
@@ -325,9 +333,15 @@ class CheckedStateDownloads:
             }
             now = time.monotonic()
             self.suspects = {peer: until for peer, until in self.suspects.items() if until > now}
-            order = donor_order(
-                {p.to_base58(): v for p, v in priorities.items()}, records, self.suspects, self._held.value
-            )
+            offered = {p.to_base58(): v for p, v in priorities.items()}
+            if self.progress_key is not None:
+                offered, beyond = within_witnessed(offered, self._witnessed_epoch())
+                if beyond:
+                    logger.info(
+                        f"Not asking {', '.join(sorted(beyond))} for the state: their steps are beyond "
+                        "the one that two other peers reached"
+                    )
+            order = donor_order(offered, records, self.suspects, self._held.value)
             fallback, refuted = None, 0
             for position, (donor, worth) in enumerate(order):
                 if deadline is not None and time.monotonic() >= deadline:
@@ -366,6 +380,23 @@ class CheckedStateDownloads:
         finally:
             if not future.done():
                 future.set_result(None)
+
+    def _witnessed_epoch(self) -> int | None:
+        """``witnessed_epoch`` of the other full peers' progress records (None when none could be read)."""
+        from hivemind.optim.progress_tracker import LocalTrainingProgress
+
+        found = self.dht.get(self.progress_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        mine, epochs = self.peer_id.to_bytes(), []
+        for entry in found.value.values():
+            try:
+                progress = LocalTrainingProgress.parse_obj(entry.value)
+            except Exception:  # an expired or malformed record counts for nothing
+                continue
+            if not progress.client_mode and progress.peer_id != mine:
+                epochs.append(progress.epoch)
+        return witnessed_epoch(epochs)
 
     def _judge(self, donor: str, loaded: tuple, records: Mapping[bytes, Published]) -> Verdict:
         metadata, tensors = loaded
@@ -465,3 +496,20 @@ def donor_order(
     some_ahead = any(ahead for _, _, ahead, _ in rows)
     rows.sort(key=lambda r: (r[0] not in suspects, r[2], r[1], r[3], random.random()), reverse=True)
     return [(donor, v and (ahead or not some_ahead)) for donor, v, ahead, _ in rows]
+
+
+def within_witnessed(
+    priorities: Mapping[str, float], witnessed: int | None
+) -> tuple[dict[str, float], list[str]]:
+    """The donors to ask (peer id -> priority, its declared step) and those left out: a donor whose step is
+    beyond ``witnessed + 1`` (``witnessed``: the epoch that two other full peers reached, from their
+    progress records) is left out while some donor within it serves. A lone liar that runs ahead of the
+    swarm (it claims the samples that end its own steps at once) would otherwise be the first donor of every
+    newcomer and of every peer that lags, which would then hold its epoch and be the second witness that the
+    robust progress tracker asks for. One step of slack: honest peers step at slightly different times."""
+    if witnessed is None:
+        return dict(priorities), []
+    within = {d: p for d, p in priorities.items() if math.isfinite(p) and math.floor(p) <= witnessed + 1}
+    if not within:
+        return dict(priorities), []
+    return within, [d for d in priorities if d not in within]
