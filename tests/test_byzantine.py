@@ -75,13 +75,14 @@ with peer:
 class Swarm:
     """Three trainers of PEER in processes of their own; the last one gets ``attack`` in its environment."""
 
-    def __init__(self, run_id: str, attack: str, go: Path, steps: int = 10):
+    def __init__(self, run_id: str, attack: str, go: Path, steps: int = 6):
         self.procs: list[subprocess.Popen] = []
         self.run_id, self.steps, self.go = run_id, steps, go
         first = self._start(0, [], "")
         address = [a for a in self._ready(first) if "/127.0.0.1/" in a]
-        for i in (1, 2):
-            self._ready(self._start(i, address, attack if i == 2 else ""))
+        joining = [self._start(i, address, attack if i == 2 else "") for i in (1, 2)]  # both at once
+        for proc in joining:
+            self._ready(proc)
         go.touch()
 
     def _start(self, index: int, initial: list[str], attack: str) -> subprocess.Popen:
@@ -137,7 +138,7 @@ def test_a_sign_flipped_gradient_reaches_the_honest_trainers_through_the_mean(tm
         for swarm in swarms:
             swarm.kill()
     for r in clean_results[:2] + attacked_results[:2]:
-        assert r["step"] >= 4, (clean_results, attacked_results)
+        assert r["step"] >= 3, (clean_results, attacked_results)
     # the clean swarm learns; the honest trainers of the attacked one are thrown far from the solution (their
     # held-out loss, checked after every step, rises well above where it started). They may recover before the
     # end: once their gradients are large, the attacker's x1000 parts overflow fp16, are refused as non-finite
