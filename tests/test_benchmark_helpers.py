@@ -296,10 +296,6 @@ def test_the_soak_finds_the_longest_step_and_the_held_out_loss():
     assert soak.held_out([], settle_at=200.0) == [] and soak.step_gaps([]) == (0.0, 0.0)
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "nft")),
-    reason="needs root, iproute2 and nftables to build namespaces and a NAT",
-)
 def test_the_soak_averages_the_training_loss_over_windows_of_global_steps():
     rows = [{"step": s, "time": 100.0 + s, "loss": 10.0 - s / 10} for s in range(1, 101)]
     rows += [{"kind": "eval", "step": 50, "time": 150.5, "eval_loss": 1.0}, {"step": 101, "time": 201.0}]
@@ -310,6 +306,10 @@ def test_the_soak_averages_the_training_loss_over_windows_of_global_steps():
     assert soak.training_loss([], settle_at=150.0) == []
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "nft")),
+    reason="needs root, iproute2 and nftables to build namespaces and a NAT",
+)
 def test_a_host_behind_the_home_router_dials_out_and_cannot_be_dialed():
     with _netns.Network(4, 0) as net:
         home, other = net.add_nat_host(router=2), net.add_nat_host(router=3)
