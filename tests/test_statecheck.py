@@ -201,6 +201,20 @@ def test_a_donor_beyond_the_witnessed_step_is_asked_only_when_no_other_serves():
     assert sc.within_witnessed({"a": 50.0, "b": 60.0}, 10) == ({"a": 50.0, "b": 60.0}, [])
 
 
+def test_the_tensors_a_served_state_names_are_counted_from_its_metadata():
+    from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    initialize_optimizer_state_(opt)
+    meta, tensors = dump_optimizer_state(opt)  # exp_avg and exp_avg_sq per parameter (and Adam's step)
+    assert sc.served_tensor_count({"optimizer_metadata": meta}, 2) == 2 + len(tensors) >= 2 + 4
+    diloco = {"outer_tensors": 7, "inner_metadata": meta, "optimizer_metadata": []}
+    assert sc.served_tensor_count(diloco, 2) == 7 + len(tensors)
+    assert sc.served_tensor_count({}, 2) == 2  # nothing named beyond the parameters
+    assert sc.served_tensor_count({"optimizer_metadata": "garbage", "outer_tensors": True}, 2) == 2
+
+
 def test_the_poisoned_state_fault():
     honest = state()
     assert PoisonedState(False).serve(honest, 5) == honest

@@ -402,7 +402,12 @@ class CheckedStateDownloads:
         metadata, tensors = loaded
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
         count = self._fingerprinted_count()
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or len(tensors) < count:
+        if (
+            not isinstance(epoch, int)
+            or isinstance(epoch, bool)
+            or len(tensors) < max(count, served_tensor_count(metadata, count))
+        ):
+            # a stream cut short may end cleanly: loading it would fail on the missing optimizer statistics
             logger.warning(f"Peer {donor} served an incomplete state (no step, or tensors missing); skipped")
             return Verdict("refuted")
         mine = fingerprint(tensors[:count], epoch)
@@ -496,6 +501,22 @@ def donor_order(
     some_ahead = any(ahead for _, _, ahead, _ in rows)
     rows.sort(key=lambda r: (r[0] not in suspects, r[2], r[1], r[3], random.random()), reverse=True)
     return [(donor, v and (ahead or not some_ahead)) for donor, v, ahead, _ in rows]
+
+
+def served_tensor_count(metadata: Mapping[str, Any], fingerprinted: int) -> int:
+    """How many tensors a served state's ``metadata`` names: the ``fingerprinted`` parameters and extras (or
+    DiLoCo's ``outer_tensors``) and one per tensor of the optimizer statistics' flat description (hivemind's
+    ``dump_optimizer_state``; DiLoCo's inner optimizer's too)."""
+
+    def placeholders(flat: Any) -> int:
+        if not isinstance(flat, list | tuple):
+            return 0
+        return sum(1 for e in flat if isinstance(e, dict) and e.get("type") == "tensor")
+
+    outer = metadata.get("outer_tensors")
+    if isinstance(outer, int) and not isinstance(outer, bool):  # DiLoCo: outer state, then the inner one's
+        return outer + placeholders(metadata.get("inner_metadata"))
+    return fingerprinted + placeholders(metadata.get("optimizer_metadata"))
 
 
 def within_witnessed(
