@@ -90,11 +90,30 @@ def sample(pid: int) -> list[dict]:
         except psutil.Error:
             continue
         procs.append(info)
-        rows.append({"pid": p.pid, "rss": mem.rss / 2**20, "pss": mem.pss / 2**20, "uss": mem.uss / 2**20})
+        rows.append({"pid": p.pid, "rss": mem.rss / 2**20, "pss": mem.pss / 2**20, "uss": mem.uss / 2**20,
+                     **pss_split(p.pid)})  # fmt: skip
     kind = kinds(procs, pid)
     for row in rows:
         row["kind"] = kind[row["pid"]]
     return rows
+
+
+def pss_split(pid: int) -> dict[str, float]:
+    """A process's PSS by what backs it (MiB, from /proc/PID/smaps_rollup): ``pss_anon`` (its heap and
+    anonymous mappings: allocator arenas, tensors), ``pss_file`` (libraries and other mapped files),
+    ``pss_shmem`` (shared memory: tensors handed between processes through /dev/shm); empty where the kernel
+    has no rollup."""
+    fields = {"Pss_Anon:": "pss_anon", "Pss_File:": "pss_file", "Pss_Shmem:": "pss_shmem"}
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in fields:
+            out[fields[parts[0]]] = int(parts[1]) / 1024
+    return out
 
 
 def growth(values: list[float]) -> float:

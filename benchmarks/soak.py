@@ -23,7 +23,8 @@ What it checks, after ``--settle`` seconds (10 minutes by default):
 
     python benchmarks/soak.py [--minutes 60] [--trainers 4] [--kill-every 300] [--settle 600] [--json FILE]
 
-``--json`` also keeps every memory sample (PSS per process kind of each role), the kills and the evaluations.
+``--json`` also keeps every memory sample (PSS per process kind of each role, and split into anonymous memory,
+mapped files and shared memory), the kills and the evaluations.
 The last line is ``{"event": "soak_summary", "minutes": ..., "max_growth": ..., "crashed": ..., ...}``.
 """
 
@@ -67,6 +68,18 @@ def per_kind(rows: list[dict]) -> dict[str, float]:
     out: dict[str, float] = {}
     for r in rows:
         out[r["kind"]] = round(out.get(r["kind"], 0.0) + r["pss"], 1)
+    return out
+
+
+def per_kind_split(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """One memory sample of a role: per process kind, its PSS by what backs it (anonymous memory, mapped
+    files, shared memory; footprint.pss_split), summed over the processes of that kind."""
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        split = out.setdefault(r["kind"], {})
+        for measure in ("pss_anon", "pss_file", "pss_shmem"):
+            if measure in r:
+                split[measure] = round(split.get(measure, 0.0) + r[measure], 1)
     return out
 
 
@@ -258,10 +271,15 @@ def main() -> int:
             name: [(round(t - t0, 1), per_kind(rows)) for t, rows in taken] for name, taken in samples.items()
         }
         evals = [(r["time"], r["step"], r["eval_loss"]) for r in monitor_rows if r.get("kind") == "eval"]
+        split = {
+            name: [(round(t - t0, 1), per_kind_split(rows)) for t, rows in taken]
+            for name, taken in samples.items()
+        }
         results = {
             "growth": growths,
             "summary": summary,
             "memory": series,
+            "memory_by_backing": split,
             "kills": kills,
             "evaluations": evals,
         }

@@ -283,6 +283,21 @@ def test_the_soak_measures_growth_per_process_kind_after_the_settling_time():
     assert soak.memory_growth(samples[:3], since=100.0) == {}  # one sample after settling: nothing to say
 
 
+def test_the_soak_splits_each_kinds_memory_by_what_backs_it():
+    rows = [
+        {"kind": "averager", "pss": 30.0, "pss_anon": 20.0, "pss_file": 8.0, "pss_shmem": 2.0},
+        {"kind": "averager", "pss": 10.0, "pss_anon": 5.0, "pss_file": 5.0, "pss_shmem": 0.0},
+        {"kind": "worker", "pss": 50.0},  # a kernel without smaps_rollup
+    ]
+    assert soak.per_kind_split(rows) == {
+        "averager": {"pss_anon": 25.0, "pss_file": 13.0, "pss_shmem": 2.0},
+        "worker": {},
+    }
+    mine = footprint.pss_split(os.getpid())  # this process, read from /proc
+    if mine:
+        assert set(mine) == {"pss_anon", "pss_file", "pss_shmem"} and mine["pss_anon"] > 0
+
+
 def test_the_soak_finds_the_longest_step_and_the_held_out_loss():
     monitor = [
         {"step": 1, "time": 100.0}, {"step": 1, "time": 101.0}, {"step": 2, "time": 110.0},
