@@ -282,18 +282,27 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_peer_killed_mid_round_stalls_nobody_past_the_timeout(peers):
+def test_a_peer_killed_mid_round_stalls_nobody_past_the_timeout(peers, tmp_path):
     timeout = 12.0
+    done = tmp_path / "done"  # a and b go on past their 8 rounds until 2 rounds each ended after the kill
     common = ["--step-sleep", "0.2", "--averaging-timeout", str(timeout)]
-    a = peers("a", "--rounds", "8", *common)
+    a = peers("a", "--rounds", "8", "--until", str(done), *common)
     address = a.address()
-    b = peers("b", "--rounds", "8", "--seed", "1", "--initial-peers", *address, *common)
+    b = peers("b", "--rounds", "8", "--seed", "1", "--until", str(done), "--initial-peers", *address, *common)
     c = peers("c", "--rounds", "20", "--seed", "2", "--initial-peers", *address, *common)
     # once the three have averaged together, kill c in the middle of its next round
     wait_until(lambda: any(r["size"] == 3 for r in c.rows("average")), 150, what="a round of three")
     time.sleep(0.6)
     c.kill()
     killed_at = time.time()
+    try:
+        wait_until(
+            lambda: all(sum(r["ended"] > killed_at for r in p.rows("average")) >= 2 for p in (a, b)),
+            150,
+            what="two rounds of each survivor after the kill",
+        )
+    finally:
+        done.touch()
     for p in (a, b):
         assert p.wait(200) == 0, p.text()
     after = [r for p in (a, b) for r in p.rows("average") if r["ended"] > killed_at]

@@ -232,8 +232,9 @@ def run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregati
 def _run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregation: Aggregation):
     made, dhts = averagers(tensors, aggregation)
     try:
-        controls = [a.step(weight=w, wait=False, timeout=90) for a, w in zip(made, weights, strict=True)]
-        sizes = [len(c.result(100)) for c in controls]
+        # a round takes seconds; one where matchmaking went wrong on a loaded machine is run again soon
+        controls = [a.step(weight=w, wait=False, timeout=30) for a, w in zip(made, weights, strict=True)]
+        sizes = [len(c.result(40)) for c in controls]
         out = []
         for a in made:
             with a.get_tensors() as ts:
