@@ -4,6 +4,7 @@ all-reduces among averagers on 127.0.0.1 with honest and malicious members."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -220,13 +221,29 @@ def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation):
     return made, dhts
 
 
-def run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregation: Aggregation):
+def run_round(
+    tensors: list[list[torch.Tensor]],
+    weights: list[float],
+    aggregation: Aggregation,
+    suspect: int | None = None,
+):
     """All-reduce ``tensors`` (one list per peer) once; returns each peer's averaged tensors and group
-    size. A round where some peer found no group (matchmaking on a loaded machine) is run again, once."""
+    size. A round where some peer found no group (matchmaking on a loaded machine) is run again, once; one
+    where only the ``suspect`` peer never finished (the others did) is not: that peer's all-reduce hung."""
     try:
         return _run_round(tensors, weights, aggregation)
-    except (TimeoutError, AllreduceException):
+    except RoundStuck as stuck:
+        if stuck.pending == [suspect]:
+            raise
         return _run_round(tensors, weights, aggregation)
+    except AllreduceException:
+        return _run_round(tensors, weights, aggregation)
+
+
+class RoundStuck(TimeoutError):
+    def __init__(self, pending: list[int]):
+        super().__init__(f"the all-reduce of peer(s) {pending} did not finish")
+        self.pending = pending
 
 
 def _run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregation: Aggregation):
@@ -234,7 +251,13 @@ def _run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregat
     try:
         # a round takes seconds; one where matchmaking went wrong on a loaded machine is run again soon
         controls = [a.step(weight=w, wait=False, timeout=30) for a, w in zip(made, weights, strict=True)]
-        sizes = [len(c.result(40)) for c in controls]
+        deadline = time.monotonic() + 40
+        while not all(c.done() for c in controls) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pending = [i for i, c in enumerate(controls) if not c.done()]
+        if pending:
+            raise RoundStuck(pending)
+        sizes = [len(c.result()) for c in controls]
         out = []
         for a in made:
             with a.get_tensors() as ts:
@@ -283,9 +306,12 @@ def test_a_sign_flipped_peer_is_clipped_and_a_nan_peer_dropped():
     for got in out[:3]:
         # the attacker moved the result by a fraction of the honest spread, not by 1000 x the gradient
         assert (got[0] - honest[0]).norm().item() < spread, (got[0] - honest[0]).norm()
-    # NaN: refused by the reducers of either aggregation; the honest peers average among themselves
-    tensors = honest_tensors(3, seed=2) + [[torch.full((3000,), float("nan")), torch.zeros(50, 40)]]
-    out, sizes = run_round(tensors, [1.0] * 4, Aggregation("mean"))
+    # NaN and Inf: refused by the reducers of either aggregation, its own included (its all-reduce ends, its
+    # own part left as it was); the honest peers average among themselves
+    tensors = honest_tensors(3, seed=2) + [
+        [torch.full((3000,), float("nan")), torch.full((50, 40), float("inf"))]
+    ]
+    out, sizes = run_round(tensors, [1.0] * 4, Aggregation("mean"), suspect=3)
     expected = weighted_mean(tensors, [1.0] * 4, range(3))
     for got in out[:3]:
         assert all(torch.isfinite(g).all() for g in got)

@@ -218,6 +218,19 @@ class RobustAllReduceRunner(AllReduceRunner):
         )
         retire(default)
 
+    async def _communicate_with_peer(self, peer_id) -> None:
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except Exception:
+            # this peer's own part was refused (NaN, Inf): as for a remote sender, its reducer goes on without
+            # it, and its own parts stay as they were (hivemind leaves the local path without this, and the
+            # all-reduce then waits forever for the outputs of this peer's own part)
+            await self._ban_sender(self.peer_id)
+            self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(self.peer_id))
+            raise
+
 
 def retire(reducer: TensorPartReducer) -> None:
     """Finish a reducer that is replaced before it received anything, without hivemind's warning (at every
