@@ -166,13 +166,48 @@ def test_a_late_sender_is_excluded_with_centered_clip_only(name):
     async def all_reduces() -> None:  # 3 all-reduces in which "slow" sent nothing within the sender timeout
         for _ in range(robust.STRIKES):
             reducer = RobustPartReducer([torch.Size([4])], 3, Aggregation(name))
+            peers = ["me", "other", "slow"]
             runner = SimpleNamespace(
-                tensor_part_reducer=reducer, sender_peer_ids=["me", "other", "slow"], banned_senders={"slow"}
+                tensor_part_reducer=reducer,
+                sender_peer_ids=peers,
+                ordered_peer_ids=peers,
+                banned_senders={"slow"},
+                bounded_by=0.0,
             )
             averaging._note_suspicion(runner)
 
     asyncio.run(all_reduces())
     assert averaging.excluded_peers() == ({"slow"} if name == "centered-clip" else set())
+
+
+def test_a_received_change_is_bounded_by_the_own_contributions_norm():
+    assert robust.received_scale(2.0, 1.5) == 1.0  # within the bound: applied whole
+    assert robust.received_scale(2.0, 2.0 * robust.RECEIVED_BOUND) == 1.0
+    assert robust.received_scale(2.0, 1000.0) == pytest.approx(2.0 * robust.RECEIVED_BOUND / 1000.0)
+    assert robust.received_scale(0.0, 1000.0) == 1.0  # contributed nothing (weight 0): nothing to measure by
+
+
+@pytest.mark.parametrize("group", [["me", "attacker"], ["me", "attacker", "other"]])
+def test_in_a_pair_a_result_far_outside_the_bound_is_a_strike_against_the_other(group):
+    from types import SimpleNamespace
+
+    averaging = robust.RobustAveraging()
+    averaging.aggregation, averaging.peer_id = Aggregation("centered-clip"), "me"
+
+    async def all_reduces() -> None:
+        for _ in range(robust.STRIKES):
+            runner = SimpleNamespace(
+                tensor_part_reducer=RobustPartReducer([torch.Size([4])], len(group), averaging.aggregation),
+                sender_peer_ids=group,
+                ordered_peer_ids=group,
+                banned_senders=set(),
+                bounded_by=500.0,  # the result lay 500 x the bound away
+            )
+            averaging._note_suspicion(runner)
+
+    asyncio.run(all_reduces())
+    # in a larger group the bounded result cannot be pinned on one member (its reducers clipped the senders)
+    assert averaging.excluded_peers() == ({"attacker"} if len(group) == 2 else set())
 
 
 def test_the_reducer_counts_contributions_far_outside_tau():
@@ -316,3 +351,25 @@ def test_a_sign_flipped_peer_is_clipped_and_a_nan_peer_dropped():
     for got in out[:3]:
         assert all(torch.isfinite(g).all() for g in got)
         torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_in_a_pair_a_sign_flipped_peer_can_cancel_the_honest_update_not_reverse_it():
+    """Two peers, one honest, one sending its gradient flipped x 1000: the median of two is their mean, so
+    the reducers' clip holds nothing back; the honest peer's bound on what it receives does."""
+    honest = honest_tensors(1, seed=3)[0]
+    tensors, weights = [honest, [-1000 * h for h in honest]], [32.0, 32.0]
+    own = torch.sqrt(sum(h.pow(2).sum() for h in honest))
+    out, sizes = run_round(tensors, weights, Aggregation("mean"))
+    assert sizes == [2, 2]
+    moved = torch.sqrt(sum((g - h).pow(2).sum() for g, h in zip(out[0], honest, strict=True)))
+    assert moved > 100 * own  # with the mean the attack is real: about -500 x the honest gradient
+    out, sizes = run_round(tensors, weights, Aggregation("centered-clip"))
+    assert sizes == [2, 2]
+    got = out[0]
+    moved = torch.sqrt(sum((g - h).pow(2).sum() for g, h in zip(got, honest, strict=True)))
+    assert moved <= robust.RECEIVED_BOUND * own * 1.001, (moved, own)
+    # what is left points no way against the honest gradient
+    dot = sum((g * h).sum() for g, h in zip(got, honest, strict=True))
+    assert dot >= -1e-3 * own**2, dot

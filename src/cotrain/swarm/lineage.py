@@ -112,6 +112,7 @@ class OuterAverager(RobustAveraging, DecentralizedAverager):
                 )
             runner = self._running_groups[group_info.group_id].result()
             partial = bool(runner.banned_senders) or runner.tensor_part_container.failed_size > 0
+            partial = partial or getattr(runner, "bounded_by", 0.0) > 0  # a result bounded here
             return gathered, partial
         except BaseException as e:
             if isinstance(e, Exception):

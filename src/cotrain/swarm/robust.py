@@ -20,6 +20,13 @@ centered-clip, dropped for sending nothing within the sender timeout) in ``STRIK
 excluded by this peer for ``EXCLUSION_SECONDS``, with one log line naming it: its requests to join this
 peer's groups are refused, and in groups it still meets (led by another peer) this peer's reducer refuses
 its contributions.
+
+A peer's contribution moves the result by at most tau only where the others hold the median: in a group of
+two (frequent when groups fragment) the median is the mean, and where an attacker is the reducer of a part it
+returns what it likes. So with centered-clip each peer also bounds what it receives: the group's result is
+applied only once it is all in, and moved at most ``RECEIVED_BOUND`` times the norm of the peer's own
+contribution away from it (scaled down to that distance when it lay farther). In a pair whose result lay
+farther than ``FAR_OUTSIDE`` times the bound, the other peer counts a strike.
 """
 
 import asyncio
@@ -48,6 +55,10 @@ AUTO_TAU_FACTOR = 2.0  # auto tau: this many times the median distance of the co
 # many samples outweigh the honest ones in a small group (at 4 x the median, one of 4 peers holds 57%).
 WEIGHT_CAP = 1.0
 FAR_OUTSIDE = 2.0  # a contribution this many times tau from the result counts as an outlier
+# centered-clip: the group's result is applied moved at most this many times the norm of this peer's own
+# contribution away from it (honest gradients differ by their noise, less than their norm; in a pair with an
+# attacker, or where the attacker is the reducer, the attacker can cancel this peer's update, not reverse it)
+RECEIVED_BOUND = 1.0
 STRIKES = 3  # all-reduces in which a peer was caught before it is excluded
 EXCLUSION_SECONDS = 600.0
 
@@ -217,6 +228,7 @@ class RobustAllReduceRunner(AllReduceRunner):
             default.part_shapes, default.num_senders, aggregation, refused
         )
         retire(default)
+        self.bounded_by = 0.0  # set where the result was bounded: how many times the bound it lay away
 
     async def _communicate_with_peer(self, peer_id) -> None:
         if peer_id != self.peer_id:
@@ -230,6 +242,14 @@ class RobustAllReduceRunner(AllReduceRunner):
             await self._ban_sender(self.peer_id)
             self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(self.peer_id))
             raise
+
+
+def received_scale(own_norm: float, moved_norm: float, bound: float = RECEIVED_BOUND) -> float:
+    """The factor that brings a received change of norm ``moved_norm`` within ``bound`` times this peer's
+    own contribution's norm (1 when it is within, or when this peer contributed nothing to measure by)."""
+    if not own_norm > 0 or moved_norm <= bound * own_norm:
+        return 1.0
+    return bound * own_norm / moved_norm
 
 
 def retire(reducer: TensorPartReducer) -> None:
@@ -282,16 +302,33 @@ class RobustAveraging:
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         try:
-            if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+            elif self.aggregation.robust and kwargs.get("weight", 1.0) > 0:
+                await self._apply_bounded(tensors, runner)
+            else:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
                     tensor.add_(update, alpha=self._averaging_alpha)
                     self.last_updated = get_dht_time()
                     self._state_updated.set()
-            else:
-                async for _ in runner:
-                    raise ValueError("aux peers should not receive averaged tensors")
         finally:
             self._note_suspicion(runner)
+
+    async def _apply_bounded(self, tensors: Sequence[torch.Tensor], runner: RobustAllReduceRunner) -> None:
+        """Apply the group's result only once it is all in, moved at most RECEIVED_BOUND times this peer's
+        own contribution from it (see the module's doc)."""
+        own = float(torch.sqrt(sum(t.detach().float().pow(2).sum() for t in tensors)))
+        updates = [update async for update in runner]
+        moved = float(torch.sqrt(sum(u.float().pow(2).sum() for u in updates)))
+        scale = received_scale(own, moved)
+        if scale < 1.0:
+            runner.bounded_by = moved / (RECEIVED_BOUND * own)
+            logger.debug(f"All-reduce: the result lay {moved / own:.3g} x this peer's own norm away; bounded")
+        for tensor, update in zip(tensors, updates, strict=True):
+            tensor.add_(update, alpha=self._averaging_alpha * scale)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
 
     def _note_suspicion(self, runner: RobustAllReduceRunner) -> None:
         reducer = runner.tensor_part_reducer
@@ -300,6 +337,9 @@ class RobustAveraging:
         if not hasattr(self, "_strikes"):
             self._strikes, self._excluded_until = {}, {}
         counts = dict(zip(runner.sender_peer_ids, reducer.suspicion(), strict=True))
+        others = [peer for peer in runner.ordered_peer_ids if peer != self.peer_id]
+        if runner.bounded_by > FAR_OUTSIDE and len(others) == 1:  # a pair: only the other could move it so
+            counts[others[0]] = counts.get(others[0], 0) + 1
         # sent nothing (or stopped) within the sender timeout: a strike with centered-clip only; with the mean
         # a slow honest peer (a loaded machine, a congested link) must not be excluded for being late
         for peer_id in runner.banned_senders if self.aggregation.robust else ():
