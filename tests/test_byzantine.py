@@ -1,7 +1,7 @@
 """A short byzantine swarm: three trainers of a small regression model (cotrain.SwarmPeer, sync strategy, real
-hivemind all-reduces on 127.0.0.1), one of them malicious (COTRAIN_ATTACK=sign-flip), against the same swarm
-with no attacker. The sign-flipped gradient goes on the wire and, with the mean, into the honest trainers'
-steps: they move away from the solution that the clean swarm approaches."""
+hivemind all-reduces on 127.0.0.1), one of them malicious (COTRAIN_ATTACK=sign-flip). The sign-flipped
+gradient goes on the wire and, with the mean, into the honest trainers' steps: they move far away from the
+solution."""
 
 from __future__ import annotations
 
@@ -125,27 +125,20 @@ class Swarm:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(330)
+@pytest.mark.timeout(240)
 def test_a_sign_flipped_gradient_reaches_the_honest_trainers_through_the_mean(tmp_path):
-    # one swarm after the other: 3 trainers on 2 cores form whole groups more reliably than 6
-    swarms = []
+    swarm = None
     try:
-        swarms.append(Swarm("byzantine-clean", "", tmp_path / "go-clean"))
-        clean_results = swarms[-1].results()
-        swarms.append(Swarm("byzantine-attacked", "sign-flip", tmp_path / "go-attacked"))
-        attacked_results = swarms[-1].results()
+        swarm = Swarm("byzantine-attacked", "sign-flip", tmp_path / "go-attacked")
+        results = swarm.results()
     finally:
-        for swarm in swarms:
+        if swarm is not None:
             swarm.kill()
-    for r in clean_results[:2] + attacked_results[:2]:
-        assert r["step"] >= 3, (clean_results, attacked_results)
-    # the clean swarm learns; the honest trainers of the attacked one are thrown far from the solution (their
-    # held-out loss, checked after every step, rises well above where it started). They may recover before the
-    # end: once their gradients are large, the attacker's x1000 parts overflow fp16, are refused as non-finite
-    # (in both modes) and the attacker is excluded.
-    assert all(r["end"] < 0.7 * r["start"] for r in clean_results[:2]), clean_results
-    assert all(r["worst"] < 1.5 * r["start"] for r in clean_results[:2]), clean_results
-    assert all(not r["worst"] < 10 * r["start"] for r in attacked_results[:2]), (
-        attacked_results,
-        clean_results,
-    )
+    for r in results[:2]:
+        assert r["step"] >= 3, results
+    # the honest trainers are thrown far from the solution: their held-out loss, checked after every step,
+    # rises far above where it started (the same swarm without the attacker halved it in these 6 steps, never
+    # rising past 1.5 x: 5.98 -> 3.2-3.5 in the runs that measured it). They may recover before the end: once
+    # their gradients are large, the attacker's x1000 parts overflow fp16, are refused as non-finite (in both
+    # modes) and the attacker is excluded.
+    assert all(not r["worst"] < 10 * r["start"] for r in results[:2]), results
