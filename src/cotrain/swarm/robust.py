@@ -235,7 +235,9 @@ class RobustAllReduceRunner(AllReduceRunner):
             return await super()._communicate_with_peer(peer_id)
         try:
             await super()._communicate_with_peer(peer_id)
-        except Exception:
+        except AllreduceException:
+            if not self.tensor_part_reducer.refused[self.sender_peer_ids.index(self.peer_id)]:
+                raise  # a round failing for another reason fails as in hivemind
             # this peer's own part was refused (NaN, Inf): as for a remote sender, its reducer goes on without
             # it, and its own parts stay as they were (hivemind leaves the local path without this, and the
             # all-reduce then waits forever for the outputs of this peer's own part)
