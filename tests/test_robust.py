@@ -289,6 +289,10 @@ def _run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregat
         deadline = time.monotonic() + 40
         while not all(c.done() for c in controls) and time.monotonic() < deadline:
             time.sleep(0.2)
+        if sum(not c.done() for c in controls) == 1:  # the others are done: a slow last one gets 40 s more
+            deadline = time.monotonic() + 40
+            while not all(c.done() for c in controls) and time.monotonic() < deadline:
+                time.sleep(0.2)
         pending = [i for i, c in enumerate(controls) if not c.done()]
         if pending:
             raise RoundStuck(pending)
