@@ -92,6 +92,7 @@ def main() -> None:
             momentum=flat(momentum),
             applied=flat(averaged),
             size=opt.last_group_size,
+            partial=opt.last_round_partial,
         )
 
     averaged_from = opt._averaged
