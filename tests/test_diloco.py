@@ -330,11 +330,7 @@ def test_overlapped_rounds_keep_the_global_parameters_together(peers, tmp_path):
     common = sorted(set(outers[0]) & set(outers[1]))
     # rounds both averaged whole (a partial all-reduce, a part that timed out on a loaded machine, leaves the
     # peers apart by design until the next round carries the outer state)
-    grouped = [
-        r
-        for r in common
-        if all(o[r]["size"] == 2 and not o[r]["partial"] for o in outers)
-    ]
+    grouped = [r for r in common if all(o[r]["size"] == 2 and not o[r]["partial"] for o in outers)]
     assert grouped, outers
     for r in grouped:
         first, second = torch.tensor(outers[0][r]["after"]), torch.tensor(outers[1][r]["after"])
