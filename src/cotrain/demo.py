@@ -190,6 +190,20 @@ def _step_line(row: dict, strategy: str) -> str:
     return line
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP reached the demo (``kill PID``, a closed terminal, a service manager)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signal(signum, frame) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # once: a second signal must not cut the stopping short
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
 def run_demo(config: Config) -> int:
     config = demo_run_settings(config)
     demo, strategy = config.demo, config.run.strategy
@@ -201,6 +215,9 @@ def run_demo(config: Config) -> int:
     metrics = root / "monitor" / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     (root / "monitor" / "initial_peers.txt").unlink(missing_ok=True)
+    # from the first peer on: without these, SIGTERM or SIGHUP would end the demo alone, its peers running on
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    signal.signal(signal.SIGHUP, _stop_on_signal)
     try:
         swarm.start(
             "monitor",
@@ -255,6 +272,10 @@ def run_demo(config: Config) -> int:
         _say("interrupted: stopping the swarm")
         swarm.stop()
         return 130
+    except Stopped as e:
+        _say(f"{e}: stopping the swarm")
+        swarm.stop()
+        return 128 + e.signum
     finally:
         if swarm.procs and any(p.poll() is None for p in swarm.procs.values()):
             _say("stopping the swarm")
