@@ -253,13 +253,16 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
         "--initial-peers",
         *address,
     )
-    # a newcomer in client mode (it accepts no connections): it joins once the others have averaged
+    # a newcomer in client mode (it accepts no connections): it joins once the others have averaged, and runs
+    # until it has averaged with both (its rounds count from before it caught up with the swarm's round)
     wait_until(lambda: any(r["size"] == 2 for r in b.rows("average")), 150, what="a round of two")
-    c_args = ["--rounds", "3", "--seed", "2", "--step-sleep", "0.2", "--client-mode", "--initial-peers"]
-    c = peers("c", *c_args, *address, *b.address())
-    assert c.wait(240) == 0, c.text()
-    done.touch()
-    for p in (a, b):
+    c_args = ["--rounds", "3", "--seed", "2", "--step-sleep", "0.2", "--client-mode", "--until", str(done)]
+    c = peers("c", *c_args, "--initial-peers", *address, *b.address())
+    try:
+        wait_until(lambda: joint_rounds([a, b, c]), 240, what="a round of the three")
+    finally:
+        done.touch()
+    for p in (a, b, c):
         assert p.wait(90) == 0, p.text()
     # the average is the samples-weighted mean of the peers' own changes, the outer step its recompute
     pairs = joint_rounds([a, b])

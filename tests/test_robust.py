@@ -263,10 +263,14 @@ def run_round(
     suspect: int | None = None,
 ):
     """All-reduce ``tensors`` (one list per peer) once; returns each peer's averaged tensors and group
-    size. A round where some peer found no group (matchmaking on a loaded machine) is run again, once; one
-    where only the ``suspect`` peer never finished (the others did) is not: that peer's all-reduce hung."""
+    size. A round where some peer found no group, or the peers split into smaller groups (matchmaking on a
+    loaded machine), is run again, once; one where only the ``suspect`` peer never finished (the others did)
+    is not: that peer's all-reduce hung."""
     try:
-        return _run_round(tensors, weights, aggregation)
+        out, sizes = _run_round(tensors, weights, aggregation)
+        if any(size != len(tensors) for size in sizes):
+            return _run_round(tensors, weights, aggregation)
+        return out, sizes
     except RoundStuck as stuck:
         if stuck.pending == [suspect]:
             raise
@@ -351,6 +355,7 @@ def test_a_sign_flipped_peer_is_clipped_and_a_nan_peer_dropped():
         [torch.full((3000,), float("nan")), torch.full((50, 40), float("inf"))]
     ]
     out, sizes = run_round(tensors, [1.0] * 4, Aggregation("mean"), suspect=3)
+    assert sizes[:3] == [4, 4, 4], sizes  # the NaN peer was in the group, and dropped from the average
     expected = weighted_mean(tensors, [1.0] * 4, range(3))
     for got in out[:3]:
         assert all(torch.isfinite(g).all() for g in got)
