@@ -227,10 +227,16 @@ def check_rounds(members: list[Peer], rounds: list[int]) -> None:
 
 
 def joint_rounds(members: list[Peer]) -> list[int]:
-    """Rounds in which every member averaged in a group of them all."""
+    """Rounds in which every member averaged in a group of them all, and whole (a part that timed out on a
+    loaded machine leaves the members apart by design until a later round carries the outer state)."""
     common = set.intersection(*(set(by_round(p, "average")) for p in members))
     return [
-        r for r in sorted(common) if all(by_round(p, "average")[r]["size"] == len(members) for p in members)
+        r
+        for r in sorted(common)
+        if all(
+            by_round(p, "average")[r]["size"] == len(members) and not by_round(p, "average")[r]["partial"]
+            for p in members
+        )
     ]
 
 
