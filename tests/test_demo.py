@@ -131,7 +131,6 @@ def test_demo_trains_a_real_swarm_reports_and_gives_every_peer_its_run_flags(tmp
     root = tmp_path / "demo"
     for name in ("monitor", "trainer0", "trainer1"):
         assert "Traceback" not in (root / f"{name}.log").read_text(), name
-    for name in ("monitor", "trainer0", "trainer1"):
         written = tomllib.loads((root / name / "config.toml").read_text())
         assert written["run"]["weight_decay"] == 0.3 and written["run"]["target_batch_size"] == 32, name
         assert written["run"]["preset"] == "albert-tiny" and written["peer"]["matchmaking_time"] == 1.5, name

@@ -268,14 +268,11 @@ def run_demo(config: Config) -> int:
                 _say(f"{', '.join(swarm.dead())} stopped unexpectedly; see the logs in {root}")
                 break
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        _say("interrupted: stopping the swarm")
+    except (KeyboardInterrupt, Stopped) as e:
+        stopped = isinstance(e, Stopped)
+        _say(f"{e if stopped else 'interrupted'}: stopping the swarm")
         swarm.stop()
-        return 130
-    except Stopped as e:
-        _say(f"{e}: stopping the swarm")
-        swarm.stop()
-        return 128 + e.signum
+        return 128 + (e.signum if stopped else signal.SIGINT)
     finally:
         if swarm.procs and any(p.poll() is None for p in swarm.procs.values()):
             _say("stopping the swarm")
