@@ -5,13 +5,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
 from cotrain.errors import UserError
+from cotrain.swarm.requestpipe import RequestReceiver, RequestSender
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,15 @@ def parse_maddrs(values: list[str], what: str) -> list[str]:
 class _TolerantRequests:
     """The DHT process's end of its request pipe, dropping requests whose sender has exited.
 
-    Each request carries a reply pipe that the receiving process fetches from the sender. When the
-    sender (a trainer shutting down, an averager process ending) is gone before that happens, the
-    plain pipe raises EOFError, which kills hivemind's DHT loop with a traceback. Nobody waits for
-    such a request, so it is dropped instead."""
+    Each request carries a reply pipe (in full the first time a process sends one, see
+    cotrain.swarm.requestpipe) that the receiving process fetches from the sender. When the sender (a
+    trainer shutting down, an averager process ending) is gone before that happens, the plain pipe
+    raises EOFError, which kills hivemind's DHT loop with a traceback. Nobody waits for such a request,
+    so it is dropped instead."""
 
     def __init__(self, conn):
         self._conn, self._pending = conn, None
+        self._receiver = RequestReceiver()
 
     def fileno(self) -> int:
         return self._conn.fileno()
@@ -67,7 +69,7 @@ class _TolerantRequests:
         while self._conn.poll(timeout):
             data = self._conn.recv_bytes()  # EOFError here means the pipe itself is closed: let it rise
             try:
-                self._pending = ForkingPickler.loads(data)
+                self._pending = self._receiver.loads(data)
                 return True
             except (EOFError, OSError):  # its reply pipe could not be fetched from its sender
                 logger.debug("Dropped a DHT request from a process that has exited")
@@ -93,6 +95,7 @@ class SwarmDHT(hivemind.DHT):
     def __init__(self, *args, access=None, **kwargs) -> None:
         self.access = access
         super().__init__(*args, **kwargs)
+        self._outer_pipe = RequestSender(self._outer_pipe)
 
     def run(self) -> None:
         self._inner_pipe = _TolerantRequests(self._inner_pipe)
