@@ -1,6 +1,7 @@
 """Thin adapters over hivemind that take plain values (never cotrain's config, models, checkpoints or data):
 
-- ``dht``: starting this process's DHT node with cotrain's defaults, clear errors, the visible addresses;
+- ``dht``, ``requestpipe``: starting this process's DHT node with cotrain's defaults, clear errors, the
+  visible addresses; the pipe its requests take to the DHT process;
 - ``keys``: every DHT key of a run, named from its run id in one place;
 - ``records``, ``configrecord``: the signed, schema-checked records peers publish (metrics, evaluations, the
   run config) and their validators;
