@@ -244,3 +244,28 @@ def test_an_averager_declares_its_state_again_when_its_priority_changes_not_per_
 
     asyncio.run(scenario())
     assert stores == [("run_state_averager.all_averagers", v) for v in (3.0, 4.0, None)]
+
+
+def test_the_dht_process_checks_each_record_once_and_again_after_a_validator_is_added():
+    from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+
+    from cotrain.swarm.dht import RememberedVerdicts
+
+    checked = []
+
+    class Counting(RecordValidatorBase):
+        def validate(self, record):
+            checked.append(record)
+            return record.value != b"forged"
+
+    verdicts = RememberedVerdicts(CompositeValidator([Counting()]), size=2)
+    honest, forged = DHTRecord(b"k", b"s", b"v", 10.0), DHTRecord(b"k", b"s", b"forged", 10.0)
+    assert [verdicts.validate(r) for r in (honest, honest, forged, forged)] == [True, True, False, False]
+    assert len(checked) == 2
+    assert verdicts.validate(DHTRecord(b"k", b"s", b"v", 11.0)) and len(checked) == 3  # a newer record
+    assert verdicts.validate(DHTRecord(b"k", b"sv", b"", 10.0)) and len(checked) == 4  # fields apart
+    verdicts.validate(honest)  # the oldest verdicts were forgotten (size 2)
+    assert len(checked) == 5
+    verdicts.extend([Counting()])
+    verdicts.validate(honest)
+    assert len(checked) == 7  # checked again, by both validators

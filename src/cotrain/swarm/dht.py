@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import re
+import struct
+from collections import OrderedDict
 from pathlib import Path
 
 import hivemind
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from hivemind.utils.multiaddr import Multiaddr
 
 from cotrain.errors import UserError
@@ -86,6 +90,49 @@ class _TolerantRequests:
         return getattr(self._conn, name)
 
 
+class RememberedVerdicts(RecordValidatorBase):
+    """The DHT process's record validator (hivemind's ``CompositeValidator``) remembering its verdict on each
+    record it checked, by the record's digest.
+
+    A read of a dictionary key (a swarm's progress records, state fingerprints, metrics) gets the whole
+    dictionary from every node the search visits, and each node's copy is checked record by record: an RSA
+    signature and a schema each, the same records again from every node and at every read. The validators are
+    functions of the record alone (its key, subkey, value and expiration), so a verdict is remembered
+    (``size`` records, the oldest forgotten first) until a validator is added."""
+
+    def __init__(self, inner: CompositeValidator, size: int = 16384) -> None:
+        self._inner, self._size = inner, size
+        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
+
+    @staticmethod
+    def digest(record: DHTRecord) -> bytes:
+        h = hashlib.blake2b(digest_size=20)
+        for part in (record.key, record.subkey, record.value):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        h.update(struct.pack("<d", record.expiration_time))
+        return h.digest()
+
+    def validate(self, record: DHTRecord) -> bool:
+        digest = self.digest(record)
+        verdict = self._verdicts.get(digest)
+        if verdict is None:
+            verdict = self._verdicts[digest] = self._inner.validate(record)
+            if len(self._verdicts) > self._size:
+                self._verdicts.popitem(last=False)
+        return verdict
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return self._inner.sign_value(record)
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return self._inner.strip_value(record)
+
+    def extend(self, validators) -> None:
+        self._inner.extend(validators)
+        self._verdicts.clear()
+
+
 class SwarmDHT(hivemind.DHT):
     """hivemind's DHT whose serving process survives requests from peers' processes that have exited.
 
@@ -99,6 +146,7 @@ class SwarmDHT(hivemind.DHT):
 
     def run(self) -> None:
         self._inner_pipe = _TolerantRequests(self._inner_pipe)
+        self._record_validator = RememberedVerdicts(self._record_validator)
         super().run()
 
     async def replicate_p2p(self):
