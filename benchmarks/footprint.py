@@ -167,6 +167,28 @@ def stopped_early(root: Path, names: list[str]) -> None:
     raise SystemExit(f"{', '.join(names)} stopped before the measurement ended")
 
 
+def start_swarm(
+    swarm: Swarm, root: Path, common: list[str], data: Path, trainers: int, monitor_extra: list[str]
+) -> None:
+    """Start a monitor (``common`` and ``monitor_extra`` on its command line), wait for its address, then
+    ``trainers`` trainers joining it (micro-batches of 8, seeds 0, 1, ...; output in ``root``/t0, t1, ...)."""
+    swarm.start(
+        "monitor", ["monitor", *common, "--output-dir", str(root / "monitor"), *monitor_extra], threads=1
+    )
+    peers = root / "monitor" / "initial_peers.txt"
+    deadline = time.monotonic() + 120
+    while not peers.exists():
+        if time.monotonic() > deadline or swarm.dead():
+            stopped_early(root, ["monitor"])
+        time.sleep(0.5)
+    initial = peers.read_text().split()
+    for i in range(trainers):
+        trainer = ["train", *common, "--initial-peers", *initial, "--dataset-path", str(data),
+                   "--output-dir", str(root / f"t{i}"), "--seed", str(i),
+                   "--per-device-train-batch-size", "8"]  # fmt: skip
+        swarm.start(f"trainer{i}", trainer, threads=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="albert-tiny")
@@ -185,22 +207,9 @@ def main() -> None:
         swarm = Swarm(root)
         common = ["--preset", args.preset, "--run-id", "footprint", "--host-maddrs", LOCALHOST,
                   "--max-seq-length", str(args.seq_length)]  # fmt: skip
-        monitor = ["monitor", *common, "--output-dir", str(root / "monitor"), "--dataset-path", str(data),
-                   "--save-every", "10", "--dashboard-port", "-1"]  # fmt: skip
         try:
-            swarm.start("monitor", monitor, threads=1)
-            peers = root / "monitor" / "initial_peers.txt"
-            deadline = time.monotonic() + 120
-            while not peers.exists():
-                if time.monotonic() > deadline or swarm.dead():
-                    stopped_early(root, ["monitor"])
-                time.sleep(0.5)
-            initial = peers.read_text().split()
-            for i in range(args.trainers):
-                trainer = ["train", *common, "--initial-peers", *initial, "--dataset-path", str(data),
-                           "--output-dir", str(root / f"t{i}"), "--seed", str(i),
-                           "--per-device-train-batch-size", "8"]  # fmt: skip
-                swarm.start(f"trainer{i}", trainer, threads=1)
+            keeper = ["--dataset-path", str(data), "--save-every", "10", "--dashboard-port", "-1"]
+            start_swarm(swarm, root, common, data, args.trainers, keeper)
             time.sleep(args.warmup)
             samples: dict[str, list[list[dict]]] = {name: [] for name in swarm.procs}
             end = time.monotonic() + 60 * args.minutes

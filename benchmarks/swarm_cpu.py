@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _netns import print_finished, print_started  # noqa: E402
 from chaos import read_rows  # noqa: E402
 from convergence import LOCALHOST, REPO, Swarm  # noqa: E402
-from footprint import Proc, kinds, prepare, stopped_early, tree  # noqa: E402
+from footprint import Proc, kinds, prepare, start_swarm, stopped_early, tree  # noqa: E402
 from sharing import samples_per_second  # noqa: E402
 
 ROWS = ("worker", "dht", "p2pd", "averager")  # a trainer's processes, as footprint.kinds names them
@@ -61,19 +61,7 @@ def run_once(src: Path, args, data: Path, root: Path) -> dict:
     common = ["--preset", "albert-tiny", "--run-id", "swarmcpu", "--host-maddrs", LOCALHOST,
               "--max-seq-length", "128"]  # fmt: skip
     try:
-        swarm.start("monitor", ["monitor", *common, "--output-dir", str(root / "monitor"),
-                                "--dashboard-port", "-1"], threads=1)  # fmt: skip
-        peers = root / "monitor" / "initial_peers.txt"
-        deadline = time.monotonic() + 120
-        while not peers.exists():
-            if time.monotonic() > deadline or swarm.dead():
-                stopped_early(root, ["monitor"])
-            time.sleep(0.5)
-        for i in range(args.trainers):
-            swarm.start(f"trainer{i}", ["train", *common, "--initial-peers", *peers.read_text().split(),
-                                        "--dataset-path", str(data), "--output-dir", str(root / f"t{i}"),
-                                        "--seed", str(i), "--per-device-train-batch-size", "8"],
-                        threads=1)  # fmt: skip
+        start_swarm(swarm, root, common, data, args.trainers, ["--dashboard-port", "-1"])
         time.sleep(args.warmup)
         before = {name: cpu_by_process(p.pid) for name, p in swarm.procs.items()}
         t0 = time.time()
