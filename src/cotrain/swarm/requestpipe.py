@@ -16,7 +16,6 @@ closes those whose process has exited.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import pickle
 import secrets
@@ -25,8 +24,6 @@ from multiprocessing.connection import Connection, reduce_connection
 from multiprocessing.reduction import ForkingPickler
 
 from hivemind.utils.mpfuture import MPFuture
-
-logger = logging.getLogger(__name__)
 
 _PIPE = "cotrain.reply-pipe"  # the persistent id's tag
 
