@@ -11,6 +11,10 @@ and not the machine's 2 cores stays the bottleneck). Each peer is a process runn
   ``accumulate_grads_`` and ``step`` as the optimizer does;
 - hivemind: a bare ``hivemind.DecentralizedAverager`` with its defaults and the same compression.
 
+cotrain's averager sends its parts over direct TCP connections between the peers (cotrain.swarm.direct, its
+default); ``--libp2p-arm`` adds the same averager with ``direct=False`` (arm ``cotrain-libp2p``: every part
+over libp2p, as hivemind sends them), so that the two transports are timed in the same rounds.
+
 ``--aggregation centered-clip`` gives cotrain's averager CenteredClip reducers (cotrain.swarm.robust) instead
 of the mean; ``--aggregation both`` runs the two side by side (arms ``cotrain`` and ``cotrain-clip``) and
 reports the time of centered-clip over the mean's.
@@ -54,6 +58,11 @@ AGGREGATION_ARMS = {
     "centered-clip": ("cotrain-clip", "hivemind"),
     "both": ("cotrain", "cotrain-clip", "hivemind"),
 }
+
+
+def arms_of(args: argparse.Namespace) -> tuple[str, ...]:
+    arms = AGGREGATION_ARMS[args.aggregation]
+    return ("cotrain-libp2p", *arms) if args.libp2p_arm else arms
 
 
 # ----------------------------------------------------------------------------------------------- peer process
@@ -132,11 +141,18 @@ def peer_main(args: argparse.Namespace) -> None:
             params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
             for p, b in zip(params, base, strict=True):
                 p.grad = b * mine
-            for arm in AGGREGATION_ARMS[args.aggregation]:
+            for arm in arms_of(args):
                 if arm.startswith("cotrain"):
                     aggregation = "centered-clip" if arm == "cotrain-clip" else "mean"
                     averagers[arm] = make_cotrain_averager(
-                        args, dht, cmd["dtype"], params, compression, group, aggregation
+                        args,
+                        dht,
+                        cmd["dtype"],
+                        params,
+                        compression,
+                        group,
+                        aggregation,
+                        arm != "cotrain-libp2p",
                     )
             averagers["hivemind"] = timed(hivemind.DecentralizedAverager)(
                 averaged_tensors=[torch.zeros(shape) for shape in shapes],
@@ -254,14 +270,15 @@ class P2PExchange:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def make_cotrain_averager(args, dht, dtype, params, compression, group, aggregation="mean"):
+def make_cotrain_averager(args, dht, dtype, params, compression, group, aggregation="mean", direct=True):
     """cotrain's gradient averager, built with the arguments hivemind.Optimizer._make_gradient_averager passes
-    (run_id "bench<dtype>", "bench<dtype>_clip" with centered-clip)."""
+    (run_id "bench<dtype>", "bench<dtype>_clip" with centered-clip, "bench<dtype>_libp2p" without the direct
+    path)."""
     from cotrain.swarm.averaging import gradient_averager_factory
     from cotrain.swarm.robust import Aggregation
 
     opts: dict = {"bandwidth": args.bandwidth} if args.bandwidth > 0 else {}
-    opts["aggregation"] = Aggregation(aggregation)
+    opts["aggregation"], opts["direct"] = Aggregation(aggregation), direct
     if args.part_size > 0:
         opts["part_size_bytes"] = int(args.part_size * 1024)
     if args.read_ahead > 0:
@@ -270,7 +287,8 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group, aggregat
     cls = timed(factory.func)
     return cls(
         dht=dht,
-        prefix=f"bench{dtype}{'_clip' if aggregation != 'mean' else ''}_grad_averager",
+        prefix=f"bench{dtype}{'_clip' if aggregation != 'mean' else ''}{'' if direct else '_libp2p'}"
+        "_grad_averager",
         parameters=params,
         min_matchmaking_time=args.matchmaking_time,
         allreduce_timeout=None,
@@ -317,6 +335,7 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
             args.transport,
             "--aggregation",
             args.aggregation,
+            *(["--libp2p-arm"] if args.libp2p_arm else []),
         ]
         peers = Peers(net, worker, logdir / f"n{n}", cwd=REPO)
         peers.logdir.mkdir(parents=True, exist_ok=True)
@@ -338,7 +357,7 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
                 peers.send({"op": "phase", "dtype": dtype})
                 for i in range(n):
                     peers.receive(i, 300)
-                arms = AGGREGATION_ARMS[args.aggregation]
+                arms = arms_of(args)
                 results: dict[str, list] = {arm: [] for arm in arms}
                 warmup = args.warmup if dtype == args.dtypes[0] else 0  # the processes are warm by then
                 for r in range(-warmup, args.rounds):
@@ -475,24 +494,40 @@ def row(n, rate, dtype, message, bound, goodput, results, tcp=(), libp2p=()) -> 
 
 def print_table(rows: list[dict]) -> None:
     """The table of all-reduce times; with a centered-clip arm, its time beside the mean's."""
-    arms = [arm for arm in ("cotrain", "cotrain-clip", "hivemind") if all(arm in r for r in rows)]
+    arms = [
+        arm
+        for arm in ("cotrain", "cotrain-libp2p", "cotrain-clip", "hivemind")
+        if all(arm in r for r in rows)
+    ]
     main = "cotrain" if "cotrain" in arms else "cotrain-clip"
     clip = "cotrain-clip" in arms and "cotrain" in arms
+    over = all("cotrain-libp2p" in r for r in rows)
     print()
     print(
         f"| n | link | dtype | message | bound | {main} | ratio "
+        + ("| cotrain over libp2p | ratio " if over else "")
         + ("| cotrain centered-clip | ratio | centered-clip / mean " if clip else "")
         + "| hivemind | ratio | cotrain / hivemind "
         "| TCP floor | all-to-all: TCP / libp2p | uplinks busy (cotrain / hivemind) "
         "| cores busy (machine / peers) |"
     )
-    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if clip else "") + "---|---|---|---|---|---|---|")
+    print(
+        "|---|---|---|---|---|---|---|"
+        + ("---|---|" if over else "")
+        + ("---|---|---|" if clip else "")
+        + "---|---|---|---|---|---|---|"
+    )
     for r in rows:
         c, h = r[main], r["hivemind"]
         clip_cells = ""
+        if over:
+            p = r["cotrain-libp2p"]
+            clip_cells += f"| {p['seconds']:.2f} s | {p['ratio']:.3f} "
         if clip:
             k = r["cotrain-clip"]
-            clip_cells = f"| {k['seconds']:.2f} s | {k['ratio']:.3f} | **{k['seconds'] / c['seconds']:.3f}** "
+            clip_cells += (
+                f"| {k['seconds']:.2f} s | {k['ratio']:.3f} | **{k['seconds'] / c['seconds']:.3f}** "
+            )
         print(
             f"| {r['n']} | {r['rate']:g} Mbit/s | {r['dtype']} | {r['message_mb']:.1f} MB "
             f"| {r['bound']:.2f} s "
@@ -566,6 +601,11 @@ def main() -> None:
         choices=tuple(AGGREGATION_ARMS),
         default="mean",
         help="cotrain's averager with mean or centered-clip reducers, or both side by side",
+    )
+    ap.add_argument(
+        "--libp2p-arm",
+        action="store_true",
+        help="also cotrain's averager without its direct TCP path (arm cotrain-libp2p), in the same rounds",
     )
     ap.add_argument("--quick", action="store_true", help="2 and 4 peers, fp16, 1 round per arm")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)

@@ -221,16 +221,18 @@ def test_the_reducer_counts_contributions_far_outside_tau():
 # --- live all-reduces on 127.0.0.1 ---------------------------------------------------------------------
 
 
-def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation):
-    """One hivemind averager with cotrain's robust reducers per entry of ``tensors``, in one swarm."""
+def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation, direct=None, **options):
+    """One hivemind averager with cotrain's all-reduce (robust reducers, the direct path where ``direct``, one
+    bool per peer, says so: all by default) per entry of ``tensors``, in one swarm; ``options`` replace the
+    averagers' settings."""
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
     from cotrain.swarm.robust import RobustAveraging
 
     class Averager(RobustAveraging, DecentralizedAverager):
-        def __init__(self, *args, aggregation, **kwargs):
-            self.aggregation = aggregation
+        def __init__(self, *args, aggregation, direct, **kwargs):
+            self.aggregation, self.direct = aggregation, direct
             super().__init__(*args, **kwargs)
 
     local = ["/ip4/127.0.0.1/tcp/0"]
@@ -239,19 +241,18 @@ def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation):
         hivemind.DHT(start=True, host_maddrs=local, initial_peers=first.get_visible_maddrs())
         for _ in tensors[1:]
     ]
+    settings = dict(
+        prefix="robust-test",
+        target_group_size=len(tensors),
+        min_matchmaking_time=5.0,
+        request_timeout=2.0,
+        next_chunk_timeout=5.0,
+    )
+    settings.update(options)
+    direct = [True] * len(tensors) if direct is None else direct
     made = [
-        Averager(
-            [t.clone() for t in own],
-            dht,
-            prefix="robust-test",
-            target_group_size=len(tensors),
-            min_matchmaking_time=5.0,
-            request_timeout=2.0,
-            next_chunk_timeout=5.0,
-            aggregation=aggregation,
-            start=True,
-        )
-        for own, dht in zip(tensors, dhts, strict=True)
+        Averager([t.clone() for t in own], dht, aggregation=aggregation, direct=d, start=True, **settings)
+        for own, dht, d in zip(tensors, dhts, direct, strict=True)
     ]
     return made, dhts
 

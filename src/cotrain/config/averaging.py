@@ -55,6 +55,12 @@ class AveragingConfig:
         roles=AVERAGING_ROLES,
         seed="--bandwidth",
     )
+    direct_allreduce: bool = opt(
+        True,
+        "Send all-reduce parts to peers that can be reached over a direct TCP connection (negotiated and "
+        "encrypted over libp2p; libp2p otherwise). --no-direct-allreduce: always libp2p.",
+        roles=AVERAGING_ROLES,
+    )
     min_refresh_period: float = opt(
         0.5,
         "Fewest seconds between this peer's reads of the swarm's progress.",

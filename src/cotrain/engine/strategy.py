@@ -195,7 +195,7 @@ class SyncStrategy(Strategy):
             averager_opts=averager_opts,
             # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
             grad_averager_factory=gradient_averager_factory(
-                dict(averager_opts, aggregation=aggregation_of(run))
+                dict(averager_opts, aggregation=aggregation_of(run), direct=peer.direct_allreduce)
             ),
             robust_progress=aggregation_of(run).robust,
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
@@ -311,7 +311,7 @@ class DiLoCoStrategy(Strategy):
             load_state_timeout=peer.load_state_timeout,
             compression=gradient_compression(peer.grad_compression),
             batch_size_per_step=batch_size_per_step,
-            averager_opts=averager_opts,
+            averager_opts=dict(averager_opts, direct=peer.direct_allreduce),
             aggregation=aggregation_of(run),
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,

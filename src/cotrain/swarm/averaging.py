@@ -23,7 +23,8 @@ READ_AHEAD_PARTS = 1
 class SwarmGradientAverager(RobustAveraging, GradientAverager):
     """hivemind's GradientAverager, as cotrain's trainers run it: ``read_ahead`` parts of each all-reduce
     stream are received, decoded and held while the reducer waits for the other senders; reducers combine
-    the parts with ``aggregation`` (cotrain.swarm.robust).
+    the parts with ``aggregation`` (cotrain.swarm.robust); with ``direct``, parts go over direct TCP
+    connections where the peers can reach each other (cotrain.swarm.direct).
 
     It shares no state: hivemind's would be the peer's gradient accumulators, which a newcomer that
     downloaded them resets at once (``load_state_bounded``). Serving them sent a model-sized buffer of raw
@@ -35,10 +36,11 @@ class SwarmGradientAverager(RobustAveraging, GradientAverager):
         *args,
         read_ahead: int = READ_AHEAD_PARTS,
         aggregation: Aggregation = Aggregation(),
+        direct: bool = True,
         start: bool = False,
         **kwargs,
     ) -> None:
-        self.aggregation = aggregation
+        self.aggregation, self.direct = aggregation, direct
         kwargs["allow_state_sharing"] = False
         super().__init__(*args, start=False, **kwargs)
         # handed by hivemind's averager to each AllReduceRunner, and by it to its TensorPartContainer
@@ -49,8 +51,8 @@ class SwarmGradientAverager(RobustAveraging, GradientAverager):
 
 def gradient_averager_factory(averager_opts: dict | None = None) -> Callable[..., SwarmGradientAverager]:
     """The ``grad_averager_factory`` for hivemind.Optimizer: the peer's averager options (group size,
-    request timeout, bandwidth, ``read_ahead``, ``aggregation``) on top of the arguments hivemind.Optimizer
-    passes itself."""
+    request timeout, bandwidth, ``read_ahead``, ``aggregation``, ``direct``) on top of the arguments
+    hivemind.Optimizer passes itself."""
     opts = dict(averager_opts or {})
     if opts.get("read_ahead", READ_AHEAD_PARTS) < 1:
         raise ValueError(f"read_ahead must be at least 1, got {opts['read_ahead']}")

@@ -1,0 +1,332 @@
+"""A direct TCP path for the all-reduce's parts between peers that can reach each other.
+
+hivemind sends every part of an all-reduce over libp2p: the Python process hands it to its ``p2pd`` daemon
+through a Unix socket, the daemon multiplexes it with yamux over one Noise-encrypted TCP connection per pair
+of peers, and the other daemon hands it on to its Python process. On shaped links that transport alone
+leaves them a fifth to a third idle at 4 and 8 peers, where plain TCP between the same processes reaches
+1.06-1.13 x the bandwidth bound (docs/benchmarks.md, all-reduce).
+
+Here a sender opens each all-reduce stream to a reducer as its own TCP connection between the two averager
+processes, negotiated over libp2p:
+
+1. The sender asks the reducer for an offer (``rpc_direct_offer``, an averager RPC: in a private swarm it
+   is admitted, like every averaging request, only from a peer that proved its access token). The reducer
+   answers with the TCP endpoints its averager process listens on, a one-time ticket and a fresh key, all
+   carried inside the authenticated, encrypted libp2p stream, and remembers the ticket for the sender's peer
+   id.
+2. The sender connects to the endpoint whose address is the one its libp2p connection to that peer uses
+   (never to another address the reducer names), sends the ticket, and the stream runs as the libp2p one
+   would: the sender's ``AveragingData`` messages one way, the reducer's the other, at once. The reducer
+   runs its usual ``rpc_aggregate_part`` on it with the peer id the ticket was issued to.
+3. Every frame is sealed with AES-GCM under the offer's key (a counter nonce per direction): a frame that was
+   altered, replayed or reordered ends the stream, which hivemind's all-reduce handles as any broken stream.
+
+A peer that does not answer offers (hivemind's averagers, a cotrain peer with ``--no-direct-allreduce``), an
+endpoint that cannot be reached within ``CONNECT_TIMEOUT`` (a firewall, NAT, a relayed connection) or a
+refused ticket: the stream goes over libp2p as before, and the peer is not tried directly again for
+``UNREACHABLE_SECONDS``. Client-mode peers answer no offers (they accept no connections) but send their parts
+directly to reducers they can reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import ipaddress
+import logging
+import secrets
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Callable
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+
+logger = logging.getLogger(__name__)
+
+TICKET_BYTES = 16
+KEY_BYTES = 32
+TICKET_SECONDS = 30.0  # an offer's ticket not used within this is forgotten
+MAX_TICKETS = 4096  # outstanding tickets of one averager process; offers beyond are refused
+CONNECT_TIMEOUT = 2.0  # seconds to open the TCP connection and hand over the ticket
+OFFER_TIMEOUT = 3.0  # seconds for the reducer's offer over libp2p
+UNREACHABLE_SECONDS = 600.0  # a peer not reached directly is not tried directly again for this long
+MAX_FRAME = 1 << 26  # bytes of one sealed frame (a part of hivemind's all-reduce is 512 KiB)
+BUFFER = 1 << 22  # the stream reader's limit: a whole part is read without pausing the transport
+DATA, END, ERROR = 0, 1, 2  # kinds of frame
+SENDER, REDUCER = 0, 1  # the two ends of a stream (the nonce's first byte: one key, two directions)
+
+
+class DirectStreamError(ConnectionError):
+    """A direct stream broke (closed early, a frame that failed authentication) or the reducer failed."""
+
+
+@functools.cache
+def messages():
+    """The offer RPC's two protobuf messages, built at first use from a descriptor."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="cotrain_direct.proto", package="cotrain", syntax="proto3")
+    fdp.message_type.add(name="DirectRequest")
+    offer = fdp.message_type.add(name="DirectOffer")
+    offer.field.add(name="endpoints", number=1, type=f.TYPE_STRING, label=f.LABEL_REPEATED)
+    offer.field.add(name="ticket", number=2, type=f.TYPE_BYTES, label=f.LABEL_OPTIONAL)
+    offer.field.add(name="key", number=3, type=f.TYPE_BYTES, label=f.LABEL_OPTIONAL)
+    offer.field.add(name="refusal", number=4, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return tuple(
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"cotrain.{name}"))
+        for name in ("DirectRequest", "DirectOffer")
+    )
+
+
+DirectRequest, DirectOffer = messages()
+
+
+class Seal:
+    """One end of a direct stream: frames sealed with AES-GCM under the stream's key, a counter nonce per
+    direction (so a frame cannot be altered, dropped, replayed or moved without the next one failing)."""
+
+    def __init__(self, key: bytes, side: int) -> None:
+        self.aead = AESGCM(key)
+        self.side = side
+        self.sent = self.received = 0
+
+    def _nonce(self, side: int, counter: int) -> bytes:
+        return bytes([side, 0, 0, 0]) + counter.to_bytes(8, "big")
+
+    def seal(self, kind: int, payload: bytes = b"") -> bytes:
+        box = self.aead.encrypt(self._nonce(self.side, self.sent), bytes([kind]) + payload, None)
+        self.sent += 1
+        return struct.pack(">I", len(box)) + box
+
+    async def read(self, reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        try:
+            (size,) = struct.unpack(">I", await reader.readexactly(4))
+            if size > MAX_FRAME:
+                raise DirectStreamError(f"a direct frame of {size} bytes (at most {MAX_FRAME})")
+            box = await reader.readexactly(size)
+        except asyncio.IncompleteReadError as e:
+            raise DirectStreamError("the direct stream closed before its end") from e
+        try:
+            plain = self.aead.decrypt(self._nonce(1 - self.side, self.received), box, None)
+        except InvalidTag as e:
+            raise DirectStreamError("a direct frame failed authentication") from e
+        self.received += 1
+        return plain[0], plain[1:]
+
+
+def _fast(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+
+
+def _ips(maddrs) -> list[str]:
+    """The IP addresses (ip4, ip6) in a list of multiaddrs, in order, without repeats."""
+    found = []
+    for maddr in maddrs:
+        for proto in ("ip4", "ip6"):
+            with contextlib.suppress(Exception):
+                ip = maddr.value_for_protocol(proto)
+                if ip and ip not in found:
+                    found.append(ip)
+    return found
+
+
+def endpoint(ip: str, port: int) -> str:
+    return f"{ip} {port}"
+
+
+def parse_endpoint(text: str) -> tuple[str, int] | None:
+    try:
+        ip, port = text.split(" ")
+        return str(ipaddress.ip_address(ip)), int(port)
+    except ValueError:
+        return None
+
+
+class DirectServer:
+    """The listening end, in an averager process: offers tickets and serves the streams that present them
+    with ``handler`` (the averager's ``rpc_aggregate_part``)."""
+
+    def __init__(self, p2p: P2P, handler: Callable) -> None:
+        self.p2p, self.handler = p2p, handler
+        self.endpoints: list[str] = []
+        self.tickets: dict[bytes, tuple[PeerID, bytes, float]] = {}
+        self.served = 0  # streams served directly
+        self._servers: list[asyncio.AbstractServer] = []
+        self._started: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        """Listen on each IP address the peer's libp2p daemon listens on (a free port on each)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
+
+    async def _start(self) -> None:
+        own = await self.p2p.get_visible_maddrs(latest=True)
+        for ip in _ips(own):
+            if ipaddress.ip_address(ip).is_unspecified:
+                continue
+            try:
+                server = await asyncio.start_server(self._serve, host=ip, port=0, limit=BUFFER)
+            except OSError as e:  # an announced address that is not this machine's
+                logger.debug(f"Direct all-reduce: cannot listen on {ip}: {e}")
+                continue
+            self._servers.append(server)
+            self.endpoints.append(endpoint(ip, server.sockets[0].getsockname()[1]))
+        logger.debug(f"Direct all-reduce: listening on {self.endpoints}")
+
+    async def offer(self, peer: PeerID):
+        await self.start()
+        now = time.monotonic()
+        for ticket in [t for t, (_, _, deadline) in self.tickets.items() if deadline < now]:
+            del self.tickets[ticket]
+        if not self.endpoints:
+            return DirectOffer(refusal="no address to listen on")
+        if len(self.tickets) >= MAX_TICKETS:
+            return DirectOffer(refusal="too many outstanding tickets")
+        ticket, key = secrets.token_bytes(TICKET_BYTES), AESGCM.generate_key(bit_length=8 * KEY_BYTES)
+        self.tickets[ticket] = (peer, key, now + TICKET_SECONDS)
+        return DirectOffer(endpoints=self.endpoints, ticket=ticket, key=key)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            ticket = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), CONNECT_TIMEOUT)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            return await _close(writer)
+        entry = self.tickets.pop(ticket, None)
+        if entry is None or entry[2] < time.monotonic():
+            return await _close(writer)  # unknown or expired: nothing is said to whoever this is
+        peer, key, _ = entry
+        _fast(writer)
+        seal = Seal(key, REDUCER)
+        context = P2PContext(handle_name="cotrain.direct", local_id=self.p2p.peer_id, remote_id=peer)
+        self.served += 1
+        try:
+            async for message in self.handler(_incoming(reader, seal), context):
+                writer.write(seal.seal(DATA, message.SerializeToString()))
+                await writer.drain()
+            writer.write(seal.seal(END))
+            await writer.drain()
+        except Exception as e:
+            logger.debug(f"Direct all-reduce: stream from {peer} failed: {e!r}")
+            with contextlib.suppress(Exception):
+                writer.write(seal.seal(ERROR, repr(e).encode()))
+                await writer.drain()
+        finally:
+            await _close(writer)
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.close()
+
+
+async def _incoming(reader: asyncio.StreamReader, seal: Seal) -> AsyncIterator:
+    """The sender's messages on the reducer's side, until the sender's end of stream."""
+    while True:
+        kind, payload = await seal.read(reader)
+        if kind == END:
+            return
+        if kind != DATA:
+            raise DirectStreamError(f"a direct frame of unexpected kind {kind}")
+        yield averaging_pb2.AveragingData.FromString(payload)
+
+
+class DirectClient:
+    """The sending end, in an averager process: opens all-reduce streams directly where the reducer offers
+    it and its endpoint can be reached, over libp2p otherwise. Counts the streams opened each way."""
+
+    def __init__(self, p2p: P2P) -> None:
+        self.p2p = p2p
+        self.unreachable: dict[PeerID, float] = {}
+        self.direct = self.libp2p = 0
+
+    async def open(self, stub, peer: PeerID, inputs: AsyncIterator):
+        """``stub.rpc_aggregate_part(inputs)``, over a direct connection when one can be made."""
+        opened = None
+        if self.unreachable.get(peer, 0.0) <= time.monotonic():
+            opened = await self._connect(stub, peer)
+        if opened is None:
+            self.libp2p += 1
+            return await stub.rpc_aggregate_part(inputs)
+        self.direct += 1
+        return _exchange(*opened, inputs)
+
+    async def _connect(self, stub, peer: PeerID):
+        try:
+            offer = await stub.rpc_direct_offer(DirectRequest(), timeout=OFFER_TIMEOUT)
+            if offer.refusal:
+                raise DirectStreamError(offer.refusal)
+            ips = set()
+            for info in await self.p2p.list_peers():
+                if info.peer_id == peer:
+                    ips.update(_ips(info.addrs))
+            targets = [e for e in map(parse_endpoint, offer.endpoints) if e is not None and e[0] in ips]
+            if not targets:
+                raise DirectStreamError(f"none of {list(offer.endpoints)} is where libp2p reaches it ({ips})")
+            last: Exception | None = None
+            for host, port in targets:
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(host, port, limit=BUFFER), CONNECT_TIMEOUT
+                    )
+                except (OSError, asyncio.TimeoutError) as e:
+                    last = e
+                    continue
+                _fast(writer)
+                writer.write(offer.ticket)
+                return reader, writer, Seal(offer.key, SENDER)
+            raise DirectStreamError(f"cannot connect to {targets}: {last!r}")
+        except Exception as e:  # anything at all: the stream goes over libp2p
+            logger.debug(f"Direct all-reduce: {peer} not reached directly ({e!r}); libp2p instead")
+            self.unreachable[peer] = time.monotonic() + UNREACHABLE_SECONDS
+            return None
+
+
+async def _exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: Seal, inputs: AsyncIterator
+) -> AsyncIterator:
+    """The sender's messages out and the reducer's back, at once, as over a libp2p stream."""
+
+    async def send() -> None:
+        try:
+            async for message in inputs:
+                writer.write(seal.seal(DATA, message.SerializeToString()))
+                await writer.drain()
+            writer.write(seal.seal(END))
+            await writer.drain()
+        except Exception:
+            writer.transport.abort()  # the reading end then fails too, and says so
+            raise
+
+    sending = asyncio.create_task(send())
+    try:
+        while True:
+            kind, payload = await seal.read(reader)
+            if kind == END:
+                return
+            if kind == ERROR:
+                raise DirectStreamError(f"the reducer failed: {payload.decode(errors='replace')}")
+            if kind != DATA:
+                raise DirectStreamError(f"a direct frame of unexpected kind {kind}")
+            yield averaging_pb2.AveragingData.FromString(payload)
+    finally:
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sending
+        await _close(writer)
