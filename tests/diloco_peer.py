@@ -117,7 +117,9 @@ def main() -> None:
             time.sleep(args.step_sleep)
             if peer.step(loss=loss.item()):
                 emit(event="step", **peer.last_report)
-    emit(event="done", step=peer.global_step)
+        # the round's all-reduce streams this peer opened directly and over libp2p, and served directly
+        transport = opt.outer_averager.transport_counts()
+    emit(event="done", step=peer.global_step, transport=transport)
     close()
     sys.exit(0)
 

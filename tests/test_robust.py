@@ -231,8 +231,8 @@ def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation, direc
     from cotrain.swarm.robust import RobustAveraging
 
     class Averager(RobustAveraging, DecentralizedAverager):
-        def __init__(self, *args, aggregation, direct, **kwargs):
-            self.aggregation, self.direct = aggregation, direct
+        def __init__(self, *args, aggregation, **kwargs):
+            self.aggregation = aggregation
             super().__init__(*args, **kwargs)
 
     local = ["/ip4/127.0.0.1/tcp/0"]

@@ -167,7 +167,7 @@ class SyncStrategy(Strategy):
             tracker_options,
         )
 
-        averager_opts = _averager_options(peer)
+        averager_opts = dict(_averager_options(peer), direct=peer.direct_allreduce)
         run_id, target_batch_size = run.run_id, run.target_batch_size
         self.run_id = run_id
         self.opt = SwarmOptimizer(
@@ -195,7 +195,7 @@ class SyncStrategy(Strategy):
             averager_opts=averager_opts,
             # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
             grad_averager_factory=gradient_averager_factory(
-                dict(averager_opts, aggregation=aggregation_of(run), direct=peer.direct_allreduce)
+                dict(averager_opts, aggregation=aggregation_of(run))
             ),
             robust_progress=aggregation_of(run).robust,
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),

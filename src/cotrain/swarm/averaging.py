@@ -23,8 +23,8 @@ READ_AHEAD_PARTS = 1
 class SwarmGradientAverager(RobustAveraging, GradientAverager):
     """hivemind's GradientAverager, as cotrain's trainers run it: ``read_ahead`` parts of each all-reduce
     stream are received, decoded and held while the reducer waits for the other senders; reducers combine
-    the parts with ``aggregation`` (cotrain.swarm.robust); with ``direct``, parts go over direct TCP
-    connections where the peers can reach each other (cotrain.swarm.direct).
+    the parts with ``aggregation`` (cotrain.swarm.robust); with ``direct`` (on by default), parts go over
+    direct TCP connections where the peers can reach each other (cotrain.swarm.direct).
 
     It shares no state: hivemind's would be the peer's gradient accumulators, which a newcomer that
     downloaded them resets at once (``load_state_bounded``). Serving them sent a model-sized buffer of raw
@@ -36,11 +36,10 @@ class SwarmGradientAverager(RobustAveraging, GradientAverager):
         *args,
         read_ahead: int = READ_AHEAD_PARTS,
         aggregation: Aggregation = Aggregation(),
-        direct: bool = True,
         start: bool = False,
         **kwargs,
     ) -> None:
-        self.aggregation, self.direct = aggregation, direct
+        self.aggregation = aggregation
         kwargs["allow_state_sharing"] = False
         super().__init__(*args, start=False, **kwargs)
         # handed by hivemind's averager to each AllReduceRunner, and by it to its TensorPartContainer

@@ -39,12 +39,14 @@ import secrets
 import socket
 import struct
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.mpfuture import MPFuture
 
 logger = logging.getLogger(__name__)
 
@@ -298,10 +300,11 @@ class DirectClient:
             return None
 
 
-async def _exchange(
+def _exchange(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: Seal, inputs: AsyncIterator
 ) -> AsyncIterator:
-    """The sender's messages out and the reducer's back, at once, as over a libp2p stream."""
+    """The sender's messages out (starting now, as a libp2p stream starts sending when opened: a client-mode
+    sender waits until all its parts are sent before it reads) and the reducer's back, at once."""
 
     async def send() -> None:
         try:
@@ -314,7 +317,12 @@ async def _exchange(
             writer.transport.abort()  # the reading end then fails too, and says so
             raise
 
-    sending = asyncio.create_task(send())
+    return _replies(reader, writer, seal, asyncio.create_task(send()))
+
+
+async def _replies(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: Seal, sending: asyncio.Task
+) -> AsyncIterator:
     try:
         while True:
             kind, payload = await seal.read(reader)
@@ -330,3 +338,71 @@ async def _exchange(
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sending
         await _close(writer)
+
+
+# each averager process's DirectClient, by its P2P (an averager's all-reduce runner reaches the averager only
+# through the P2P and the averager's class: ``type(averager).get_stub(p2p, peer)``)
+_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _DirectStub:
+    """Another peer's averager stub whose all-reduce streams are opened by a DirectClient; every other request
+    goes to the libp2p stub as it is."""
+
+    def __init__(self, stub, client: DirectClient, peer: PeerID) -> None:
+        self._stub, self._client, self._peer = stub, client, peer
+
+    def __getattr__(self, name: str):
+        return getattr(self._stub, name)
+
+    async def rpc_aggregate_part(self, inputs):
+        return await self._client.open(self._stub, self._peer, inputs)
+
+
+class DirectTransport:
+    """For a hivemind DecentralizedAverager subclass (put it first among the bases): its all-reduce streams to
+    other reducers go over direct connections where they can (``direct``, on by default), and it answers other
+    peers' offer requests. Runs in the averager's process."""
+
+    def __init__(self, *args, direct: bool = True, **kwargs) -> None:
+        self.direct = direct  # before hivemind's __init__, which may start the averager's process
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def get_stub(cls, p2p: P2P, peer: PeerID, *, namespace: str | None = None):
+        stub = super().get_stub(p2p, peer, namespace=namespace)
+        client = _CLIENTS.get(p2p)
+        return stub if client is None else _DirectStub(stub, client, peer)
+
+    async def rpc_direct_offer(self, request: DirectRequest, context: P2PContext) -> DirectOffer:
+        """Another peer asks to send its all-reduce parts over a direct connection."""
+        if not self.direct:
+            return DirectOffer(refusal="direct all-reduce is off")
+        if getattr(self, "_direct_server", None) is None:
+            self._direct_server = DirectServer(self._p2p, self.rpc_aggregate_part)
+        return await self._direct_server.offer(context.remote_id)
+
+    def _direct_ready(self) -> None:
+        """Before an all-reduce: this process's streams go through a DirectClient (when ``direct``)."""
+        if self.direct and self._p2p not in _CLIENTS:
+            _CLIENTS[self._p2p] = DirectClient(self._p2p)
+
+    async def _run_allreduce_inplace_(self, *args, **kwargs):
+        self._direct_ready()
+        return await super()._run_allreduce_inplace_(*args, **kwargs)
+
+    def transport_counts(self) -> dict:
+        """All-reduce streams this averager opened directly and over libp2p, and served directly."""
+        future = MPFuture()
+        self._outer_pipe.send(("_transport_counts", [], dict(future=future)))
+        return future.result()
+
+    async def _transport_counts(self, future: MPFuture) -> None:
+        client, server = _CLIENTS.get(self._p2p), getattr(self, "_direct_server", None)
+        future.set_result(
+            {
+                "direct": client.direct if client else 0,
+                "libp2p": client.libp2p if client else 0,
+                "served": server.served if server else 0,
+            }
+        )

@@ -82,10 +82,9 @@ class OuterAverager(RobustAveraging, DecentralizedAverager):
         *,
         changes: int,
         aggregation: Aggregation = Aggregation(),
-        direct: bool = True,
         **kwargs,
     ):
-        self.changes, self.aggregation, self.direct = changes, aggregation, direct
+        self.changes, self.aggregation = changes, aggregation
         super().__init__(tensors, dht, **kwargs)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):

@@ -44,10 +44,9 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
-from hivemind.utils.mpfuture import MPFuture
 
 from cotrain.faults import silent_allreduce
-from cotrain.swarm.direct import DirectClient, DirectOffer, DirectRequest, DirectServer
+from cotrain.swarm.direct import DirectTransport
 
 logger = logging.getLogger(__name__)
 
@@ -220,19 +219,10 @@ class RobustPartReducer(TensorPartReducer):
 
 
 class RobustAllReduceRunner(AllReduceRunner):
-    """hivemind's AllReduceRunner whose reducer is a RobustPartReducer, and whose streams to other reducers
-    go through ``direct`` (a cotrain.swarm.direct.DirectClient) when one is given."""
+    """hivemind's AllReduceRunner whose reducer is a RobustPartReducer."""
 
-    def __init__(
-        self,
-        *args,
-        aggregation: Aggregation,
-        excluded: Collection = (),
-        direct: DirectClient | None = None,
-        **kwargs,
-    ) -> None:
+    def __init__(self, *args, aggregation: Aggregation, excluded: Collection = (), **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.direct = direct
         default = self.tensor_part_reducer
         refused = frozenset(i for i, peer in enumerate(self.sender_peer_ids) if peer in excluded)
         self.tensor_part_reducer = RobustPartReducer(
@@ -240,10 +230,6 @@ class RobustAllReduceRunner(AllReduceRunner):
         )
         retire(default)
         self.bounded_by = 0.0  # set where the result was bounded: how many times the bound it lay away
-
-    def _get_peer_stub(self, peer):
-        stub = super()._get_peer_stub(peer)
-        return stub if self.direct is None else _DirectStub(stub, self.direct, peer)
 
     async def _communicate_with_peer(self, peer_id) -> None:
         if peer_id != self.peer_id:
@@ -259,16 +245,6 @@ class RobustAllReduceRunner(AllReduceRunner):
             await self._ban_sender(self.peer_id)
             self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(self.peer_id))
             raise
-
-
-class _DirectStub:
-    """What the runner calls on another reducer's stub: the all-reduce stream, opened by a DirectClient."""
-
-    def __init__(self, stub, direct: DirectClient, peer) -> None:
-        self.stub, self.direct, self.peer = stub, direct, peer
-
-    async def rpc_aggregate_part(self, inputs):
-        return await self.direct.open(self.stub, self.peer, inputs)
 
 
 def received_scale(own_norm: float, moved_norm: float, bound: float = RECEIVED_BOUND) -> float:
@@ -287,13 +263,12 @@ def retire(reducer: TensorPartReducer) -> None:
     reducer.finished.set()
 
 
-class RobustAveraging:
+class RobustAveraging(DirectTransport):
     """For a hivemind DecentralizedAverager subclass: its all-reduces use ``self.aggregation``; peers caught
-    in ``STRIKES`` all-reduces are excluded for a while (see the module's doc). Runs in the averager's
-    process."""
+    in ``STRIKES`` all-reduces are excluded for a while (see the module's doc); parts travel over direct
+    connections where they can (cotrain.swarm.direct). Runs in the averager's process."""
 
     aggregation: Aggregation = Aggregation()
-    direct: bool = True  # all-reduce streams over direct TCP where possible (cotrain.swarm.direct)
 
     def excluded_peers(self) -> set:
         now = time.monotonic()
@@ -310,41 +285,11 @@ class RobustAveraging:
         async for response in super().rpc_join_group(request, context):
             yield response
 
-    async def rpc_direct_offer(self, request: DirectRequest, context: P2PContext) -> DirectOffer:
-        """Another peer asks to send its all-reduce parts over a direct connection (cotrain.swarm.direct)."""
-        if not self.direct:
-            return DirectOffer(refusal="direct all-reduce is off")
-        if getattr(self, "_direct_server", None) is None:
-            self._direct_server = DirectServer(self._p2p, self.rpc_aggregate_part)
-        return await self._direct_server.offer(context.remote_id)
-
-    def _direct_client(self) -> DirectClient | None:
-        if not self.direct:
-            return None
-        if getattr(self, "_direct", None) is None:
-            self._direct = DirectClient(self._p2p)
-        return self._direct
-
-    def transport_counts(self) -> dict:
-        """All-reduce streams this averager opened directly and over libp2p, and served directly."""
-        future = MPFuture()
-        self._outer_pipe.send(("_transport_counts", [], dict(future=future)))
-        return future.result()
-
-    async def _transport_counts(self, future: MPFuture) -> None:
-        client, server = getattr(self, "_direct", None), getattr(self, "_direct_server", None)
-        future.set_result(
-            {
-                "direct": client.direct if client else 0,
-                "libp2p": client.libp2p if client else 0,
-                "served": server.served if server else 0,
-            }
-        )
-
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ) -> None:
         # hivemind's DecentralizedAverager._run_allreduce_inplace_ with the runner above
+        self._direct_ready()
         group_id = group_info.group_id if group_id is None else group_id
         await silent_allreduce(self._running_groups.get(group_id), self._allreduce_timeout)  # fault injection
         runner = RobustAllReduceRunner(
@@ -356,7 +301,6 @@ class RobustAveraging:
             ordered_peer_ids=group_info.peer_ids,
             aggregation=self.aggregation,
             excluded=self.excluded_peers(),
-            direct=self._direct_client(),
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"

@@ -85,6 +85,7 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.optim.state_averager import TrainingStateAverager
 from pydantic.v1 import BaseModel, confloat, conint, conlist, constr, root_validator
 
+from cotrain.swarm.direct import DirectTransport
 from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     MAX_VOTERS,
     SAMPLES_PER_TENSOR,
@@ -470,9 +471,10 @@ class CheckedStateDownloads:
         return metadata, tensors
 
 
-class CheckedTrainingStateAverager(CheckedStateDownloads, TrainingStateAverager):
+class CheckedTrainingStateAverager(DirectTransport, CheckedStateDownloads, TrainingStateAverager):
     """hivemind's ``TrainingStateAverager`` (the sync strategy's state, and the monitor's copy of it) with
-    checked downloads and published fingerprints."""
+    checked downloads and published fingerprints; its all-reduces of the parameters send their parts over
+    direct connections where they can (cotrain.swarm.direct)."""
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
