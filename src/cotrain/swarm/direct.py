@@ -57,12 +57,6 @@ MAX_TICKETS = 4096  # outstanding tickets of one averager process; offers beyond
 CONNECT_TIMEOUT = 2.0  # seconds to open the TCP connection and hand over the ticket
 OFFER_TIMEOUT = 3.0  # seconds for the reducer's offer over libp2p
 UNREACHABLE_SECONDS = 600.0  # a peer not reached directly is not tried directly again for this long
-# a connection whose stream ended cleanly carries the next stream between the same two averagers (no new
-# offer, no TCP handshake, no congestion window to grow again); the sender reuses it for at most REUSE_SECONDS
-# after its last stream, the reducer keeps it open for IDLE_SECONDS (longer, so that a sender never picks a
-# connection the reducer is closing)
-REUSE_SECONDS = 60.0
-IDLE_SECONDS = 180.0
 MAX_FRAME = 1 << 26  # bytes of one sealed frame (a part of hivemind's all-reduce is 512 KiB)
 BUFFER = 1 << 22  # the stream reader's limit: a whole part is read without pausing the transport
 DATA, END, ERROR = 0, 1, 2  # kinds of frame
@@ -224,76 +218,35 @@ class DirectServer:
         _fast(writer)
         seal = Seal(key, REDUCER)
         context = P2PContext(handle_name="cotrain.direct", local_id=self.p2p.peer_id, remote_id=peer)
-        try:
-            while await self._serve_stream(reader, writer, seal, context):
-                pass  # the connection carries the same sender's next stream
-        finally:
-            await _close(writer)
-
-    async def _serve_stream(self, reader, writer, seal: Seal, context: P2PContext) -> bool:
-        """One stream on the connection; whether the connection may carry another."""
-        try:
-            kind, payload = await asyncio.wait_for(seal.read(reader), IDLE_SECONDS)
-        except (asyncio.TimeoutError, DirectStreamError, ConnectionError):
-            return False  # idle too long, or the sender closed it
-        if kind != DATA:
-            return False
-        incoming = _Incoming(reader, seal, averaging_pb2.AveragingData.FromString(payload))
         self.served += 1
         try:
-            async for message in self.handler(incoming, context):
+            async for message in self.handler(_incoming(reader, seal), context):
                 writer.write(seal.seal(DATA, message.SerializeToString()))
                 await writer.drain()
             writer.write(seal.seal(END))
             await writer.drain()
         except Exception as e:
-            logger.debug(f"Direct all-reduce: stream from {context.remote_id} failed: {e!r}")
+            logger.debug(f"Direct all-reduce: stream from {peer} failed: {e!r}")
             with contextlib.suppress(Exception):
                 writer.write(seal.seal(ERROR, repr(e).encode()))
                 await writer.drain()
-            return False
-        return incoming.ended  # the sender's end of stream read: the next frame starts its next stream
+        finally:
+            await _close(writer)
 
     def close(self) -> None:
         for server in self._servers:
             server.close()
 
 
-class _Incoming:
-    """The sender's messages on the reducer's side, from the first (already read) to its end of stream."""
-
-    def __init__(self, reader: asyncio.StreamReader, seal: Seal, first) -> None:
-        self.reader, self.seal, self.first, self.ended = reader, seal, first, False
-        self._messages_left = self._messages()
-
-    def __aiter__(self):
-        return self
-
-    def __anext__(self):
-        return self._messages_left.__anext__()
-
-    async def _messages(self) -> AsyncIterator:
-        yield self.first
-        while True:
-            kind, payload = await self.seal.read(self.reader)
-            if kind == END:
-                self.ended = True
-                return
-            if kind != DATA:
-                raise DirectStreamError(f"a direct frame of unexpected kind {kind}")
-            yield averaging_pb2.AveragingData.FromString(payload)
-
-
-class _Connection:
-    """The sender's end of a direct connection to one reducer."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: Seal) -> None:
-        self.reader, self.writer, self.seal = reader, writer, seal
-        self.last_used = time.monotonic()
-
-    def usable(self) -> bool:
-        fresh = time.monotonic() - self.last_used < REUSE_SECONDS
-        return fresh and not self.writer.is_closing() and not self.reader.at_eof()
+async def _incoming(reader: asyncio.StreamReader, seal: Seal) -> AsyncIterator:
+    """The sender's messages on the reducer's side, until the sender's end of stream."""
+    while True:
+        kind, payload = await seal.read(reader)
+        if kind == END:
+            return
+        if kind != DATA:
+            raise DirectStreamError(f"a direct frame of unexpected kind {kind}")
+        yield averaging_pb2.AveragingData.FromString(payload)
 
 
 class DirectClient:
@@ -303,34 +256,18 @@ class DirectClient:
     def __init__(self, p2p: P2P) -> None:
         self.p2p = p2p
         self.unreachable: dict[PeerID, float] = {}
-        self.idle: dict[PeerID, list[_Connection]] = {}
-        self.direct = self.libp2p = self.reused = 0
+        self.direct = self.libp2p = 0
 
     async def open(self, stub, peer: PeerID, inputs: AsyncIterator):
         """``stub.rpc_aggregate_part(inputs)``, over a direct connection when one can be made."""
-        connection = self._idle_connection(peer)
-        if connection is not None:
-            self.reused += 1
-        elif self.unreachable.get(peer, 0.0) <= time.monotonic():
-            connection = await self._connect(stub, peer)
-        if connection is None:
+        opened = None
+        if self.unreachable.get(peer, 0.0) <= time.monotonic():
+            opened = await self._connect(stub, peer)
+        if opened is None:
             self.libp2p += 1
             return await stub.rpc_aggregate_part(inputs)
         self.direct += 1
-        return _exchange(connection, inputs, functools.partial(self._release, peer))
-
-    def _idle_connection(self, peer: PeerID) -> _Connection | None:
-        idle = self.idle.get(peer, [])
-        while idle:
-            connection = idle.pop()
-            if connection.usable():
-                return connection
-            connection.writer.close()
-        return None
-
-    def _release(self, peer: PeerID, connection: _Connection) -> None:
-        connection.last_used = time.monotonic()
-        self.idle.setdefault(peer, []).append(connection)
+        return _exchange(*opened, inputs)
 
     async def _connect(self, stub, peer: PeerID):
         try:
@@ -355,7 +292,7 @@ class DirectClient:
                     continue
                 _fast(writer)
                 writer.write(offer.ticket)
-                return _Connection(reader, writer, Seal(offer.key, SENDER))
+                return reader, writer, Seal(offer.key, SENDER)
             raise DirectStreamError(f"cannot connect to {targets}: {last!r}")
         except Exception as e:  # anything at all: the stream goes over libp2p
             logger.debug(f"Direct all-reduce: {peer} not reached directly ({e!r}); libp2p instead")
@@ -363,10 +300,11 @@ class DirectClient:
             return None
 
 
-def _exchange(connection: _Connection, inputs: AsyncIterator, release: Callable) -> AsyncIterator:
+def _exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: Seal, inputs: AsyncIterator
+) -> AsyncIterator:
     """The sender's messages out (starting now, as a libp2p stream starts sending when opened: a client-mode
     sender waits until all its parts are sent before it reads) and the reducer's back, at once."""
-    writer, seal = connection.writer, connection.seal
 
     async def send() -> None:
         try:
@@ -379,16 +317,16 @@ def _exchange(connection: _Connection, inputs: AsyncIterator, release: Callable)
             writer.transport.abort()  # the reading end then fails too, and says so
             raise
 
-    return _replies(connection, asyncio.create_task(send()), release)
+    return _replies(reader, writer, seal, asyncio.create_task(send()))
 
 
-async def _replies(connection: _Connection, sending: asyncio.Task, release: Callable) -> AsyncIterator:
-    ended = False
+async def _replies(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: Seal, sending: asyncio.Task
+) -> AsyncIterator:
     try:
         while True:
-            kind, payload = await connection.seal.read(connection.reader)
+            kind, payload = await seal.read(reader)
             if kind == END:
-                ended = True
                 return
             if kind == ERROR:
                 raise DirectStreamError(f"the reducer failed: {payload.decode(errors='replace')}")
@@ -396,16 +334,10 @@ async def _replies(connection: _Connection, sending: asyncio.Task, release: Call
                 raise DirectStreamError(f"a direct frame of unexpected kind {kind}")
             yield averaging_pb2.AveragingData.FromString(payload)
     finally:
-        if ended and not sending.done():  # the reducer read this end's END: its last write is draining
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(sending), CONNECT_TIMEOUT)
-        if ended and sending.done() and not sending.cancelled() and sending.exception() is None:
-            release(connection)  # both ends of the stream were sent and read: ready for the next one
-        else:
-            sending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sending
-            await _close(connection.writer)
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sending
+        await _close(writer)
 
 
 # each averager process's DirectClient, by its P2P (an averager's all-reduce runner reaches the averager only
@@ -471,7 +403,6 @@ class DirectTransport:
             {
                 "direct": client.direct if client else 0,
                 "libp2p": client.libp2p if client else 0,
-                "reused": client.reused if client else 0,
                 "served": server.served if server else 0,
             }
         )
