@@ -287,7 +287,7 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
     # every all-reduce stream went over a direct connection, the client's to the two others' included
     transport = [p.rows("done")[0]["transport"] for p in (a, b, c)]
     assert all(t["direct"] > 0 and t["libp2p"] == 0 for t in transport), transport
-    assert transport[0]["served"] > 0 and transport[1]["served"] > 0 and transport[2]["served"] == 0, transport
+    assert [t["served"] > 0 for t in transport] == [True, True, False], transport
     steps = c.rows("step")
     assert steps and all(s["strategy"] == "diloco" and s["inner_steps"] > 0 for s in steps)
     assert any(s["round_bytes"] > 0 for s in steps)
