@@ -48,13 +48,19 @@ def main() -> None:
     )
     with peer:
         emit(event="ready", maddrs=peer.maddrs, step=peer.global_step, at=time.time())
-        start, samples = peer.global_step, 0
-        while peer.global_step < start + args.steps or (args.until and not Path(args.until).exists()):
+        # --steps count from the first global step this peer takes: a newcomer catches up with the swarm there
+        start, samples = None, 0
+        while (
+            start is None
+            or peer.global_step < start + args.steps
+            or (args.until and not Path(args.until).exists())
+        ):
             loss = task.loss(model, args.batch)
             loss.backward()
             time.sleep(args.step_sleep)
             samples += args.batch
             if peer.step(loss=loss.item()):
+                start = peer.global_step - 1 if start is None else start
                 emit(**peer.last_report, event="step", samples=samples, at=time.time())
                 samples = 0
     emit(event="done", step=peer.global_step)
