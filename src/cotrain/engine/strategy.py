@@ -167,7 +167,7 @@ class SyncStrategy(Strategy):
             tracker_options,
         )
 
-        averager_opts = dict(_averager_options(peer), direct=peer.direct_allreduce)
+        averager_opts = _averager_options(peer)
         run_id, target_batch_size = run.run_id, run.target_batch_size
         self.run_id = run_id
         self.opt = SwarmOptimizer(
@@ -311,7 +311,7 @@ class DiLoCoStrategy(Strategy):
             load_state_timeout=peer.load_state_timeout,
             compression=gradient_compression(peer.grad_compression),
             batch_size_per_step=batch_size_per_step,
-            averager_opts=dict(averager_opts, direct=peer.direct_allreduce),
+            averager_opts=averager_opts,
             aggregation=aggregation_of(run),
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
@@ -411,12 +411,14 @@ def aggregation_of(run: RunConfig) -> Any:
 
 
 def _averager_options(peer: PeerConfig) -> dict:
-    """The peer's averager settings: group size, request timeout, bandwidth (when given)."""
+    """The peer's averager settings: group size, request timeout, the direct all-reduce path, bandwidth (when
+    given)."""
     from cotrain.swarm.optimizer import request_timeout
 
     options: dict = {
         "target_group_size": peer.target_group_size,
         "request_timeout": request_timeout(peer.matchmaking_time),
+        "direct": peer.direct_allreduce,
     }
     if peer.bandwidth > 0:
         options["bandwidth"] = peer.bandwidth
