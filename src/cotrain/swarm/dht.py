@@ -232,6 +232,9 @@ def create_dht(
     if access is not None:
         record_validators = [*record_validators, *access.validators()]
         private = {"access": access, "authorizer": access.authorizer()}
+    from cotrain.memory import keep_heap_trimmed
+
+    keep_heap_trimmed()  # here, in the DHT's process and in the averagers', all forked from here
     try:
         dht = SwarmDHT(
             **private,
