@@ -1,4 +1,5 @@
-"""Freed heap memory goes back to the operating system: at once, and periodically in every process of a peer."""
+"""Freed heap memory goes back to the operating system: at once, and once a minute in every process of a
+peer."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """Give freed heap memory back to the operating system, now and then, in every process of a peer.
 
 glibc's malloc keeps the memory a process freed for its next allocations. After a rare peak (the monitor
-downloading and saving the swarm's state, a trainer catching up, an all-reduce of a larger state) a long-lived
-process then holds that peak for the rest of its run: an hour's memory of a peer rises in steps that never come
-down. ``malloc_trim(0)`` hands every whole free page of every arena back (measured on the tiny ALBERT: 14 ms
-for a worker's heap, and the next step runs a few tens of ms slower while it takes back what it needs), so each
-process of a peer calls it once a minute, from a daemon thread: the process that starts the peer's DHT and every
-process forked from it afterwards (the DHT's, the averagers'). Elsewhere than on glibc it does nothing.
+downloading and saving the swarm's state, a trainer catching up, an all-reduce of a larger state) a
+long-lived process then holds that peak for the rest of its run: an hour's memory of a peer rises in steps
+that never come down. ``malloc_trim(0)`` hands every whole free page of every arena back (measured on the
+tiny ALBERT: 14 ms for a worker's heap, and the next step runs a few tens of ms slower while it takes back
+what it needs), so each process of a peer calls it once a minute, from a daemon thread: the process that
+starts the peer's DHT and every process forked from it afterwards (the DHT's, the averagers'). Elsewhere
+than on glibc it does nothing.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def _start_thread(every: float) -> None:
 
 
 def keep_heap_trimmed(every: float = TRIM_EVERY) -> None:
-    """Trim this process's heap every ``every`` seconds, and that of every process forked from it from now on
-    (a forked child has no threads but the one that forked: it starts its own). Calling it again does nothing."""
+    """Trim this process's heap every ``every`` seconds, and that of every process forked from it from now
+    on (a forked child has no threads but the one that forked: it starts its own). Calling it again does
+    nothing."""
     global _hooked
     if _malloc_trim() is None:
         return
