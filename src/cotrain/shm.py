@@ -1,7 +1,10 @@
-"""torch's shared-memory files (``/dev/shm/torch_<pid>_*``): hivemind shares tensors between a peer's
-processes through them (torch's ``file_system`` strategy), and ``torch_shm_manager`` removes them once its
-clients exit. A peer whose whole process tree is killed (SIGKILL, as tests and benchmarks do) kills the
-manager too and leaves them behind, holding RAM."""
+"""Shared memory between a peer's processes (its worker, hivemind's DHT and averager processes).
+
+hivemind shares tensors through files in /dev/shm (``/dev/shm/torch_<pid>_*``, torch's ``file_system``
+strategy), which ``torch_shm_manager`` removes once its clients exit; a peer whose whole process tree is
+killed (SIGKILL, as tests and benchmarks do) kills the manager too and leaves them behind, holding RAM:
+``remove_leftovers`` deletes those. cotrain's peers share by file descriptors instead where they can
+(``share_by_descriptors``): no manager, no files."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from pathlib import Path
 import psutil
 
 SHM = Path("/dev/shm")
+MIN_DESCRIPTORS = 16384  # open files a peer may hold, at least, to share tensors by descriptors
 
 
 def _gone(pid: int) -> bool:
@@ -59,3 +63,34 @@ def remove_leftovers(pids: Collection[int] | None = None, since: float | None = 
         except (ValueError, OSError):
             continue
     return removed
+
+
+def share_by_descriptors(min_descriptors: int = MIN_DESCRIPTORS) -> bool:
+    """Share tensors between this process and those it forks as anonymous shared memory held by file
+    descriptors (torch's ``file_descriptor`` strategy) instead of hivemind's files in /dev/shm: no
+    ``torch_shm_manager`` process per peer (about 56 MB of memory each: libtorch's operator tables, built
+    when it starts) and nothing left in /dev/shm by a peer that is killed. Each shared tensor keeps a
+    descriptor open in every process of the peer (a large model's state is thousands of tensors), so the
+    soft limit on open files is raised to the hard one, and where that stays under ``min_descriptors``,
+    hivemind's files are kept. So is a user's own choice (``HIVEMIND_MEMORY_SHARING_STRATEGY``). A process
+    that sends a tensor to another must live until the other has taken its descriptor (hivemind's averager
+    processes do). Call it after hivemind is imported, before any tensor is shared. Returns whether
+    descriptors are used."""
+    import os
+    import resource
+
+    import torch.multiprocessing as mp
+
+    if os.environ.get("HIVEMIND_MEMORY_SHARING_STRATEGY"):
+        return False
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < min_descriptors:
+        return False
+    mp.set_sharing_strategy("file_descriptor")
+    return True

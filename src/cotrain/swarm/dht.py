@@ -233,8 +233,10 @@ def create_dht(
         record_validators = [*record_validators, *access.validators()]
         private = {"access": access, "authorizer": access.authorizer()}
     from cotrain.memory import keep_heap_trimmed
+    from cotrain.shm import share_by_descriptors
 
     keep_heap_trimmed()  # here, in the DHT's process and in the averagers', all forked from here
+    share_by_descriptors()
     try:
         dht = SwarmDHT(
             **private,
