@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from hivemind.proto import averaging_pb2, runtime_pb2
 
 from cotrain.swarm.direct import (
     DATA,
@@ -16,6 +17,7 @@ from cotrain.swarm.direct import (
     DirectServer,
     DirectStreamError,
     Seal,
+    _incoming,
     parse_endpoint,
 )
 from cotrain.swarm.robust import Aggregation
@@ -58,6 +60,42 @@ def test_sealed_frames_read_back_in_order_and_refuse_tampering_replay_and_the_wr
             await Seal(key, REDUCER).read(reader_of(Seal(key, SENDER).seal(DATA, b"cut")[:-3]))
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("read_ahead_mib, sender_done_early", [(32, True), (1, False)])
+def test_a_reducer_reads_a_senders_parts_ahead_up_to_its_limit(read_ahead_mib, sender_done_early):
+    """24 parts of 1 MiB, more than the connection's buffers hold, to a reducer that averages the first part
+    and then waits (for another sender's part, say): within the read-ahead the sender is done at once."""
+    key, part = bytes(32), averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=bytes(1 << 20)))
+
+    async def main():
+        received = asyncio.Queue()
+
+        async def reducer(reader, writer):
+            parts = _incoming(reader, Seal(key, REDUCER), read_ahead=read_ahead_mib << 20)
+            await received.put(await anext(parts))
+            await asyncio.sleep(2.0)  # waiting for another sender's part
+            async for message in parts:
+                await received.put(message)
+            writer.close()
+
+        server = await asyncio.start_server(reducer, "127.0.0.1", 0)
+        _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        seal = Seal(key, SENDER)
+        for _ in range(24):
+            writer.write(seal.seal(DATA, part.SerializeToString()))
+        writer.write(seal.seal(END))
+        started = time.monotonic()
+        await writer.drain()
+        sent_in = time.monotonic() - started
+        got = [await asyncio.wait_for(received.get(), 10) for _ in range(24)]
+        assert all(len(m.tensor_part.buffer) == 1 << 20 for m in got)
+        writer.close()
+        server.close()
+        return sent_in
+
+    sent_in = asyncio.run(main())
+    assert (sent_in < 1.5) == sender_done_early, sent_in
 
 
 def test_endpoints_parse_only_as_ip_and_port():

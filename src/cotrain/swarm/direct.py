@@ -59,6 +59,9 @@ OFFER_TIMEOUT = 3.0  # seconds for the reducer's offer over libp2p
 UNREACHABLE_SECONDS = 600.0  # a peer not reached directly is not tried directly again for this long
 MAX_FRAME = 1 << 26  # bytes of one sealed frame (a part of hivemind's all-reduce is 512 KiB)
 BUFFER = 1 << 22  # the stream reader's limit: a whole part is read without pausing the transport
+# a reducer reads a sender's parts ahead of its averaging, up to this many bytes a stream: hivemind's reducer
+# averages part k only once every sender's part k is in, and a sender it does not read from stops sending
+READ_AHEAD_BYTES = 1 << 25
 DATA, END, ERROR = 0, 1, 2  # kinds of frame
 SENDER, REDUCER = 0, 1  # the two ends of a stream (the nonce's first byte: one key, two directions)
 
@@ -238,15 +241,46 @@ class DirectServer:
             server.close()
 
 
-async def _incoming(reader: asyncio.StreamReader, seal: Seal) -> AsyncIterator:
-    """The sender's messages on the reducer's side, until the sender's end of stream."""
-    while True:
-        kind, payload = await seal.read(reader)
-        if kind == END:
-            return
-        if kind != DATA:
-            raise DirectStreamError(f"a direct frame of unexpected kind {kind}")
-        yield averaging_pb2.AveragingData.FromString(payload)
+async def _incoming(
+    reader: asyncio.StreamReader, seal: Seal, read_ahead: int = READ_AHEAD_BYTES
+) -> AsyncIterator:
+    """The sender's messages on the reducer's side, until the sender's end of stream. Frames are read from
+    the connection as they come, up to ``read_ahead`` bytes before the reducer takes them: a sender whose
+    part k+1 waits for another sender's part k keeps its link busy meanwhile."""
+    frames: asyncio.Queue = asyncio.Queue()
+    room = asyncio.Event()
+    buffered = 0
+
+    async def read() -> None:
+        nonlocal buffered
+        try:
+            while True:
+                kind, payload = await seal.read(reader)
+                buffered += len(payload)
+                frames.put_nowait((kind, payload))
+                if kind != DATA:
+                    return
+                while buffered > read_ahead:
+                    room.clear()
+                    await room.wait()
+        except Exception as e:
+            frames.put_nowait((None, e))
+
+    task = asyncio.create_task(read())
+    try:
+        while True:
+            kind, payload = await frames.get()
+            if kind is None:
+                raise payload
+            buffered -= len(payload)
+            room.set()
+            if kind == END:
+                return
+            if kind != DATA:
+                raise DirectStreamError(f"a direct frame of unexpected kind {kind}")
+            yield averaging_pb2.AveragingData.FromString(payload)
+    finally:
+        task.cancel()
 
 
 class DirectClient:
