@@ -222,8 +222,9 @@ class DirectServer:
         seal = Seal(key, REDUCER)
         context = P2PContext(handle_name="cotrain.direct", local_id=self.p2p.peer_id, remote_id=peer)
         self.served += 1
+        incoming = _incoming(reader, seal)
         try:
-            async for message in self.handler(_incoming(reader, seal), context):
+            async for message in self.handler(incoming, context):
                 writer.write(seal.seal(DATA, message.SerializeToString()))
                 await writer.drain()
             writer.write(seal.seal(END))
@@ -234,6 +235,8 @@ class DirectServer:
                 writer.write(seal.seal(ERROR, repr(e).encode()))
                 await writer.drain()
         finally:
+            with contextlib.suppress(Exception):
+                await incoming.aclose()  # stops its reading ahead
             await _close(writer)
 
     def close(self) -> None:
