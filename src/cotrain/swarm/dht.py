@@ -232,11 +232,9 @@ def create_dht(
     if access is not None:
         record_validators = [*record_validators, *access.validators()]
         private = {"access": access, "authorizer": access.authorizer()}
-    from cotrain.memory import keep_heap_trimmed
     from cotrain.shm import share_by_descriptors
 
-    keep_heap_trimmed()  # here, in the DHT's process and in the averagers', all forked from here
-    share_by_descriptors()
+    share_by_descriptors()  # before the DHT's process, the averagers' and their tensors
     try:
         dht = SwarmDHT(
             **private,
