@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from conftest import Role, alive, monitor_address, wait_until
@@ -85,6 +88,11 @@ def test_ctrl_c_or_sigterm_stops_the_whole_demo_within_15_seconds(tmp_path, how)
     wait_until(lambda: "[demo] global step " in role.text(), 240, what="the demo's first global step")
     pids = role.tree()
     assert len(pids) >= 9, pids  # demo, 3 supervisors, 3 workers, their DHT processes and daemons
+    names = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            names.append(psutil.Process(pid).name())
+    assert "torch_shm_manager" not in names, names  # tensors are shared by file descriptors (cotrain.shm)
     t = time.monotonic()
     if how == "ctrl-c":
         role.signal_group(signal.SIGINT)
@@ -94,6 +102,7 @@ def test_ctrl_c_or_sigterm_stops_the_whole_demo_within_15_seconds(tmp_path, how)
     while alive(pids) and time.monotonic() - t < 15:
         time.sleep(0.25)
     assert not alive(pids), f"left behind after {how}: {alive(pids)}"
+    assert not [f for pid in pids for f in glob.glob(f"/dev/shm/torch_{pid}_*")]  # nor files in /dev/shm
     text = role.text()
     assert "Traceback" not in text
     if how == "sigterm":
