@@ -8,6 +8,8 @@ killed (SIGKILL, as tests and benchmarks do) kills the manager too and leaves th
 
 from __future__ import annotations
 
+import os
+import resource
 from collections.abc import Collection
 from pathlib import Path
 
@@ -76,10 +78,7 @@ def share_by_descriptors(min_descriptors: int = MIN_DESCRIPTORS) -> bool:
     that sends a tensor to another must live until the other has taken its descriptor (hivemind's averager
     processes do). Call it after hivemind is imported, before any tensor is shared. Returns whether
     descriptors are used."""
-    import os
-    import resource
-
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # only here: the rest of this module needs no torch
 
     if os.environ.get("HIVEMIND_MEMORY_SHARING_STRATEGY"):
         return False
