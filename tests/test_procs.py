@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,3 +59,48 @@ def test_a_worker_whose_supervisor_is_killed_leaves_no_process_of_its_group():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+COPY_ON_WRITE = textwrap.dedent(
+    """
+    import gc, json, os, sys, time
+    from cotrain._worker import share_pages_with_children
+
+    def private_mb(pid):
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith("Private_")) / 1024
+
+    objects = [{"n": [i], "s": str(i)} for i in range(300_000)]  # a worker's long-lived objects
+    if sys.argv[1] == "cotrain":
+        share_pages_with_children()
+    else:  # freezing for the fork only, as before
+        os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # like an averager: it only waits
+        os.read(read, 1)
+        os._exit(0)
+    time.sleep(0.5)
+    before = private_mb(os.getpid()) + private_mb(child)
+    gc.collect()  # a full collection in the parent, as CPython runs now and then
+    after = private_mb(os.getpid()) + private_mb(child)
+    os.write(write, b"x")
+    os.waitpid(child, 0)
+    print(json.dumps({"copied_mb": after - before}))
+    """
+)
+
+
+@pytest.mark.parametrize("hook", ["cotrain", "unfreeze-after-fork"])
+def test_a_full_collection_in_the_worker_copies_no_page_it_shares_with_its_children(hook):
+    """The worker's objects stay frozen after it forks the DHT and the averagers: a full collection in the
+    worker then writes to none of the pages it shares with them. Unfreezing them after the fork (the control)
+    copies tens of MB at the worker's next full collection, which both processes then hold."""
+    out = subprocess.run(
+        [sys.executable, "-c", COPY_ON_WRITE, hook], capture_output=True, text=True, timeout=60, check=True
+    )
+    copied = json.loads(out.stdout.strip().splitlines()[-1])["copied_mb"]
+    if hook == "cotrain":
+        assert copied < 8, copied
+    else:
+        assert copied > 30, copied
