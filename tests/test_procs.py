@@ -104,3 +104,47 @@ def test_a_full_collection_in_the_worker_copies_no_page_it_shares_with_its_child
         assert copied < 8, copied
     else:
         assert copied > 30, copied
+
+
+FREED_BLOCKS = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from cotrain._worker import return_freed_blocks
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    if sys.argv[1] == "cotrain":
+        assert return_freed_blocks()
+    big = torch.ones(6_000_000)  # 24 MB, a step's logits: glibc's default raises its threshold to this
+    del big
+    before = rss_mb()
+    step = [torch.ones(250_000) for _ in range(100)]  # 100 MB of 1 MB activations
+    kept = step[-1]  # one that outlives the step (at the heap's top, by default)
+    del step
+    print(json.dumps({"held_mb": rss_mb() - before}))
+    """
+)
+
+
+@pytest.mark.parametrize("malloc", ["cotrain", "glibc-default"])
+def test_a_workers_freed_tensors_go_back_to_the_system(malloc):
+    """After a large tensor is freed, glibc (by default) serves blocks up to its size from the heap, which
+    keeps what is freed below a block still in use; the worker's setting gives each such block its own
+    mapping."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run(
+        [sys.executable, "-c", FREED_BLOCKS, malloc],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+    )
+    held = json.loads(out.stdout.strip().splitlines()[-1])["held_mb"]
+    if malloc == "cotrain":
+        assert held < 10, held
+    else:
+        assert held > 60, held

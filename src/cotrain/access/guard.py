@@ -269,14 +269,6 @@ class GuardedP2P(P2P):
         self._trusted[(namespace, peer)] = time.monotonic() + ttl
 
 
-async def replicate_guarded(dht) -> GuardedP2P:
-    """``SwarmDHT.replicate_p2p`` of a private swarm: hivemind's, with a GuardedP2P (one per process)."""
-    import os
-
-    from hivemind.dht import DHT
-
-    if dht._p2p_replica is None or dht._origin_pid != os.getpid():
-        dht._origin_pid = os.getpid()
-        daemon_listen_maddr = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
-        dht._p2p_replica = await GuardedP2P.replicate_guarded(daemon_listen_maddr, dht.access, dht)
-    return dht._p2p_replica
+async def replicate_guarded(dht, daemon_listen_maddr) -> GuardedP2P:
+    """A replica of ``dht``'s P2P for a private swarm (``SwarmDHT.replicate_p2p``): hivemind's, guarded."""
+    return await GuardedP2P.replicate_guarded(daemon_listen_maddr, dht.access, dht)

@@ -84,6 +84,13 @@ class NetworkConfig:
         roles=("train", "monitor"),
         seed="--use_google_dns",
     )
+    swarm_processes: bool = opt(
+        False,
+        "Run the DHT and the averagers as processes of their own, forked from this peer's (hivemind's way), "
+        "instead of threads of it: about 180 MB more per trainer, their Python work beside the training "
+        "thread's rather than sharing its interpreter.",
+        roles=("train", "monitor", "eval"),
+    )
     startup_timeout: float = opt(
         20.0,
         "Seconds to wait for the network layer to start and reach initial peers.",

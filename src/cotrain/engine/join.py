@@ -56,6 +56,7 @@ class SwarmConnection:
             use_relay=peer.use_relay,
             use_auto_relay=peer.use_auto_relay,
             startup_timeout=peer.startup_timeout,
+            in_thread=not peer.swarm_processes,
             record_validators=validators,
             access=self.access,
         )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import ipaddress
 import logging
+import os
 import re
 import struct
 from collections import OrderedDict
@@ -12,9 +14,11 @@ from pathlib import Path
 
 import hivemind
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
 from cotrain.errors import UserError
+from cotrain.swarm.hosting import ServedInThread
 from cotrain.swarm.requestpipe import RequestReceiver, RequestSender
 
 logger = logging.getLogger(__name__)
@@ -133,14 +137,16 @@ class RememberedVerdicts(RecordValidatorBase):
         self._verdicts.clear()
 
 
-class SwarmDHT(hivemind.DHT):
-    """hivemind's DHT whose serving process survives requests from peers' processes that have exited.
+class SwarmDHT(ServedInThread, hivemind.DHT):
+    """hivemind's DHT whose serving process survives requests from peers' processes that have exited; with
+    ``in_thread`` (cotrain's default) it serves from a thread of this process (cotrain.swarm.hosting).
 
     In a private swarm it carries the peer's access control (set before its process starts), and averager
     processes get a P2P that checks access tokens from ``replicate_p2p`` (see cotrain.access)."""
 
-    def __init__(self, *args, access=None, **kwargs) -> None:
-        self.access = access
+    def __init__(self, *args, access=None, in_thread: bool = True, **kwargs) -> None:
+        self.access, self.in_thread = access, in_thread
+        self._replicas: dict[tuple[int, asyncio.AbstractEventLoop], P2P] = {}
         super().__init__(*args, **kwargs)
         self._outer_pipe = RequestSender(self._outer_pipe)
 
@@ -150,11 +156,21 @@ class SwarmDHT(hivemind.DHT):
         super().run()
 
     async def replicate_p2p(self):
-        if self.access is None:
-            return await super().replicate_p2p()
-        from cotrain.access import replicate_guarded
+        """A replica of the DHT's P2P for the calling event loop: hivemind keeps one per process, but each
+        averager served from a thread (cotrain.swarm.hosting) runs its own loop, which a replica's streams
+        belong to. In a private swarm the replica checks access tokens (cotrain.access)."""
+        key = (os.getpid(), asyncio.get_running_loop())
+        if key not in self._replicas:
+            daemon_listen_maddr = self.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
+            if self.access is None:
+                replica = await P2P.replicate(daemon_listen_maddr)
+            else:
+                from cotrain.access import replicate_guarded
 
-        return await replicate_guarded(self)
+                replica = await replicate_guarded(self, daemon_listen_maddr)
+            self._replicas = {k: v for k, v in self._replicas.items() if k[0] == os.getpid()}
+            self._replicas[key] = replica
+        return self._replicas[key]
 
 
 GOOGLE_DNS = ("8.8.8.8", 53)
@@ -206,11 +222,13 @@ def create_dht(
     record_validators: list = (),
     wait_timeout: float = 10.0,
     access=None,
+    in_thread: bool = True,
 ) -> hivemind.DHT:
     """Start this process's DHT node; raise UserError with one line when the swarm cannot be reached.
 
     ``access`` (cotrain's AccessControl) makes it a peer of a private swarm: its requests carry its token and
-    it refuses those without a valid one."""
+    it refuses those without a valid one. ``in_thread``: the node, and the averagers that use it, serve from
+    threads of this process, not processes of their own (cotrain.swarm.hosting)."""
     initial_peers = parse_maddrs(list(initial_peers), "initial peer")
     host_maddrs = parse_maddrs(list(host_maddrs), "listen")
     announce_maddrs = parse_maddrs(list(announce_maddrs), "announce")
@@ -250,6 +268,7 @@ def create_dht(
             use_auto_relay=use_auto_relay,
             startup_timeout=startup_timeout,
             wait_timeout=wait_timeout,
+            in_thread=in_thread,
             start=True,
         )
     except Exception as e:

@@ -19,6 +19,7 @@ from hivemind.optim.state_averager import (
     load_optimizer_state,
 )
 
+from cotrain.swarm.hosting import ServedInThread
 from cotrain.swarm.statecheck import CheckedStateDownloads
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def set_schedule(scheduler: Any, inner_steps: int) -> None:
         scheduler.step()
 
 
-class DiLoCoStateAverager(CheckedStateDownloads, TrainingStateAverager):
+class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAverager):
     """A DiLoCo peer's state as hivemind serves and downloads it: the global parameters (the offloaded outer
     optimizer's parameters), the outer optimizer's momentum and the round (``local_epoch``), with the inner
     optimizer's statistics and its step riding along. The model's own parameters are the local ones. A

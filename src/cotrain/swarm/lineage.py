@@ -28,6 +28,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils.asyncio import enter_asynchronously
 
+from cotrain.swarm.hosting import ServedInThread
 from cotrain.swarm.robust import Aggregation, RobustAveraging
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def next_lineage(round_: int, gathered: dict[Any, Any]) -> bytes:
     return digest.digest()
 
 
-class OuterAverager(RobustAveraging, DecentralizedAverager):
+class OuterAverager(ServedInThread, RobustAveraging, DecentralizedAverager):
     """The round's all-reduce: its first ``changes`` tensors (the pseudo-gradients) always, the rest (the
     outer state) only where ``carries_outer_state`` says so for the group, decided from the group's gathered
     data so that all members decide alike. Returns (the gathered data: member's peer id -> what it sent,

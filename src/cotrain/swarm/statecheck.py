@@ -102,6 +102,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     spread,
     verdict,
 )
+from cotrain.swarm.hosting import ServedInThread
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
 from cotrain.swarm.progress import witnessed_epoch
 
@@ -471,7 +472,9 @@ class CheckedStateDownloads:
         return metadata, tensors
 
 
-class CheckedTrainingStateAverager(DirectTransport, CheckedStateDownloads, TrainingStateAverager):
+class CheckedTrainingStateAverager(
+    ServedInThread, DirectTransport, CheckedStateDownloads, TrainingStateAverager
+):
     """hivemind's ``TrainingStateAverager`` (the sync strategy's state, and the monitor's copy of it) with
     checked downloads and published fingerprints; its all-reduces of the parameters send their parts over
     direct connections where they can (cotrain.swarm.direct)."""

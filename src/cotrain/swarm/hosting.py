@@ -1,0 +1,154 @@
+"""Where a peer's DHT and averagers run: threads of the peer's own process (cotrain's default), or a process
+of their own each, forked from it (hivemind's way; ``--swarm-processes``).
+
+hivemind makes its DHT and each averager a ``multiprocessing`` process that serves requests from a pipe. A
+process forked from a worker that imported torch and transformers and built its model shares those pages
+only until it writes them; each one's own heap, and the inherited pages it touches, are its alone. A trainer
+of a 2M-parameter model was a tree of 6 processes and 934 MB PSS, 4 of them Python processes importing torch
+(docs/benchmarks.md, memory). Served from threads, the same objects run in one process.
+
+Three things in hivemind 1.1.12 assume a process of their own, and are mended here:
+- every request to a DHT or an averager carries an ``MPFuture`` for its answer, pickled through the pipe.
+  Unpickled in the process that made it, it became a second object that took itself for the original, and
+  kept its result; it now sends it to the original, as a copy in another process does.
+- a future's ``asyncio.Event`` belongs to the event loop of the thread that made the future. Finished from
+  another thread whose own loop runs (a DHT's or an averager's) while that loop is idle, hivemind tried to run
+  the idle loop from there (RuntimeError); the event is set directly then (``_set_event_threadsafe``).
+- ``DHT.run`` ignores SIGINT with ``signal.signal``, which Python allows only in the main thread. In another
+  thread that call is skipped (the worker keeps its own handlers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+
+import torch
+from hivemind.utils.mpfuture import MPFuture
+
+logger = logging.getLogger(__name__)
+
+
+DRAIN_SECONDS = 5.0  # at shutdown, how long a thread's remaining tasks get to finish once cancelled
+_ELSEWHERE = -1  # the origin of an unpickled future, in the process that made it: never a process id
+_hivemind_setstate = MPFuture.__setstate__
+
+
+def _setstate(self: MPFuture, state: dict) -> None:
+    """Unpickling in the process that made the future gives a copy that reports its result to the original
+    through that process's update pipe, as a copy in any other process does."""
+    _hivemind_setstate(self, state)
+    if self._origin_pid == os.getpid():
+        self._origin_pid = _ELSEWHERE
+
+
+_hivemind_set_event = MPFuture._set_event_threadsafe
+
+
+def _set_event_threadsafe(self: MPFuture) -> None:
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is None or self._loop.is_running() or self._loop.is_closed():
+        return _hivemind_set_event(self)
+    # the future's loop is idle and this thread runs another one: nothing waits on the event right now
+    self._aio_event.set()
+
+
+class _SignalsOutsideMainThread:
+    """What ``hivemind.dht.dht`` sees as the ``signal`` module: setting a handler from a thread other than the
+    main one does nothing (Python would raise ValueError)."""
+
+    def __getattr__(self, name: str):
+        return getattr(signal, name)
+
+    @staticmethod
+    def signal(signum: int, handler):
+        if threading.current_thread() is threading.main_thread():
+            return signal.signal(signum, handler)
+        return signal.getsignal(signum)
+
+
+def same_process_futures() -> None:
+    """Install both mends (idempotent)."""
+    import hivemind.dht.dht as dht_module
+
+    MPFuture.__setstate__ = _setstate
+    MPFuture._set_event_threadsafe = _set_event_threadsafe
+    if not isinstance(dht_module.signal, _SignalsOutsideMainThread):
+        dht_module.signal = _SignalsOutsideMainThread()
+
+
+class ServedInThread:
+    """A mixin for hivemind's process classes (``DHT``, ``DecentralizedAverager``; put it first among the
+    bases): a DHT whose ``in_thread`` is set, and an averager whose DHT's is, serves from a daemon thread of
+    this process instead of a forked process; ``is_alive``, ``join`` and ``terminate`` then speak of that
+    thread."""
+
+    _serving_thread: threading.Thread | None = None
+
+    def _serves_in_thread(self) -> bool:
+        owner = getattr(self, "dht", self)  # an averager serves where its DHT does
+        return bool(getattr(owner, "in_thread", False))
+
+    def start(self) -> None:
+        if not self._serves_in_thread():
+            return super().start()
+        same_process_futures()
+        torch.get_num_threads()  # the calling (training) thread keeps its count of torch threads
+        self._serving_thread = threading.Thread(
+            target=self._serve_in_thread, name=f"{type(self).__name__}", daemon=True
+        )
+        self._serving_thread.start()
+
+    def _serve_in_thread(self) -> None:
+        # one torch thread for the tensor work of averaging here: a second OpenMP team as wide as the training
+        # thread's would oversubscribe the cores (see cotrain.swarm.optimizer)
+        torch.set_num_threads(1)
+        # an averager's run() only starts _run_internal in a thread of its own (against broken OpenMP state
+        # after a fork); here it is one already
+        serve = getattr(self, "_run_internal", self.run)
+        serve()
+
+    def is_alive(self) -> bool:
+        if self._serving_thread is None:
+            return super().is_alive()
+        return self._serving_thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._serving_thread is None:
+            return super().join(timeout)
+        self._serving_thread.join(timeout)
+
+    def terminate(self) -> None:
+        if self._serving_thread is None:
+            return super().terminate()
+        # a thread cannot be stopped from outside; as a daemon thread it ends with the process
+        logger.debug(f"{type(self).__name__} did not stop in time; it ends with the process")
+
+    kill = terminate
+
+    def _shutdown(self, *args, **kwargs):
+        """hivemind's shutdown request (a coroutine the serving loop awaits, then ends), followed, in a
+        thread, by cancelling the loop's other tasks and waiting for them: a process ends with its tasks
+        unfinished, but a thread's would be destroyed pending later, each logging an error."""
+        shutdown = super()._shutdown(*args, **kwargs)
+        if self._serving_thread is None:
+            return shutdown
+        return _then_cancel_the_rest(shutdown, serving=asyncio.current_task())
+
+
+async def _then_cancel_the_rest(shutdown, serving: asyncio.Task | None) -> None:
+    await shutdown
+    others = [t for t in asyncio.all_tasks() if t is not serving and t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    if others:
+        await asyncio.wait(others, timeout=DRAIN_SECONDS)
+    for task in others:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: its error was logged where it happened, if at all
