@@ -84,10 +84,11 @@ def run_role(command: str, resolved_config: str) -> int:
 
 
 def share_pages_with_children() -> None:
-    """The DHT and the averagers are forked from this process after torch, transformers and the model are
-    loaded: their pages are shared until written. Before each fork the garbage collector collects, then
-    freezes what is left (``freeze_before_fork``), and the objects stay frozen in the parent as in the child:
-    neither process's collections write to (and so copy) the pages of the objects they share."""
+    """With ``--swarm-processes`` the DHT and the averagers are forked from this process after torch,
+    transformers and the model are loaded: their pages are shared until written. Before each fork the garbage
+    collector collects, then freezes what is left (``freeze_before_fork``), and the objects stay frozen in the
+    parent as in the child: neither process's collections write to (and so copy) the pages of the objects
+    they share."""
     os.register_at_fork(before=freeze_before_fork)
 
 
@@ -101,31 +102,8 @@ def freeze_before_fork() -> None:
     gc.freeze()
 
 
-MMAP_THRESHOLD = 128 * 1024  # bytes: glibc's initial threshold, kept
-
-
-def return_freed_blocks() -> bool:
-    """Have glibc's malloc give every block of ``MMAP_THRESHOLD`` bytes or more a mapping of its own, which
-    it returns to the system when the block is freed. By default glibc raises that threshold to the size of
-    the largest such block freed so far (up to 32 MB): after a training step's large activations, tensors of
-    up to that size come from the heap, whose free space is kept and fragments. A trainer of the tiny model
-    held 200 MB more that way (docs/benchmarks.md, memory). Skipped where the user set
-    ``MALLOC_MMAP_THRESHOLD_`` or where the C library is not glibc. Returns whether it was set."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_mmap_threshold = -3  # malloc.h
-    return bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD))
-
-
 def main(argv: list[str]) -> int:
     share_pages_with_children()
-    return_freed_blocks()
     parser = argparse.ArgumentParser(prog="python -m cotrain._worker")
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("--resolved-config", required=True, metavar="FILE")
