@@ -104,4 +104,3 @@ def test_a_full_collection_in_the_worker_copies_no_page_it_shares_with_its_child
         assert copied < 8, copied
     else:
         assert copied > 30, copied
-
