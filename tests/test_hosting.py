@@ -83,6 +83,7 @@ def _python_children() -> list[psutil.Process]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("in_thread", [True, False], ids=["threads", "processes"])
 def test_two_peers_average_with_their_dht_and_averagers_served_where_asked(in_thread, caplog):
     from cotrain.swarm.dht import create_dht

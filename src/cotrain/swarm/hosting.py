@@ -7,7 +7,7 @@ only until it writes them; each one's own heap, and the inherited pages it touch
 of a 2M-parameter model was a tree of 6 processes and 934 MB PSS, 4 of them Python processes importing torch
 (docs/benchmarks.md, memory). Served from threads, the same objects run in one process.
 
-Three things in hivemind 1.1.12 assume a process of their own, and are mended here:
+Four things in hivemind 1.1.12 assume a process of their own, and are mended here:
 - every request to a DHT or an averager carries an ``MPFuture`` for its answer, pickled through the pipe.
   Unpickled in the process that made it, it became a second object that took itself for the original, and
   kept its result; it now sends it to the original, as a copy in another process does.
@@ -16,23 +16,29 @@ Three things in hivemind 1.1.12 assume a process of their own, and are mended he
   the idle loop from there (RuntimeError); the event is set directly then (``_set_event_threadsafe``).
 - ``DHT.run`` ignores SIGINT with ``signal.signal``, which Python allows only in the main thread. In another
   thread that call is skipped (the worker keeps its own handlers).
+- a process ends with its event loop's tasks and objects as they are. A thread's loop is a ``_ServingLoop``,
+  which, closing, finishes what is left while it can still run (``switch_to_uvloop`` makes it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
 import threading
+import traceback
 
 import torch
+import uvloop
+from hivemind.utils.asyncio import switch_to_uvloop as _hivemind_switch_to_uvloop
 from hivemind.utils.mpfuture import MPFuture
 
 logger = logging.getLogger(__name__)
 
 
-DRAIN_SECONDS = 5.0  # at shutdown, how long a thread's remaining tasks get to finish once cancelled
+DRAIN_SECONDS = 5.0  # at its end, how long a serving thread's remaining tasks get to finish once cancelled
 _ELSEWHERE = -1  # the origin of an unpickled future, in the process that made it: never a process id
 _hivemind_setstate = MPFuture.__setstate__
 
@@ -59,6 +65,44 @@ def _set_event_threadsafe(self: MPFuture) -> None:
     self._aio_event.set()
 
 
+class _ServingLoop(uvloop.Loop):
+    """The event loop of a thread that serves a DHT or an averager. A process ends with its loop's tasks and
+    objects as they are; a thread's would be destroyed later, in another thread, with the loop closed, each
+    logging an error (hivemind's P2P client cancels its tasks in ``__del__``). Closing, it first cancels and
+    awaits its remaining tasks, lets go of what a failed start left (the traceback of the error the start
+    reported holds the P2P it made) and collects it while the loop can still run what that schedules."""
+
+    def close(self) -> None:
+        if not self.is_closed() and not self.is_running():
+            pending = asyncio.all_tasks(self)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.run_until_complete(asyncio.wait(pending, timeout=DRAIN_SECONDS))
+            for task in pending:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: an error was logged where it happened, if at all
+            served = getattr(threading.current_thread(), "serves", None)
+            ready = getattr(served, "_ready", None)
+            if ready is not None and ready.done() and ready.exception() is not None:
+                traceback.clear_frames(ready.exception().__traceback__)
+            gc.collect()
+            self.run_until_complete(asyncio.sleep(0))
+            self.run_until_complete(self.shutdown_asyncgens())
+        super().close()
+
+
+def _switch_to_uvloop() -> asyncio.AbstractEventLoop:
+    """hivemind's ``switch_to_uvloop`` (a new uvloop loop for this thread), a ``_ServingLoop`` in a serving
+    thread."""
+    if getattr(threading.current_thread(), "serves", None) is None:
+        return _hivemind_switch_to_uvloop()
+    uvloop.install()
+    loop = threading.current_thread().serving_loop = _ServingLoop()
+    asyncio.set_event_loop(loop)
+    return loop
+
+
 class _SignalsOutsideMainThread:
     """What ``hivemind.dht.dht`` sees as the ``signal`` module: setting a handler from a thread other than the
     main one does nothing (Python would raise ValueError)."""
@@ -75,10 +119,12 @@ class _SignalsOutsideMainThread:
 
 def same_process_futures() -> None:
     """Install both mends (idempotent)."""
+    import hivemind.averaging.averager as averager_module
     import hivemind.dht.dht as dht_module
 
     MPFuture.__setstate__ = _setstate
     MPFuture._set_event_threadsafe = _set_event_threadsafe
+    dht_module.switch_to_uvloop = averager_module.switch_to_uvloop = _switch_to_uvloop
     if not isinstance(dht_module.signal, _SignalsOutsideMainThread):
         dht_module.signal = _SignalsOutsideMainThread()
 
@@ -109,10 +155,16 @@ class ServedInThread:
         # one torch thread for the tensor work of averaging here: a second OpenMP team as wide as the training
         # thread's would oversubscribe the cores (see cotrain.swarm.optimizer)
         torch.set_num_threads(1)
+        threading.current_thread().serves = self  # its event loop will be a _ServingLoop
         # an averager's run() only starts _run_internal in a thread of its own (against broken OpenMP state
         # after a fork); here it is one already
         serve = getattr(self, "_run_internal", self.run)
-        serve()
+        try:
+            serve()
+        finally:
+            loop = getattr(threading.current_thread(), "serving_loop", None)
+            if loop is not None and not loop.is_closed():  # hivemind closes the DHT's loop, not an averager's
+                loop.close()
 
     def is_alive(self) -> bool:
         if self._serving_thread is None:
@@ -131,24 +183,3 @@ class ServedInThread:
         logger.debug(f"{type(self).__name__} did not stop in time; it ends with the process")
 
     kill = terminate
-
-    def _shutdown(self, *args, **kwargs):
-        """hivemind's shutdown request (a coroutine the serving loop awaits, then ends), followed, in a
-        thread, by cancelling the loop's other tasks and waiting for them: a process ends with its tasks
-        unfinished, but a thread's would be destroyed pending later, each logging an error."""
-        shutdown = super()._shutdown(*args, **kwargs)
-        if self._serving_thread is None:
-            return shutdown
-        return _then_cancel_the_rest(shutdown, serving=asyncio.current_task())
-
-
-async def _then_cancel_the_rest(shutdown, serving: asyncio.Task | None) -> None:
-    await shutdown
-    others = [t for t in asyncio.all_tasks() if t is not serving and t is not asyncio.current_task()]
-    for task in others:
-        task.cancel()
-    if others:
-        await asyncio.wait(others, timeout=DRAIN_SECONDS)
-    for task in others:
-        if task.done() and not task.cancelled():
-            task.exception()  # retrieved: its error was logged where it happened, if at all
