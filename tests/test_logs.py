@@ -57,3 +57,24 @@ def test_a_hivemind_error_whose_text_spans_lines_is_one_line():
         "dial refused)",
         "peer left: details",
     ]
+
+
+def test_abandoned_averaging_tasks_are_quiet_only_once_the_peer_is_stopping():
+    import threading
+
+    from cotrain.swarm.logs import QuietWhileStopping
+
+    stopping = threading.Event()
+    quiet = QuietWhileStopping(stopping)
+
+    def record(name: str, msg: str, exc: BaseException | None = None) -> logging.LogRecord:
+        exc_info = (type(exc), exc, None) if exc is not None else None
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, None, exc_info)
+
+    destroyed = record("asyncio", "Task was destroyed but it is pending!")
+    closed = record("hivemind.utils.asyncio", "Exception in <Task cancelling ...>:", GeneratorExit())
+    other = record("hivemind.averaging.averager", "Averaging step failed: could not find a group")
+    assert all(quiet.filter(r) for r in (destroyed, closed, other))  # while training: every error shows
+    stopping.set()
+    assert not quiet.filter(destroyed) and not quiet.filter(closed)
+    assert quiet.filter(other) and quiet.filter(record("cotrain", "Task was destroyed but it is pending!"))

@@ -14,6 +14,7 @@ from cotrain.cli import fail
 from cotrain.config import Config, load_resolved, write_toml
 from cotrain.errors import UserError
 from cotrain.procs import StopSignals, exit_worker, supervisor_pid
+from cotrain.swarm.logs import quiet_while_stopping
 
 ROLES = ("train", "monitor", "eval")
 
@@ -61,6 +62,7 @@ def run_role(command: str, resolved_config: str) -> int:
         setup_logging(config.peer.verbose)
         write_output_config(config)
         signals = StopSignals().install()
+        quiet_while_stopping(signals.event)
         role = role_class(command)(config, stop=signals.event)
         try:
             return role.run()

@@ -87,7 +87,7 @@ class NetworkConfig:
     swarm_processes: bool = opt(
         False,
         "Run the DHT and the averagers as processes of their own, forked from this peer's (hivemind's way), "
-        "instead of threads of it: about 180 MB more per trainer, their Python work beside the training "
+        "instead of threads of it: about 170 MB more per trainer, their Python work beside the training "
         "thread's rather than sharing its interpreter.",
         roles=("train", "monitor", "eval"),
     )

@@ -74,14 +74,7 @@ class _ServingLoop(uvloop.Loop):
 
     def close(self) -> None:
         if not self.is_closed() and not self.is_running():
-            pending = asyncio.all_tasks(self)
-            for task in pending:
-                task.cancel()
-            if pending:
-                self.run_until_complete(asyncio.wait(pending, timeout=DRAIN_SECONDS))
-            for task in pending:
-                if task.done() and not task.cancelled():
-                    task.exception()  # retrieved: an error was logged where it happened, if at all
+            self.run_until_complete(_cancel_and_wait(list(asyncio.all_tasks(self))))
             served = getattr(threading.current_thread(), "serves", None)
             ready = getattr(served, "_ready", None)
             if ready is not None and ready.done() and ready.exception() is not None:
@@ -183,3 +176,30 @@ class ServedInThread:
         logger.debug(f"{type(self).__name__} did not stop in time; it ends with the process")
 
     kill = terminate
+
+    def _shutdown(self, *args, **kwargs):
+        """hivemind's shutdown request (a coroutine the serving loop awaits, then it ends), followed in a
+        thread by cancelling the loop's other tasks and awaiting them at once: tasks that nothing refers to
+        any more (a step's matchmaking, left by the shutdown) would otherwise be collected pending by the next
+        garbage collection in any thread, each logging an error. A process ends before its collector runs."""
+        shutdown = super()._shutdown(*args, **kwargs)
+        if self._serving_thread is None:
+            return shutdown
+        return _then_cancel_the_rest(shutdown, serving=asyncio.current_task())
+
+
+async def _then_cancel_the_rest(shutdown, serving: asyncio.Task | None) -> None:
+    await shutdown
+    await _cancel_and_wait(
+        [t for t in asyncio.all_tasks() if t is not serving and t is not asyncio.current_task()]
+    )
+
+
+async def _cancel_and_wait(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=DRAIN_SECONDS)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: an error was logged where it happened, if at all

@@ -41,3 +41,35 @@ def one_line_errors() -> None:
     for handler in handlers:
         if not any(isinstance(f, OneLineErrors) for f in handler.filters):
             handler.addFilter(OneLineErrors())
+
+
+ABANDONED = ("Task was destroyed but it is pending", "Task exception was never retrieved", "GeneratorExit")
+
+
+class QuietWhileStopping(logging.Filter):
+    """Once the peer is stopping (``stopping`` set), drop asyncio's and hivemind's reports of averaging tasks
+    that the stop abandoned: a round under way when the peer stops leaves tasks that nothing refers to, which
+    the next garbage collection (in any of the worker's threads) destroys pending, each with an error line. An
+    averager in a process of its own exited before its collector ran."""
+
+    def __init__(self, stopping) -> None:
+        super().__init__()
+        self.stopping = stopping
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.stopping.is_set() or not record.name.startswith(("hivemind", "asyncio")):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        text = f"{record.getMessage()} {type(exc).__name__ if exc is not None else ''}"
+        return not any(marker in text for marker in ABANDONED)
+
+
+def quiet_while_stopping(stopping) -> None:
+    """Put QuietWhileStopping on the handlers that hivemind's and asyncio's records reach, once."""
+    handlers = list(logging.getLogger().handlers)
+    from hivemind.utils.logging import get_logger
+
+    handlers += get_logger("hivemind").handlers
+    for handler in handlers:
+        if not any(isinstance(f, QuietWhileStopping) for f in handler.filters):
+            handler.addFilter(QuietWhileStopping(stopping))
