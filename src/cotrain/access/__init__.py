@@ -48,7 +48,6 @@ _WHERE = {
     "SwarmAuthorizer": "authorizer",
     "start_access_service": "authorizer",
     "GuardedP2P": "guard",
-    "replicate_guarded": "guard",
     "PUBLIC_SWARM": "probe",
     "AccessWatcher": "probe",
     "probe_refusal": "probe",
@@ -79,7 +78,6 @@ __all__ = [
     "read_token_file",
     "refused_message",
     "registry_path",
-    "replicate_guarded",
     "revoke_tokens",
     "start_access_service",
     "token_table",
@@ -92,7 +90,7 @@ if TYPE_CHECKING:
     from cotrain.access.commands import Issued, issue_token, list_tokens, revoke_tokens, token_table
     from cotrain.access.control import AccessControl, Credential, RevocationsValidator, access_for
     from cotrain.access.crypto import PrivateKey, PublicKey
-    from cotrain.access.guard import GuardedP2P, replicate_guarded
+    from cotrain.access.guard import GuardedP2P
     from cotrain.access.probe import PUBLIC_SWARM, AccessWatcher, probe_refusal, refused_message
     from cotrain.access.tokens import NO_TOKEN, TokenFile, check_token, fingerprint, read_token_file
 

@@ -267,8 +267,3 @@ class GuardedP2P(P2P):
             )
         ttl = min(CLIENT_PROOF_TTL, float(token.expiration_time) - time.time())
         self._trusted[(namespace, peer)] = time.monotonic() + ttl
-
-
-async def replicate_guarded(dht, daemon_listen_maddr) -> GuardedP2P:
-    """A replica of ``dht``'s P2P for a private swarm (``SwarmDHT.replicate_p2p``): hivemind's, guarded."""
-    return await GuardedP2P.replicate_guarded(daemon_listen_maddr, dht.access, dht)

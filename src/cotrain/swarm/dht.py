@@ -165,9 +165,9 @@ class SwarmDHT(ServedInThread, hivemind.DHT):
             if self.access is None:
                 replica = await P2P.replicate(daemon_listen_maddr)
             else:
-                from cotrain.access import replicate_guarded
+                from cotrain.access import GuardedP2P
 
-                replica = await replicate_guarded(self, daemon_listen_maddr)
+                replica = await GuardedP2P.replicate_guarded(daemon_listen_maddr, self.access, self)
             self._replicas = {k: v for k, v in self._replicas.items() if k[0] == os.getpid()}
             self._replicas[key] = replica
         return self._replicas[key]
