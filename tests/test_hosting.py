@@ -4,14 +4,17 @@ their own (``--swarm-processes``)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
+import weakref
 from multiprocessing.reduction import ForkingPickler
 
 import psutil
 import pytest
 import torch
+import uvloop
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.mpfuture import MPFuture
 
@@ -69,6 +72,46 @@ def test_a_future_of_an_idle_loop_is_finished_from_a_thread_that_runs_its_own(se
             assert errors and "another loop is running" in str(errors[0])
     finally:
         asyncio.set_event_loop(None)
+        loop.close()
+
+
+@pytest.mark.parametrize("loop_kind", ["cotrain", "hivemind"])
+def test_a_serving_loop_keeps_a_task_that_nothing_else_refers_to_until_it_is_done(loop_kind, caplog):
+    """A task awaiting an event that only its own coroutine refers to (as a step's matchmaking awaits an
+    MPFuture answered by id through the update pipe) survives a garbage collection in another thread."""
+    loop = hosting._ServingLoop() if loop_kind == "cotrain" else uvloop.new_event_loop()  # hivemind's
+    events: list[weakref.ref] = []
+    done: list[str] = []
+
+    async def orphan() -> None:
+        event = asyncio.Event()
+        events.append(weakref.ref(event))
+        await event.wait()
+        done.append("answered")
+
+    server = threading.Thread(target=loop.run_forever, daemon=True)
+    server.start()
+    try:
+        loop.call_soon_threadsafe(lambda: loop.create_task(orphan()) and None)  # no reference kept
+        deadline = time.monotonic() + 10
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            gc.collect()  # from this thread, as the training thread's collector runs
+        event = events[0]()
+        if loop_kind == "cotrain":
+            assert event is not None and not caplog.records
+            loop.call_soon_threadsafe(event.set)
+            deadline = time.monotonic() + 10
+            while not done and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert done == ["answered"]
+        else:  # collected while pending, its coroutine closed from this thread
+            assert event is None and "Task was destroyed but it is pending" in caplog.text
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        server.join(10)
         loop.close()
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, LOCALHOST, alive, cotrain_env, read_rows, wait_until
+from conftest import FAST, LOCALHOST, ROLE_LOGS, _test_file, alive, cotrain_env, read_rows, wait_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -133,6 +133,7 @@ class HostRole:
     def __init__(self, hosts: Hosts, i: int, args: list[str], log: Path):
         self.log_path = log
         self._log = open(log, "w")
+        ROLE_LOGS.append((_test_file(), log))  # a failed test's report shows the log's tail
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", hosts.ns(i), sys.executable, "-m", "cotrain", *args],
             stdout=self._log,

@@ -18,6 +18,13 @@ Four things in hivemind 1.1.12 assume a process of their own, and are mended her
   thread that call is skipped (the worker keeps its own handlers).
 - a process ends with its event loop's tasks and objects as they are. A thread's loop is a ``_ServingLoop``,
   which, closing, finishes what is left while it can still run (``switch_to_uvloop`` makes it).
+
+A thread's loop also keeps each of its tasks until it is done. hivemind creates tasks and keeps no reference
+to them (a step's matchmaking, the declaration of an averager in the DHT); such a task, awaiting an
+``MPFuture`` answered by its id through the update pipe, is a cycle nothing else refers to. A process of its
+own seldom collects its oldest objects; the training thread's process does often, and it destroyed such tasks
+mid-round, closing their coroutines from the training thread. The averager's matchmaking was left broken: no
+later round found a group (tests/test_partition.py, diloco).
 """
 
 from __future__ import annotations
@@ -71,6 +78,17 @@ class _ServingLoop(uvloop.Loop):
     logging an error (hivemind's P2P client cancels its tasks in ``__del__``). Closing, it first cancels and
     awaits its remaining tasks, lets go of what a failed start left (the traceback of the error the start
     reported holds the P2P it made) and collects it while the loop can still run what that schedules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._unfinished: set[asyncio.Future] = set()  # what keeps this loop's tasks until they are done
+        self.set_task_factory(self._kept_task)
+
+    def _kept_task(self, loop: asyncio.AbstractEventLoop, coro, **kwargs) -> asyncio.Task:
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        self._unfinished.add(task)
+        task.add_done_callback(self._unfinished.discard)
+        return task
 
     def close(self) -> None:
         if not self.is_closed() and not self.is_running():
@@ -179,9 +197,8 @@ class ServedInThread:
 
     def _shutdown(self, *args, **kwargs):
         """hivemind's shutdown request (a coroutine the serving loop awaits, then it ends), followed in a
-        thread by cancelling the loop's other tasks and awaiting them at once: tasks that nothing refers to
-        any more (a step's matchmaking, left by the shutdown) would otherwise be collected pending by the next
-        garbage collection in any thread, each logging an error. A process ends before its collector runs."""
+        thread by cancelling the loop's other tasks and awaiting them at once (a step's matchmaking, left by
+        the shutdown): the loop keeps them until they are done. A process ends with them as they are."""
         shutdown = super()._shutdown(*args, **kwargs)
         if self._serving_thread is None:
             return shutdown
