@@ -17,63 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _netns import print_finished, print_started  # noqa: E402
+from _steps import alternate, print_table  # noqa: E402
 
-SETTINGS = {"glibc default": None, "threshold 128 KiB": 131072, "default + malloc_trim": "trim"}
-
-STEPS = """
-import ctypes, json, sys, time
-preset, setting, steps, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-libc = ctypes.CDLL("libc.so.6")
-if setting.isdigit():
-    libc.mallopt(-3, int(setting))  # M_MMAP_THRESHOLD, before torch allocates anything
-import torch
-torch.set_num_threads(1)
-import cotrain.config as cfg
-from cotrain.models import build_model, forward_loss
-VOCAB, BATCH, LENGTH = 30000, 8, 128
-model = build_model(cfg.resolve(preset).run, vocab_size=VOCAB)
-opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-gen = torch.Generator().manual_seed(0)
-def rss_mib():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-def step():
-    ids = torch.randint(5, VOCAB, (BATCH, LENGTH), generator=gen)
-    labels = ids.masked_fill(torch.rand(BATCH, LENGTH, generator=gen) > 0.15, -100)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
-             "token_type_ids": torch.zeros_like(ids),
-             "sentence_order_label": torch.zeros(BATCH, dtype=torch.long)}
-    forward_loss(model, batch).backward()
-    opt.step()
-    opt.zero_grad()
-    if setting == "trim":
-        libc.malloc_trim(0)
-for _ in range(warmup):
-    step()
-started, peak = time.perf_counter(), 0.0
-for _ in range(steps):
-    step()
-    peak = max(peak, rss_mib())
-print(json.dumps({"s_per_step": (time.perf_counter() - started) / steps, "rss_mib": peak}))
-"""
-
-
-def run_setting(preset: str, setting, steps: int, warmup: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", STEPS, preset, str(setting), str(steps), str(warmup)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=1800,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+SETTINGS = {
+    "glibc default": {},
+    "threshold 128 KiB": {"mmap_threshold": 131072},
+    "default + malloc_trim": {"trim": True},
+}
 
 
 def main() -> None:
@@ -84,25 +39,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     started = print_started()
-    results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
-    for round_ in range(args.repeats):
-        names = list(SETTINGS) if round_ % 2 == 0 else list(reversed(SETTINGS))
-        for name in names:
-            got = run_setting(args.preset, SETTINGS[name], args.steps, args.warmup)
-            results[name].append(got)
-            print(f"round {round_ + 1}, {name}: {json.dumps(got)}", flush=True)
-    summary = {
-        name: {
-            "s_per_step": round(statistics.mean(r["s_per_step"] for r in runs), 4),
-            "rss_mib": round(statistics.mean(r["rss_mib"] for r in runs)),
-        }
-        for name, runs in results.items()
-    }
-    base = summary["glibc default"]
-    print(f"\n{'setting':<24}{'s/step':>8}{'x default':>11}{'RSS MiB':>9}")
-    for name, row in summary.items():
-        ratio = row["s_per_step"] / base["s_per_step"]
-        print(f"{name:<24}{row['s_per_step']:>8.3f}{ratio:>11.2f}{row['rss_mib']:>9}")
+    common = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup}
+    summary = alternate({name: {**common, **arm} for name, arm in SETTINGS.items()}, args.repeats)
+    print_table(summary, "glibc default")
     print_finished(started)
     print(json.dumps({"event": "malloc_threshold_summary", "preset": args.preset, "settings": summary}))
 

@@ -1,6 +1,6 @@
 """Helpers of the benchmarks: the all-reduce bound, namespace names, convergence curves, the overhead script's
-arms, the footprint's process kinds, the libp2p all-to-all reference (live, on 127.0.0.1), and the home
-router's NAT between namespaces (where root, iproute2 and nftables allow)."""
+arms, the footprint's process kinds, the step benchmarks' arms, the libp2p all-to-all reference (live, on
+127.0.0.1), and the home router's NAT between namespaces (where root, iproute2 and nftables allow)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import _netns  # noqa: E402
+import _steps  # noqa: E402
 import convergence  # noqa: E402
 import footprint  # noqa: E402
 import nat  # noqa: E402
@@ -383,3 +384,24 @@ def test_the_allreduce_table_puts_the_libp2p_arm_beside_the_direct_one(capsys):
     assert "| 6.00 s | 1.402 |" in out and "**1.121**" in out  # libp2p arm, then the direct arm's ratio
     assert "cotrain over libp2p / cotrain direct: 1.250" in out
     assert "NOT met: worst 1.121" not in out and "met: worst 1.121" in out
+
+
+def test_step_arms_alternate_their_order_and_report_their_means():
+    order: list[str] = []
+
+    def fake(arm: dict) -> dict:
+        order.append(arm["name"])
+        return {"s_per_step": arm["s"] + len(order) % 2, "rss_mib": 100.0}
+
+    arms = {"a": {"name": "a", "s": 1.0}, "b": {"name": "b", "s": 2.0}}
+    summary = _steps.alternate(arms, 2, run=fake)
+    assert order == ["a", "b", "b", "a"]  # the second round reversed
+    assert summary == {"a": {"s_per_step": 1.5, "rss_mib": 100}, "b": {"s_per_step": 2.5, "rss_mib": 100}}
+
+
+@pytest.mark.parametrize("loss", ["full", "forward_loss"])
+def test_a_step_arm_trains_its_preset_in_a_fresh_process(loss):
+    got = _steps.run_steps(
+        {"preset": "albert-tiny", "loss": loss, "steps": 2, "warmup": 1, "batch": 2, "length": 32}
+    )
+    assert got["s_per_step"] > 0 and got["rss_mib"] > 50, got

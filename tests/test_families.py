@@ -140,6 +140,58 @@ def test_each_twin_builds_and_its_collator_and_loss_train_a_step(twin, tokenizer
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
 
+@pytest.mark.parametrize("twin", ["albert-tiny", "bert-tiny", "distilbert-tiny", "roberta-tiny"])
+def test_the_masked_positions_loss_and_gradients_are_the_full_forwards(twin, tokenizers):
+    """forward_loss runs a masked family's vocabulary head on the masked positions only; transformers' own
+    forward runs it on all of them and ignores the rest in the loss. Both give the same loss and gradients."""
+    from cotrain.models import build_model, collator_for_run, forward_loss, masked_lm_head, model_inputs
+
+    run = cfg.resolve(twin).run
+    tokenizer = tokenizers[tokenizer_type_for(run.model_family, run.objective)]
+    model = build_model(
+        run, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+    )
+    model.eval()  # no dropout: both forwards see the same network
+    assert masked_lm_head(model) is not None
+    examples = _batch(run.model_family, tokenizer) * 4
+    batch = collator_for_run(run, tokenizer, seed=1)(examples)
+    masked = int((batch["labels"] != -100).sum())
+    assert 0 < masked < batch["labels"].numel() // 2, masked  # some positions masked, most not
+
+    def loss_and_grads(loss_of) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = loss_of()
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    rows: list[int] = []  # how many positions the vocabulary projection gets
+    model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1])
+    )
+    ours, our_grads = loss_and_grads(lambda: forward_loss(model, batch))
+    full, full_grads = loss_and_grads(lambda: model(**model_inputs(model, batch)).loss)
+    assert rows == [masked, batch["labels"].numel()]
+    assert ours == pytest.approx(full, rel=1e-5)
+    assert len(our_grads) == len(full_grads) > 0
+    for mine, theirs in zip(our_grads, full_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("drop", ["labels", "sentence_order_label"])
+def test_a_batch_without_its_labels_is_one_clear_error(drop, tokenizers):
+    from cotrain.models import build_model, collator_for_run, forward_loss
+
+    run = cfg.resolve("albert-tiny").run
+    tokenizer = tokenizers[tokenizer_type_for(run.model_family, run.objective)]
+    model = build_model(
+        run, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+    )
+    batch = collator_for_run(run, tokenizer, seed=1)(_batch(run.model_family, tokenizer))
+    del batch[drop]
+    with pytest.raises(ValueError, match="lacks the labels AlbertForPreTraining needs"):
+        forward_loss(model, batch)
+
+
 def test_whole_word_masking_is_a_run_option(tokenizers):
     from cotrain.data import MlmCollator
     from cotrain.models import collator_for_run

@@ -1,0 +1,98 @@
+"""Training steps of a preset's model on one CPU thread in a fresh process, for the benchmarks that compare
+ways of running them side by side (``malloc_threshold.py``, ``masked_head.py``).
+
+A step is a micro-batch of random tokens (``batch`` x ``length``, 15% of them masked, ALBERT's sentence-order
+labels included), its loss (``loss``: ``forward_loss``, cotrain's, or ``full``, the model's own forward), its
+backward and an Adam step. The process reports its mean seconds per step after ``warmup`` steps and its
+largest resident memory after a step. ``mmap_threshold`` sets glibc's ``M_MMAP_THRESHOLD`` before torch
+allocates anything; ``trim`` calls ``malloc_trim(0)`` after every step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+
+STEPS = """
+import ctypes, json, sys, time
+arm = json.loads(sys.argv[1])
+libc = ctypes.CDLL("libc.so.6")
+if arm.get("mmap_threshold"):
+    libc.mallopt(-3, int(arm["mmap_threshold"]))  # M_MMAP_THRESHOLD, before torch allocates anything
+import torch
+torch.set_num_threads(1)
+import cotrain.config as cfg
+from cotrain.models import build_model, forward_loss, model_inputs
+VOCAB, BATCH, LENGTH = 30000, arm.get("batch", 8), arm.get("length", 128)
+model = build_model(cfg.resolve(arm["preset"]).run, vocab_size=VOCAB)
+opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+gen = torch.Generator().manual_seed(0)
+def loss_of(batch):
+    if arm.get("loss") == "full":
+        return model(**model_inputs(model, batch)).loss
+    return forward_loss(model, batch)
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+def step():
+    ids = torch.randint(5, VOCAB, (BATCH, LENGTH), generator=gen)
+    labels = ids.masked_fill(torch.rand(BATCH, LENGTH, generator=gen) > 0.15, -100)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+             "token_type_ids": torch.zeros_like(ids),
+             "sentence_order_label": torch.zeros(BATCH, dtype=torch.long)}
+    loss_of(batch).backward()
+    opt.step()
+    opt.zero_grad()
+    if arm.get("trim"):
+        libc.malloc_trim(0)
+for _ in range(arm.get("warmup", 3)):
+    step()
+started, peak = time.perf_counter(), 0.0
+for _ in range(arm.get("steps", 25)):
+    step()
+    peak = max(peak, rss_mib())
+print(json.dumps({"s_per_step": (time.perf_counter() - started) / arm.get("steps", 25), "rss_mib": peak}))
+"""
+
+
+def run_steps(arm: dict) -> dict:
+    """One arm's steps in a fresh process: {"s_per_step": ..., "rss_mib": ...}."""
+    out = subprocess.run(
+        [sys.executable, "-c", STEPS, json.dumps(arm)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=3600,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def alternate(
+    arms: dict[str, dict], repeats: int, run: Callable[[dict], dict] = run_steps
+) -> dict[str, dict]:
+    """Run every arm ``repeats`` times, their order reversed every other round (so that neither always goes
+    first on a machine warming up); returns each arm's means."""
+    results: dict[str, list[dict]] = {name: [] for name in arms}
+    for round_ in range(repeats):
+        for name in list(arms) if round_ % 2 == 0 else list(reversed(arms)):
+            got = run(arms[name])
+            results[name].append(got)
+            print(f"round {round_ + 1}, {name}: {json.dumps(got)}", flush=True)
+    return {
+        name: {
+            "s_per_step": round(statistics.mean(r["s_per_step"] for r in runs), 4),
+            "rss_mib": round(statistics.mean(r["rss_mib"] for r in runs)),
+        }
+        for name, runs in results.items()
+    }
+
+
+def print_table(summary: dict[str, dict], base: str, heading: str = "setting") -> None:
+    """Seconds per step, their ratio to ``base``'s, and resident memory, one row per arm."""
+    print(f"\n{heading:<34}{'s/step':>8}{'x ' + base:>{max(11, len(base) + 4)}}{'RSS MiB':>9}")
+    for name, row in summary.items():
+        ratio = row["s_per_step"] / summary[base]["s_per_step"]
+        print(f"{name:<34}{row['s_per_step']:>8.3f}{ratio:>{max(11, len(base) + 4)}.2f}{row['rss_mib']:>9}")
