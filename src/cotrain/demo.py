@@ -218,6 +218,9 @@ def run_demo(config: Config) -> int:
     # from the first peer on: without these, SIGTERM or SIGHUP would end the demo alone, its peers running on
     signal.signal(signal.SIGTERM, _stop_on_signal)
     signal.signal(signal.SIGHUP, _stop_on_signal)
+    # Ctrl+C also where the demo's parent ignored SIGINT (a background job of a script passes that on): the
+    # peers' supervisors stop on it anyway, and the demo would take them for crashed
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         swarm.start(
             "monitor",
