@@ -1,5 +1,5 @@
 """The DHT process's request pipe: requests from processes that have exited are dropped, not fatal; a
-process's reply pipe crosses once, not with every request."""
+process's reply pipe crosses once, not with every request. The libp2p daemon's garbage collection."""
 
 import multiprocessing as mp
 import os
@@ -269,3 +269,31 @@ def test_the_dht_process_checks_each_record_once_and_again_after_a_validator_is_
     verdicts.extend([Counting()])
     verdicts.validate(honest)
     assert len(checked) == 7  # checked again, by both validators
+
+
+def _daemon_environment() -> dict[str, str]:
+    """The environment of the libp2p daemon that this process started last."""
+    import psutil
+
+    daemons = [p for p in psutil.Process().children(recursive=True) if p.name() == "p2pd"]
+    assert daemons, "no p2pd child"
+    return max(daemons, key=lambda p: p.create_time()).environ()
+
+
+@pytest.mark.parametrize("given", [{}, {"GOGC": "200"}, {"GOMEMLIMIT": "1GiB"}])
+def test_the_libp2p_daemon_collects_its_garbage_early_unless_the_user_says_otherwise(monkeypatch, given):
+    from cotrain.swarm.dht import P2PD_GOGC, create_dht
+
+    for name in ("GOGC", "GOMEMLIMIT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    dht = create_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        environment = _daemon_environment()
+    finally:
+        dht.shutdown()
+    expected = given or {"GOGC": P2PD_GOGC}
+    assert {n: environment.get(n) for n in ("GOGC", "GOMEMLIMIT")} == {
+        n: expected.get(n) for n in ("GOGC", "GOMEMLIMIT")
+    }

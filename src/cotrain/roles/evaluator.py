@@ -105,7 +105,7 @@ class Evaluator:
     def run(self) -> int:
         from cotrain.data import ExampleStream, tokenizer_hash
         from cotrain.engine.join import SwarmConnection, take_swarm_settings
-        from cotrain.models import collator_for_run
+        from cotrain.models import collator_for_run, model_for_tokenizer
         from cotrain.roles.keeper import StateKeeper
         from cotrain.swarm.served import served_epochs
 
@@ -143,7 +143,12 @@ class Evaluator:
         public_key = connection.public_key
 
         self.keeper = StateKeeper(
-            self.dht, self.config, tokenizer, Path(peer.output_dir) / "evaluated", self.stop
+            self.dht,
+            self.config,
+            tokenizer,
+            Path(peer.output_dir) / "evaluated",
+            self.stop,
+            model=model_for_tokenizer(run, tokenizer),
         )
         logger.info(
             f"Evaluation peer {self.dht.peer_id} joined run {run.run_id!r}: "

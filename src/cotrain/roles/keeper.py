@@ -9,6 +9,10 @@ hivemind's own
 global step (trainers that are further along are asked first). The averager is created in the main thread
 (hivemind requires it); downloads and saves run in a worker thread of their own, so a slow download never
 stalls the monitor's metrics loop or its dashboard. A failed download is logged and retried later.
+
+The monitor holds the state in the run model's parameters without the model's code (``cotrain.layout``: it
+never computes, and transformers' model code would cost its process about 100 MB); the evaluation peer, which
+computes with it, passes its model.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+import torch
 
 from cotrain import checkpoints as ck
 from cotrain.config import Config
 from cotrain.data.tokenizer import tokenizer_hash
 from cotrain.engine.strategy import strategy_class
 from cotrain.errors import UserError
-from cotrain.models import build_model
+from cotrain.layout import layout_model
 from cotrain.swarm import fixes
 
 logger = logging.getLogger(__name__)
@@ -51,10 +56,13 @@ class StateKeeper:
         tokenizer: Any,
         root: str | Path,
         stop: threading.Event,
+        model: torch.nn.Module | None = None,
     ) -> None:
+        """``model``: the model to hold the state in (the evaluation peer's, which computes with it); by
+        default the run model's parameters without its code (cotrain.layout): the monitor never computes."""
         run, peer = config.run, config.peer
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
-        self.model = build_model(run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        self.model = model if model is not None else layout_model(run, tokenizer)
         fixes.apply()
         # the strategy's state: sync's optimizer and schedule, or diloco's global parameters, outer
         # momentum and inner optimizer (cotrain.engine.strategy)
