@@ -12,7 +12,7 @@ stalls the monitor's metrics loop or its dashboard. A failed download is logged 
 
 The monitor holds the state in the run model's parameters without the model's code (``cotrain.layout``: it
 never computes, and transformers' model code would cost its process about 100 MB); the evaluation peer, which
-computes with it, passes its model.
+computes with it, passes its model. Nor does the monitor import torch.compile's tracer (cotrain.nocompile).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from cotrain.data.tokenizer import tokenizer_hash
 from cotrain.engine.strategy import strategy_class
 from cotrain.errors import UserError
 from cotrain.layout import layout_model
+from cotrain.nocompile import keep_dynamo_out
 from cotrain.swarm import fixes
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class StateKeeper:
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
         self.model = model if model is not None else layout_model(run, tokenizer)
         fixes.apply()
+        if model is None:  # the monitor computes nothing: torch.compile's tracer stays out too
+            keep_dynamo_out()
         # the strategy's state: sync's optimizer and schedule, or diloco's global parameters, outer
         # momentum and inner optimizer (cotrain.engine.strategy)
         self.averager = strategy_class(run.strategy).state_holder(dht, run, peer, self.model)
