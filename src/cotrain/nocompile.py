@@ -8,6 +8,11 @@ each such wrapper that exists as already resolved to the function itself (the ca
 first), so calling it imports nothing. Under torch.compile those functions would then be traced: only a
 process that compiles nothing may call this (cotrain's monitor; not the Python API, whose users may compile).
 
+This keeps it out of the monitor of a run with LAMB (the ALBERT and BERT presets). torch's own optimizers
+(AdamW, which the other presets use, and DiLoCo's outer SGD) import ``torch._dynamo`` in their ``step``
+itself, which hivemind's state averager calls once to create the optimizer's statistics: their monitor imports
+it still.
+
 It relies on torch's private ``torch._compile._disable_dynamo``: where that is missing or works otherwise, it
 marks nothing and the process imports ``torch._dynamo`` at the first such call, as before.
 """
@@ -52,7 +57,8 @@ def keep_dynamo_out() -> int:
 
 def _functions() -> Iterator[types.FunctionType]:
     """The functions the garbage collector tracks, and those of every imported module and of its classes
-    (where torch's wrappers live): the collector does not list objects frozen before a fork (cotrain._worker)."""
+    (where torch's wrappers live): the collector does not list objects frozen before a fork
+    (cotrain._worker)."""
     for value in gc.get_objects():
         if type(value) is types.FunctionType:
             yield value
@@ -60,7 +66,8 @@ def _functions() -> Iterator[types.FunctionType]:
         namespace = module.__dict__ if type(module) is types.ModuleType else {}
         for value in list(namespace.values()):
             # type(), not isinstance() or getattr(): some of torch's module attributes warn or fail when asked
-            members = list(type.__dict__["__dict__"].__get__(value).values()) if type(value) is type else [value]
+            is_class = type(value) is type
+            members = list(type.__dict__["__dict__"].__get__(value).values()) if is_class else [value]
             for member in members:
                 if type(member) in (staticmethod, classmethod):
                     member = member.__func__
