@@ -3,8 +3,9 @@ ways of running them side by side (``malloc_threshold.py``, ``masked_head.py``).
 
 A step is a micro-batch of random tokens (``batch`` x ``length``, 15% of them masked, ALBERT's sentence-order
 labels included), its loss (``loss``: ``forward_loss``, cotrain's, or ``full``, the model's own forward), its
-backward and an Adam step. The process reports its mean seconds per step after ``warmup`` steps and its
-largest resident memory after a step. ``mmap_threshold`` sets glibc's ``M_MMAP_THRESHOLD`` before torch
+backward and an Adam step. The process reports its mean seconds per step after ``warmup`` steps, its
+largest resident memory after a step (what it holds between steps) and its peak resident memory (``VmHWM``:
+what a step needs at its height). ``mmap_threshold`` sets glibc's ``M_MMAP_THRESHOLD`` before torch
 allocates anything; ``trim`` calls ``malloc_trim(0)`` after every step.
 """
 
@@ -54,12 +55,15 @@ started, peak = time.perf_counter(), 0.0
 for _ in range(arm.get("steps", 25)):
     step()
     peak = max(peak, rss_mib())
-print(json.dumps({"s_per_step": (time.perf_counter() - started) / arm.get("steps", 25), "rss_mib": peak}))
+with open("/proc/self/status") as f:
+    hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+print(json.dumps({"s_per_step": (time.perf_counter() - started) / arm.get("steps", 25), "rss_mib": peak,
+                  "peak_mib": hwm}))
 """
 
 
 def run_steps(arm: dict) -> dict:
-    """One arm's steps in a fresh process: {"s_per_step": ..., "rss_mib": ...}."""
+    """One arm's steps in a fresh process: {"s_per_step": ..., "rss_mib": ..., "peak_mib": ...}."""
     out = subprocess.run(
         [sys.executable, "-c", STEPS, json.dumps(arm)],
         capture_output=True,
@@ -85,14 +89,19 @@ def alternate(
         name: {
             "s_per_step": round(statistics.mean(r["s_per_step"] for r in runs), 4),
             "rss_mib": round(statistics.mean(r["rss_mib"] for r in runs)),
+            "peak_mib": round(statistics.mean(r["peak_mib"] for r in runs)),
         }
         for name, runs in results.items()
     }
 
 
 def print_table(summary: dict[str, dict], base: str, heading: str = "setting") -> None:
-    """Seconds per step, their ratio to ``base``'s, and resident memory, one row per arm."""
-    print(f"\n{heading:<34}{'s/step':>8}{'x ' + base:>{max(11, len(base) + 4)}}{'RSS MiB':>9}")
+    """Seconds per step, their ratio to ``base``'s, resident memory between steps and at the peak, one row per
+    arm."""
+    width = max(11, len(base) + 4)
+    print(f"\n{heading:<34}{'s/step':>8}{'x ' + base:>{width}}{'RSS MiB':>9}{'peak MiB':>10}")
     for name, row in summary.items():
         ratio = row["s_per_step"] / summary[base]["s_per_step"]
-        print(f"{name:<34}{row['s_per_step']:>8.3f}{ratio:>{max(11, len(base) + 4)}.2f}{row['rss_mib']:>9}")
+        print(
+            f"{name:<34}{row['s_per_step']:>8.3f}{ratio:>{width}.2f}{row['rss_mib']:>9}{row['peak_mib']:>10}"
+        )

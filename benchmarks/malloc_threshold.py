@@ -6,11 +6,12 @@ step's activations come from the heap, which keeps its high-water mark. This run
 model (random tokens, 15% of them masked, one CPU thread) in a fresh process per setting, the settings
 alternating over ``--repeats`` rounds: glibc's default; a fixed threshold of 128 KiB (what
 ``MALLOC_MMAP_THRESHOLD_=131072`` sets); the default with ``malloc_trim(0)`` after every step. Each process
-reports its mean seconds per step (after ``--warmup`` steps) and its largest RSS after a step.
+reports its mean seconds per step (after ``--warmup`` steps), its largest RSS after a step and its peak RSS.
 
     python benchmarks/malloc_threshold.py [--preset albert-tiny] [--steps 25] [--repeats 2]
 
-Last line: ``{"event": "malloc_threshold_summary", "settings": {NAME: {"s_per_step": ..., "rss_mib": ...}}}``.
+Last line: ``{"event": "malloc_threshold_summary", "settings": {NAME: ROW}}``, ROW with ``s_per_step``,
+``rss_mib`` and ``peak_mib``.
 """
 
 from __future__ import annotations

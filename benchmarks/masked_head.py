@@ -10,7 +10,8 @@ vocabulary 30,000; see ``_steps.py``) with the model's own forward ("full forwar
     python benchmarks/masked_head.py [--presets albert-tiny bert-tiny roberta-tiny albert-base-v2]
                                      [--steps 20] [--repeats 2]
 
-Last line: ``{"event": "masked_head_summary", "presets": {PRESET: {ARM: {"s_per_step", "rss_mib"}}}}``.
+Last line: ``{"event": "masked_head_summary", "presets": {PRESET: {ARM: ROW}}}``, ROW with ``s_per_step``,
+``rss_mib`` and ``peak_mib``.
 """
 
 from __future__ import annotations

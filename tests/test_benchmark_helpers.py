@@ -386,17 +386,21 @@ def test_the_allreduce_table_puts_the_libp2p_arm_beside_the_direct_one(capsys):
     assert "NOT met: worst 1.121" not in out and "met: worst 1.121" in out
 
 
-def test_step_arms_alternate_their_order_and_report_their_means():
+def test_step_arms_alternate_their_order_and_report_their_means(capsys):
     order: list[str] = []
 
     def fake(arm: dict) -> dict:
         order.append(arm["name"])
-        return {"s_per_step": arm["s"] + len(order) % 2, "rss_mib": 100.0}
+        return {"s_per_step": arm["s"] + len(order) % 2, "rss_mib": 100.0, "peak_mib": 150.0}
 
     arms = {"a": {"name": "a", "s": 1.0}, "b": {"name": "b", "s": 2.0}}
     summary = _steps.alternate(arms, 2, run=fake)
     assert order == ["a", "b", "b", "a"]  # the second round reversed
-    assert summary == {"a": {"s_per_step": 1.5, "rss_mib": 100}, "b": {"s_per_step": 2.5, "rss_mib": 100}}
+    both = {"rss_mib": 100, "peak_mib": 150}
+    assert summary == {"a": {"s_per_step": 1.5, **both}, "b": {"s_per_step": 2.5, **both}}
+    _steps.print_table(summary, "a")
+    out = capsys.readouterr().out
+    assert "peak MiB" in out and out.splitlines()[-1].split() == ["b", "2.500", "1.67", "100", "150"]
 
 
 @pytest.mark.parametrize("loss", ["full", "forward_loss"])
@@ -404,4 +408,4 @@ def test_a_step_arm_trains_its_preset_in_a_fresh_process(loss):
     got = _steps.run_steps(
         {"preset": "albert-tiny", "loss": loss, "steps": 2, "warmup": 1, "batch": 2, "length": 32}
     )
-    assert got["s_per_step"] > 0 and got["rss_mib"] > 50, got
+    assert got["s_per_step"] > 0 and got["peak_mib"] >= got["rss_mib"] > 50, got
