@@ -425,6 +425,9 @@ def run_config(args: argparse.Namespace, group_size: int, churn: bool, logdir: P
                 time.sleep(0.5)
             t1 = time.monotonic()
             crashed = [k for k, p in swarm.procs.items() if p.poll() is not None and k not in swarm.killed]
+            for k in crashed:  # why, while its log is still there
+                tail = (logdir / f"trainer{k}.log").read_text(errors="replace").strip().splitlines()[-4:]
+                print(f"  {label}: trainer {k} exited ({swarm.procs[k].poll()}):", *tail, sep="\n    ")
         finally:
             if sampler is not None:
                 sampler.stopped.set()

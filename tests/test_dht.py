@@ -297,3 +297,66 @@ def test_the_libp2p_daemon_collects_its_garbage_early_unless_the_user_says_other
     assert {n: environment.get(n) for n in ("GOGC", "GOMEMLIMIT")} == {
         n: expected.get(n) for n in ("GOGC", "GOMEMLIMIT")
     }
+
+
+SERVE_DHT = """
+import sys, time
+from cotrain.swarm.dht import create_dht, visible_maddrs
+dht = create_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+print(visible_maddrs(dht)[0], flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_newcomer_tries_again_when_its_initial_peer_is_too_busy_to_answer(caplog):
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from cotrain.swarm.dht import create_dht
+
+    busy = subprocess.Popen([sys.executable, "-c", SERVE_DHT], stdout=subprocess.PIPE, text=True)
+    try:
+        address = busy.stdout.readline().strip()
+        busy.send_signal(signal.SIGSTOP)  # its daemon accepts connections; its DHT answers nothing
+        woken = threading.Timer(14.0, busy.send_signal, args=(signal.SIGCONT,))
+        woken.start()
+        with caplog.at_level("WARNING", logger="cotrain.swarm.dht"):
+            dht = create_dht(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=5.0)
+        try:
+            assert "trying again (2 of 3)" in caplog.text
+            assert dht.get("nothing here") is None  # it works
+            assert len([p for p in psutil_children() if p.name() == "p2pd"]) == 1  # the failed try's is gone
+        finally:
+            dht.shutdown()
+            woken.join()
+    finally:
+        busy.send_signal(signal.SIGCONT)
+        busy.kill()
+        busy.wait()
+
+
+def psutil_children() -> list:
+    """This process's children (a libp2p daemon of a DHT in a thread is one; the other peer's is not)."""
+    import psutil
+
+    return psutil.Process().children()
+
+
+def test_an_initial_peer_that_is_not_there_fails_at_once(caplog):
+    import socket
+    import time
+
+    from cotrain.errors import UserError
+    from cotrain.swarm.dht import create_dht
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nobody = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWAxZjUFwp32ZGSeRZ6WVxZfgJcxqrkbZ7LPtTeZRYQjZA"
+    started = time.monotonic()
+    with pytest.raises(UserError, match="no initial peer could be reached"):
+        create_dht(initial_peers=[nobody], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=5.0)
+    assert time.monotonic() - started < 15 and "trying again" not in caplog.text

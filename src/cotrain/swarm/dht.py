@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import struct
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -206,6 +207,7 @@ def announce_public_address(host_maddrs: list[str], target: tuple[str, int] = GO
     return [f"/{proto}/{address}/tcp/{port}" for port in ports]
 
 
+JOIN_ATTEMPTS = 3  # DHT starts when the initial peers were there but answered no ping in time
 P2PD_GOGC = "25"  # the libp2p daemon's Go collector runs when its heap has grown by a quarter
 
 
@@ -265,45 +267,62 @@ def create_dht(
     from cotrain.shm import share_by_descriptors
 
     share_by_descriptors()  # before the DHT's process, the averagers' and their tensors
-    try:
-        dht = SwarmDHT(
-            **private,
-            initial_peers=initial_peers,
-            client_mode=client_mode,
-            record_validators=record_validators,
-            host_maddrs=host_maddrs,
-            announce_maddrs=announce_maddrs or None,
-            **identity,
-            use_ipfs=use_ipfs,
-            nat_port_map=nat_port_map,
-            use_relay=use_relay,
-            use_auto_relay=use_auto_relay,
-            startup_timeout=startup_timeout,
-            wait_timeout=wait_timeout,
-            in_thread=in_thread,
-            start=True,
-        )
-    except Exception as e:
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if initial_peers and ("bootstrap" in text or "initial" in text or "connect" in text):
-            from cotrain.access import probe_refusal, refused_message
-
-            reason = probe_refusal(initial_peers, access)  # a private swarm says why it refused this peer
-            if reason is not None:
-                raise UserError(refused_message(reason)) from None
-            raise UserError(
-                f"no initial peer could be reached ({', '.join(initial_peers)}): "
-                f"check the addresses and that "
-                f"the swarm is running"
-            ) from None
-        if "address already in use" in text.lower():
-            raise UserError(f"cannot listen on {', '.join(host_maddrs)}: address already in use") from None
-        raise UserError(f"the network layer failed to start: {text}") from None
+    options = dict(
+        **private,
+        initial_peers=initial_peers,
+        client_mode=client_mode,
+        record_validators=record_validators,
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs or None,
+        **identity,
+        use_ipfs=use_ipfs,
+        nat_port_map=nat_port_map,
+        use_relay=use_relay,
+        use_auto_relay=use_auto_relay,
+        startup_timeout=startup_timeout,
+        wait_timeout=wait_timeout,
+        in_thread=in_thread,
+        start=True,
+    )
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        started = time.monotonic()
+        try:
+            dht = SwarmDHT(**options)
+            break
+        except Exception as e:
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            # the initial peers were there but answered no ping in wait_timeout: a busy machine or a saturated
+            # link, not a wrong address (a refused connection fails the ping at once)
+            slow = "responded to a ping" in text and time.monotonic() - started >= wait_timeout
+            if initial_peers and slow and attempt < JOIN_ATTEMPTS:
+                logger.warning(
+                    f"No initial peer answered within {wait_timeout:.0f} s (a busy machine or a slow link?); "
+                    f"trying again ({attempt + 1} of {JOIN_ATTEMPTS})"
+                )
+                continue
+            raise _start_error(text, initial_peers, host_maddrs, access) from None
     if access is not None:
         from cotrain.access import start_access_service
 
         dht.run_coroutine(start_access_service)
     return dht
+
+
+def _start_error(text: str, initial_peers: list[str], host_maddrs: list[str], access) -> UserError:
+    """The one line a user sees when the DHT node did not start (``text``: the first line of why)."""
+    if initial_peers and ("bootstrap" in text or "initial" in text or "connect" in text):
+        from cotrain.access import probe_refusal, refused_message
+
+        reason = probe_refusal(initial_peers, access)  # a private swarm says why it refused this peer
+        if reason is not None:
+            return UserError(refused_message(reason))
+        return UserError(
+            f"no initial peer could be reached ({', '.join(initial_peers)}): check the addresses and that "
+            "the swarm is running"
+        )
+    if "address already in use" in text.lower():
+        return UserError(f"cannot listen on {', '.join(host_maddrs)}: address already in use")
+    return UserError(f"the network layer failed to start: {text}")
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
