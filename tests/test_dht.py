@@ -271,13 +271,11 @@ def test_the_dht_process_checks_each_record_once_and_again_after_a_validator_is_
     assert len(checked) == 7  # checked again, by both validators
 
 
-def _daemon_environment() -> dict[str, str]:
-    """The environment of the libp2p daemon that this process started last."""
+def _own_daemons() -> list:
+    """The running libp2p daemons of this process (a DHT in a thread starts one; another peer's is not)."""
     import psutil
 
-    daemons = [p for p in psutil.Process().children(recursive=True) if p.name() == "p2pd"]
-    assert daemons, "no p2pd child"
-    return max(daemons, key=lambda p: p.create_time()).environ()
+    return [p for p in psutil.Process().children() if p.name() == "p2pd" and p.status() != "zombie"]
 
 
 @pytest.mark.parametrize("given", [{}, {"GOGC": "200"}, {"GOMEMLIMIT": "1GiB"}])
@@ -290,7 +288,7 @@ def test_the_libp2p_daemon_collects_its_garbage_early_unless_the_user_says_other
         monkeypatch.setenv(name, value)
     dht = create_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        environment = _daemon_environment()
+        environment = max(_own_daemons(), key=lambda p: p.create_time()).environ()
     finally:
         dht.shutdown()
     expected = given or {"GOGC": P2PD_GOGC}
@@ -328,8 +326,7 @@ def test_a_newcomer_tries_again_when_its_initial_peer_is_too_busy_to_answer(capl
         try:
             assert "trying again (2 of 3)" in caplog.text
             assert dht.get("nothing here") is None  # it works
-            daemons = [p for p in psutil_children() if p.name() == "p2pd" and p.status() != "zombie"]
-            assert len(daemons) == 1  # the failed tries' daemons have exited
+            assert len(_own_daemons()) == 1  # the failed tries' daemons have exited
         finally:
             dht.shutdown()
             woken.join()
@@ -337,13 +334,6 @@ def test_a_newcomer_tries_again_when_its_initial_peer_is_too_busy_to_answer(capl
         busy.send_signal(signal.SIGCONT)
         busy.kill()
         busy.wait()
-
-
-def psutil_children() -> list:
-    """This process's children (a libp2p daemon of a DHT in a thread is one; the other peer's is not)."""
-    import psutil
-
-    return psutil.Process().children()
 
 
 def test_an_initial_peer_that_is_not_there_fails_at_once(caplog):

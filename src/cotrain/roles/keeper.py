@@ -63,10 +63,11 @@ class StateKeeper:
         default the run model's parameters without its code (cotrain.layout): the monitor never computes."""
         run, peer = config.run, config.peer
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
-        self.model = model if model is not None else layout_model(run, tokenizer)
         fixes.apply()
-        if model is None:  # the monitor computes nothing: torch.compile's tracer stays out too
+        if model is None:  # the monitor computes nothing: no model code, no torch.compile tracer
+            model = layout_model(run, tokenizer)
             keep_dynamo_out()
+        self.model = model
         # the strategy's state: sync's optimizer and schedule, or diloco's global parameters, outer
         # momentum and inner optimizer (cotrain.engine.strategy)
         self.averager = strategy_class(run.strategy).state_holder(dht, run, peer, self.model)
