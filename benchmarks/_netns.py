@@ -559,7 +559,7 @@ def simulated_peer(run, peer, model, connection):
     """A ``cotrain.SwarmPeer`` of a peer process around ``model``, with the preset's optimizer and schedule,
     joined through ``connection``; its compute is the benchmark's to simulate (``fixed_gradients``)."""
     from cotrain.engine import SwarmPeer
-    from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
+    from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
     return SwarmPeer.from_config(
         run,

@@ -4,7 +4,7 @@ Both arms train the same tiny ALBERT (``cotrain.models.build_model``) on the sam
 (the prepared dataset read as `cotrain train` reads it, ``ExampleStream`` + ``AlbertCollator`` through
 ``cotrain.engine.batches``), with the same number of torch threads, and do the same work: micro-batches
 of 8, forward, backward, ``loss.item()``, gradient clipping per micro-batch, gradients accumulated to the
-target batch (64 in albert-tiny), then one LAMB step (``cotrain.models.optimizer_factory``, its statistics
+target batch (64 in albert-tiny), then one LAMB step (``cotrain.optim.optimizer_factory``, its statistics
 started the way hivemind starts them) and one LR-schedule step per target batch. Their losses agree.
 
 - plain: a subprocess running that loop; the first ``--warmup-steps`` global steps are not timed.
@@ -210,13 +210,8 @@ def plain_worker(args: argparse.Namespace) -> None:
     from cotrain.data import AlbertCollator, ExampleStream
     from cotrain.engine import accumulate_gradients, batches, gradient_norm
     from cotrain.hardware import Precision
-    from cotrain.models import (
-        build_model,
-        forward_loss,
-        optimizer_factory,
-        parameter_groups,
-        scheduler_factory,
-    )
+    from cotrain.models import build_model, forward_loss
+    from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
     torch.set_num_threads(args.threads)
     run = run_config(args)

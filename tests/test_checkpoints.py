@@ -13,7 +13,8 @@ import torch
 
 from cotrain import checkpoints as ck
 from cotrain.config import resolve
-from cotrain.models import build_model, forward_loss, optimizer_factory, parameter_groups, scheduler_factory
+from cotrain.models import build_model, forward_loss
+from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
 SMALL_MODEL = {
     "embedding_size": 16,

@@ -132,13 +132,8 @@ def test_gradient_checkpointing_is_a_per_peer_option_that_keeps_the_gradients(to
 def test_export_of_a_decoder_checkpoint_loads_with_the_auto_class_and_generates(twin, tokenizer, tmp_path):
     import transformers
 
-    from cotrain.models import (
-        forward_loss,
-        model_for_tokenizer,
-        optimizer_factory,
-        parameter_groups,
-        scheduler_factory,
-    )
+    from cotrain.models import forward_loss, model_for_tokenizer
+    from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
     config = cfg.resolve(twin)
     model = model_for_tokenizer(config.run, tokenizer)

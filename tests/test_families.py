@@ -110,14 +110,8 @@ def _batch(family: str, tokenizer) -> list[dict]:
 
 @pytest.mark.parametrize("twin", sorted(set(TWINS.values())))
 def test_each_twin_builds_and_its_collator_and_loss_train_a_step(twin, tokenizers):
-    from cotrain.models import (
-        build_model,
-        collator_for_run,
-        forward_loss,
-        optimizer_factory,
-        parameter_count,
-        parameter_groups,
-    )
+    from cotrain.models import build_model, collator_for_run, forward_loss, parameter_count
+    from cotrain.optim import optimizer_factory, parameter_groups
 
     run = cfg.resolve(twin).run
     family = FAMILIES[run.model_family]
@@ -205,7 +199,7 @@ def test_whole_word_masking_is_a_run_option(tokenizers):
 def test_optimizers_and_schedules_by_name():
     from torch_optimizer import Lamb
 
-    from cotrain.models import optimizer_factory, scheduler_factory
+    from cotrain.optim import optimizer_factory, scheduler_factory
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     for preset, optimizer, schedule in (

@@ -84,7 +84,7 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
 
     from cotrain import config as cfg
     from cotrain.engine import SwarmConnection, SyncStrategy
-    from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
+    from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
     config = cfg.resolve(
         "albert-tiny",

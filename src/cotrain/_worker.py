@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cotrain.cli import fail
 from cotrain.config import Config, load_resolved, write_toml
+from cotrain.deferred import defer_all
 from cotrain.errors import UserError
 from cotrain.procs import StopSignals, exit_worker, supervisor_pid
 from cotrain.swarm.logs import quiet_while_stopping
@@ -105,6 +106,7 @@ def freeze_before_fork() -> None:
 
 
 def main(argv: list[str]) -> int:
+    defer_all()  # before anything imports hivemind
     share_pages_with_children()
     parser = argparse.ArgumentParser(prog="python -m cotrain._worker")
     parser.add_argument("role", choices=ROLES)

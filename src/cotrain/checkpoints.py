@@ -32,8 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from cotrain.data.shards import sha256_file
-from cotrain.data.tokenizer import load_tokenizer, tokenizer_hash
+from cotrain.data.fsutil import sha256_file
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -168,7 +167,7 @@ def save_checkpoint(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "run_id": config.get("run", {}).get("run_id", ""),
             "config": config,
-            "tokenizer_hash": tokenizer_hash(tokenizer),
+            "tokenizer_hash": content_hash(tokenizer),
             "optimizer": opt_meta,
             "scheduler": _scheduler_state(scheduler),
             "inner": inner_meta,
@@ -245,7 +244,20 @@ def latest_good(root: str | Path) -> tuple[Path, dict] | None:
     return None
 
 
+def content_hash(tokenizer: Any) -> str:
+    """The hash a checkpoint records of its tokenizer (cotrain.data.tokenizer.tokenizer_hash); a tokenizer
+    held as its saved files (cotrain.layout.SavedTokenizer, the monitor's) carries it."""
+    known = getattr(tokenizer, "content_hash", None)
+    if known is not None:
+        return known
+    from cotrain.data.tokenizer import tokenizer_hash  # transformers: only where a tokenizer is loaded
+
+    return tokenizer_hash(tokenizer)
+
+
 def checkpoint_tokenizer(path: str | Path, meta: dict) -> Any:
+    from cotrain.data.tokenizer import load_tokenizer
+
     objective = meta.get("config", {}).get("run", {}).get("objective", "sop+mlm")
     return load_tokenizer(Path(path) / TOKENIZER, objective)
 
@@ -325,7 +337,7 @@ def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module
     from cotrain.models import model_for_tokenizer
 
     tokenizer = checkpoint_tokenizer(path, meta)
-    if tokenizer_hash(tokenizer) != meta.get("tokenizer_hash"):
+    if content_hash(tokenizer) != meta.get("tokenizer_hash"):
         raise CheckpointError(f"checkpoint {path}: its tokenizer does not match the recorded hash")
     run = RunConfig.from_dict(meta["config"]["run"])
     model = model_for_tokenizer(run, tokenizer)

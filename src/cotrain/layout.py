@@ -10,21 +10,30 @@ same tensors in the same order as the trainers' do.
 
 The layout is read in a short-lived child process (``python -m cotrain.layout``) that builds the model on the
 meta device (from ``--init-from``'s folder, on the CPU) and prints ``describe(model)`` as JSON.
+
+The monitor holds the run's tokenizer the same way: its checkpoints carry the tokenizer's files and content
+hash, and loading a tokenizer imports transformers (about 30 MB more). ``run_state_layout`` has the child
+find the run's tokenizer as the monitor would (``--tokenizer-path``, the dataset's, or with ``--resume`` the
+newest good checkpoint's), save it into a folder of the monitor's (``save_pretrained``), and report its hash,
+vocabulary size and special ids, from which it reads the layout: the monitor holds a ``SavedTokenizer``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from cotrain.config import RunConfig
+from cotrain.config import Config, RunConfig
 from cotrain.errors import UserError
 
+NO_LAYOUT = "cannot read the model's layout"
 TIMEOUT = 600  # seconds the child may take: importing transformers, or loading a pretrained folder
 
 
@@ -91,6 +100,11 @@ def read_layout(
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
     }
+    return _ask_child(request)
+
+
+def _ask_child(request: dict) -> Any:
+    """Run ``python -m cotrain.layout`` on ``request``; its answer, or its error as one UserError."""
     try:
         done = subprocess.run(
             [sys.executable, "-m", "cotrain.layout"],
@@ -101,10 +115,10 @@ def read_layout(
         )
     except subprocess.TimeoutExpired:
         raise UserError(f"reading the model's layout took over {TIMEOUT} s") from None
-    if done.returncode != 0:
+    if done.returncode != 0:  # 2: the child's own one-line error; else it crashed
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        why = lines[-1] if lines else f"exit status {done.returncode}"
-        raise UserError(f"cannot read the model's layout: {why}")
+        why = lines[-1].removeprefix("error: ") if lines else f"exit status {done.returncode}"
+        raise UserError(why if done.returncode == 2 else f"{NO_LAYOUT}: {why}")
     return json.loads(done.stdout)
 
 
@@ -121,11 +135,92 @@ def layout_model(run: RunConfig, tokenizer: Any) -> LayoutModel:
     )
 
 
-def main() -> None:
-    """``python -m cotrain.layout``: a request (JSON on stdin) -> the model's layout (JSON on stdout)."""
+@dataclasses.dataclass(frozen=True)
+class SavedTokenizer:
+    """A tokenizer held as its saved files and content hash, for a process that only stores it (the monitor):
+    ``save_pretrained`` copies the files (as a loaded tokenizer writes them); ``content_hash`` is
+    cotrain.data.tokenizer.tokenizer_hash of the tokenizer they hold."""
+
+    folder: Path
+    content_hash: str
+
+    def save_pretrained(self, out_dir: str) -> None:
+        shutil.copytree(self.folder, out_dir)
+
+
+def run_state_layout(
+    config: Config, checkpoints: Path, save_to: Path
+) -> tuple[SavedTokenizer, LayoutModel] | None:
+    """The run's tokenizer, saved into ``save_to``, and a LayoutModel of the run's model for it; None where
+    there is no tokenizer to be had (no --tokenizer-path, dataset or checkpoint to resume)."""
+    answer = _ask_child(
+        {
+            "config": config.to_dict(),
+            "checkpoints": str(checkpoints),
+            "save_to": str(save_to),
+        }
+    )
+    if answer is None:
+        return None
+    return SavedTokenizer(Path(save_to), answer["content_hash"]), LayoutModel(answer["entries"])
+
+
+def find_run_tokenizer(config: Config, checkpoints: Path) -> Any | None:
+    """The run's tokenizer: --tokenizer-path, the dataset's (--dataset-path or --dataset-url), or with
+    --resume the newest good checkpoint's under ``checkpoints``; None if there is none."""
+    from cotrain.data import load_tokenizer, read_manifest
+
+    run, peer = config.run, config.peer
+    if peer.tokenizer_path:
+        return load_tokenizer(peer.tokenizer_path, run.objective)
+    if peer.dataset_path:
+        read_manifest(peer.dataset_path)  # a clear error when it is not a prepared dataset
+        return load_tokenizer(Path(peer.dataset_path) / "tokenizer", run.objective)
+    if peer.dataset_url:
+        from cotrain.data import ExampleStream
+
+        stream = ExampleStream(peer.dataset_url, cache_dir=peer.cache_dir or None, prefetch=-1)
+        stream.close()  # only its manifest and tokenizer were needed
+        return stream.tokenizer
+    if peer.resume:
+        from cotrain import checkpoints as ck
+
+        found = ck.latest_good(checkpoints)
+        if found is not None:
+            return ck.checkpoint_tokenizer(*found)
+    return None
+
+
+def _state_layout(request: dict) -> dict | None:
+    """The child's side of run_state_layout."""
+    from cotrain.config import config_from_dict
+    from cotrain.data.tokenizer import save_tokenizer, tokenizer_hash
     from cotrain.models import build_model
 
-    request = json.loads(sys.stdin.read())
+    config = config_from_dict(request["config"])
+    tokenizer = find_run_tokenizer(config, Path(request["checkpoints"]))
+    if tokenizer is None:
+        return None
+    try:
+        with torch.device("meta"):
+            model = build_model(
+                config.run,
+                vocab_size=len(tokenizer),
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        entries = describe(model)
+    except UserError as e:
+        raise UserError(f"{NO_LAYOUT}: {e}") from None
+    save_tokenizer(tokenizer, request["save_to"])
+    return {"content_hash": tokenizer_hash(tokenizer), "entries": entries}
+
+
+def _layout(request: dict) -> list[dict]:
+    """The child's side of read_layout."""
+    from cotrain.models import build_model
+
     run = RunConfig.from_dict(request.pop("run"))
     try:
         if run.init_from:  # from_pretrained reads the folder's weights: on the CPU
@@ -133,11 +228,24 @@ def main() -> None:
         else:
             with torch.device("meta"):
                 model = build_model(run, **request)
-        entries = describe(model)
+        return describe(model)
+    except UserError as e:
+        raise UserError(f"{NO_LAYOUT}: {e}") from None
+
+
+def main() -> None:
+    """``python -m cotrain.layout``: a request (JSON on stdin) -> the model's layout (JSON on stdout); a
+    request with a ``config`` -> the run's tokenizer saved and the layout for it (run_state_layout)."""
+    request = json.loads(sys.stdin.read())
+    try:
+        if "config" in request:
+            answer: Any = _state_layout(request)
+        else:
+            answer = _layout(request)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    json.dump(entries, sys.stdout)
+    json.dump(answer, sys.stdout)
 
 
 if __name__ == "__main__":

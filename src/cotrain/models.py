@@ -1,16 +1,16 @@
-"""Model families: a preset's architecture -> a model, its collator, loss, parameter groups, optimizer and
-schedule. The families themselves (objective, tokenizer, transformers classes) are in cotrain.families."""
+"""Model families: a preset's architecture -> a model, its collator and loss. The families themselves
+(objective, tokenizer, transformers classes) are in cotrain.families; parameter groups, the optimizer and the
+schedule in cotrain.optim."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from cotrain.config import RunConfig
 from cotrain.data.collator import IGNORE_INDEX
@@ -18,18 +18,6 @@ from cotrain.errors import UserError
 from cotrain.families import FAMILIES, Family
 
 logger = logging.getLogger(__name__)
-
-# no weight decay: biases and normalization weights (LayerNorm; Llama's and Qwen2's RMSNorm: *norm.weight)
-NO_DECAY = (
-    "bias",
-    "LayerNorm.weight",
-    "layer_norm.weight",
-    "ln_1.weight",
-    "ln_2.weight",
-    "ln_f.weight",
-    "norm.weight",
-)
-SCHEDULES = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup}
 
 
 def family_of(run: RunConfig) -> Family:
@@ -243,48 +231,3 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     token types; only ALBERT gets sentence-order labels)."""
     family = FAMILIES[model.config.model_type]
     return {name: batch[name] for name in family.inputs if name in batch}
-
-
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on everything but biases and normalization weights, as in the seed recipe."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (no_decay if any(nd in name for nd in NO_DECAY) else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def optimizer_factory(run: RunConfig) -> Callable[[Iterable], torch.optim.Optimizer]:
-    """A function params -> optimizer, as hivemind.Optimizer wants it: LAMB (the seed recipe's) or AdamW."""
-    if run.optimizer == "lamb":
-        from torch_optimizer import Lamb
-
-        def make(params):
-            return Lamb(
-                params,
-                lr=run.learning_rate,
-                betas=(run.adam_beta1, run.adam_beta2),
-                eps=run.adam_epsilon,
-                weight_decay=run.weight_decay,
-                clamp_value=run.clamp_value,
-                debias=True,
-            )
-
-        return make
-    if run.optimizer == "adamw":
-        return lambda params: torch.optim.AdamW(
-            params,
-            lr=run.learning_rate,
-            betas=(run.adam_beta1, run.adam_beta2),
-            eps=run.adam_epsilon,
-            weight_decay=run.weight_decay,
-        )
-    raise UserError(f"unknown optimizer {run.optimizer!r}; choose lamb or adamw")
-
-
-def scheduler_factory(run: RunConfig) -> Callable[[torch.optim.Optimizer], object]:
-    """A function optimizer -> LR scheduler (``run.lr_scheduler``: linear or cosine decay after a linear
-    warmup), which hivemind.Optimizer steps once per global step of the swarm."""
-    schedule = SCHEDULES.get(run.lr_scheduler)
-    if schedule is None:
-        raise UserError(f"unknown lr_scheduler {run.lr_scheduler!r}; choose one of {', '.join(SCHEDULES)}")
-    return lambda opt: schedule(opt, num_warmup_steps=run.warmup_steps, num_training_steps=run.total_steps)

@@ -254,11 +254,17 @@ def load_resolved(path: str | Path) -> Config:
         raise ConfigError(f"resolved config {path} is not readable JSON: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"resolved config {path} is not a JSON object")
+    return config_from_dict(data, str(path))
+
+
+def config_from_dict(data: dict, origin: str = "config") -> Config:
+    """A Config from ``Config.to_dict()`` (as write_resolved writes it), checked (raises ConfigError)."""
+    data = dict(data)
     run_given = data.pop("run_given", [])
     values, problems = _defaults(), []
     if not isinstance(run_given, list) or not all(isinstance(n, str) for n in run_given):
-        problems.append(f"{path}: run_given must be a list of field names")
-    _apply(values, data, str(path), problems, None)
+        problems.append(f"{origin}: run_given must be a list of field names")
+    _apply(values, data, origin, problems, None)
     return _build(values, list(run_given), problems)
 
 

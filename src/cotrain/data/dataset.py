@@ -28,11 +28,11 @@ from transformers import PreTrainedTokenizerFast
 
 from cotrain.data.albert import MIN_MAX_LENGTH
 from cotrain.data.errors import DataError
-from cotrain.data.fsutil import check_replaceable, replace_dir, temp_dir_beside
+from cotrain.data.fsutil import check_replaceable, replace_dir, sha256_file, temp_dir_beside
 from cotrain.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from cotrain.data.objectives import OBJECTIVES, SPLITS, BuildSpec, columns, schema
 from cotrain.data.pipeline import build_shards, read_spool, spool_documents
-from cotrain.data.shards import ShardWriter, read_shard, sha256_file
+from cotrain.data.shards import ShardWriter, read_shard
 from cotrain.data.split import document_split
 from cotrain.data.tokenizer import (
     DEFAULT_TOKENIZER_TYPE,

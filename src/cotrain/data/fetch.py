@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from cotrain.data.errors import DataError
-from cotrain.data.shards import sha256_file
+from cotrain.data.fsutil import sha256_file
 
 logger = logging.getLogger(__name__)
 

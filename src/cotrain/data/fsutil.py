@@ -6,11 +6,20 @@ Anything else is refused before any work starts, and nothing in it is touched.""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import shutil
 from pathlib import Path
 
 from cotrain.errors import UserError
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _sibling(target: Path, tag: str) -> Path:

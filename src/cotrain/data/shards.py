@@ -3,7 +3,6 @@ path, example and token counts, size in bytes and sha256."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +12,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cotrain.data.errors import DataError
+from cotrain.data.fsutil import sha256_file
 
 COMPRESSION = "zstd"
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class ShardWriter:

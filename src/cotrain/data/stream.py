@@ -27,8 +27,9 @@ import numpy as np
 from cotrain.data.dataset import TOKENIZER
 from cotrain.data.errors import DataError
 from cotrain.data.fetch import download, fetch_bytes, is_url
+from cotrain.data.fsutil import sha256_file
 from cotrain.data.manifest import MANIFEST, parse_manifest, read_manifest
-from cotrain.data.shards import read_shard, sha256_file, take_rows
+from cotrain.data.shards import read_shard, take_rows
 from cotrain.data.tokenizer import load_tokenizer, tokenizer_hash
 
 logger = logging.getLogger(__name__)

@@ -248,7 +248,7 @@ class SyncStrategy(Strategy):
         state; it publishes its fingerprint and checks what it downloads (cotrain.swarm.statecheck)."""
         from hivemind.compression import NoCompression
 
-        from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
+        from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
         from cotrain.swarm.keys import progress_key, state_averager_prefix
         from cotrain.swarm.optimizer import request_timeout
         from cotrain.swarm.statecheck import CheckedTrainingStateAverager
@@ -261,6 +261,9 @@ class SyncStrategy(Strategy):
             params=parameter_groups(model, run.weight_decay),
             scheduler=scheduler_factory(run),
             state_compression=NoCompression(),  # full precision: optimizer moments must not be flushed
+            # it never averages: hivemind's copy of the parameters for all-reduce rounds would be memory
+            # unused (the model's size); a model on a GPU (an evaluation peer's) cannot be shared this way
+            reuse_tensors=all(p.device.type == "cpu" for p in model.parameters()),
             min_matchmaking_time=peer.matchmaking_time,
             request_timeout=request_timeout(peer.matchmaking_time),
             allow_state_sharing=False,  # until there is a state worth serving
@@ -378,7 +381,7 @@ class DiLoCoStrategy(Strategy):
         round, and an inner optimizer and schedule (never stepped: they hold what a trainer served)."""
         from hivemind.compression import NoCompression
 
-        from cotrain.models import optimizer_factory, parameter_groups, scheduler_factory
+        from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
         from cotrain.swarm.diloco_state import DiLoCoStateAverager, outer_optimizer_factory
         from cotrain.swarm.keys import progress_key, state_averager_prefix
         from cotrain.swarm.optimizer import request_timeout

@@ -11,8 +11,9 @@ global step (trainers that are further along are asked first). The averager is c
 stalls the monitor's metrics loop or its dashboard. A failed download is logged and retried later.
 
 The monitor holds the state in the run model's parameters without the model's code (``cotrain.layout``: it
-never computes, and transformers' model code would cost its process about 100 MB); the evaluation peer, which
-computes with it, passes its model. Nor does the monitor import torch.compile's tracer (cotrain.nocompile).
+never computes, and transformers' model code would cost its process about 100 MB), and the run's tokenizer as
+its saved files (``cotrain.layout.SavedTokenizer``); the evaluation peer, which computes with it, passes its
+model. Nor does the monitor import torch.compile's tracer (cotrain.nocompile).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import torch
 
 from cotrain import checkpoints as ck
 from cotrain.config import Config
-from cotrain.data.tokenizer import tokenizer_hash
 from cotrain.engine.strategy import strategy_class
 from cotrain.errors import UserError
-from cotrain.layout import layout_model
+from cotrain.layout import LayoutModel, layout_model
 from cotrain.nocompile import keep_dynamo_out
 from cotrain.swarm import fixes
 
@@ -60,12 +60,14 @@ class StateKeeper:
         model: torch.nn.Module | None = None,
     ) -> None:
         """``model``: the model to hold the state in (the evaluation peer's, which computes with it); by
-        default the run model's parameters without its code (cotrain.layout): the monitor never computes."""
+        default the run model's parameters without its code (cotrain.layout): the monitor never computes.
+        ``tokenizer``: a loaded tokenizer, or its saved files (cotrain.layout.SavedTokenizer)."""
         run, peer = config.run, config.peer
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
         fixes.apply()
-        if model is None:  # the monitor computes nothing: no model code, no torch.compile tracer
+        if model is None:
             model = layout_model(run, tokenizer)
+        if isinstance(model, LayoutModel):  # the monitor computes nothing: no torch.compile tracer either
             keep_dynamo_out()
         self.model = model
         # the strategy's state: sync's optimizer and schedule, or diloco's global parameters, outer
@@ -86,7 +88,7 @@ class StateKeeper:
             logger.info(f"No good checkpoint in {self.root}: waiting for the trainers' state instead")
             return None
         path, meta = found
-        if meta.get("tokenizer_hash") != tokenizer_hash(self.tokenizer):
+        if meta.get("tokenizer_hash") != ck.content_hash(self.tokenizer):
             raise UserError(f"checkpoint {path} was made with another tokenizer than this run's")
         averager = self.averager
         with averager.lock_averaged_tensors:

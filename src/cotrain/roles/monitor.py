@@ -202,31 +202,6 @@ class Monitor:
                 f"perplexity {record.perplexity:.2f}"
             )
 
-    def _tokenizer(self, checkpoints: Path) -> Any | None:
-        """The run's tokenizer (it gives the model's shapes): --tokenizer-path, the dataset's, or with
-        --resume the newest good checkpoint's."""
-        from cotrain.data import load_tokenizer, read_manifest
-
-        run, peer = self.config.run, self.config.peer
-        if peer.tokenizer_path:
-            return load_tokenizer(peer.tokenizer_path, run.objective)
-        if peer.dataset_path:
-            read_manifest(peer.dataset_path)  # a clear error when it is not a prepared dataset
-            return load_tokenizer(Path(peer.dataset_path) / "tokenizer", run.objective)
-        if peer.dataset_url:
-            from cotrain.data import ExampleStream
-
-            stream = ExampleStream(peer.dataset_url, cache_dir=peer.cache_dir or None, prefetch=-1)
-            stream.close()  # only its manifest and tokenizer were needed
-            return stream.tokenizer
-        if peer.resume:
-            from cotrain import checkpoints as ck
-
-            found = ck.latest_good(checkpoints)
-            if found is not None:
-                return ck.checkpoint_tokenizer(*found)
-        return None
-
     def _start_checkpoints(self, out: Path) -> None:
         """Keep, checkpoint and serve the swarm's state (created here, in the main thread), and upload it."""
         peer = self.config.peer
@@ -235,8 +210,11 @@ class Monitor:
         if not saving and not peer.resume:
             logger.info("Checkpoints are off (--save-every 0 or --no-store-checkpoints)")
             return
-        tokenizer = self._tokenizer(root)
-        if tokenizer is None:
+        from cotrain.layout import run_state_layout
+
+        # the run's tokenizer (it gives the model's shapes), saved beside the checkpoints that carry it
+        found = run_state_layout(self.config, root, out / "tokenizer")
+        if found is None:
             logger.info(
                 "Checkpoints are off: the monitor needs the model's shapes; give --dataset-path, "
                 "--dataset-url or --tokenizer-path"
@@ -244,7 +222,8 @@ class Monitor:
             return
         from cotrain.roles.keeper import StateKeeper
 
-        self.keeper = StateKeeper(self.dht, self.config, tokenizer, root, self.stop)
+        tokenizer, layout = found
+        self.keeper = StateKeeper(self.dht, self.config, tokenizer, root, self.stop, model=layout)
         if peer.resume:
             self.keeper.resume()
         if saving:

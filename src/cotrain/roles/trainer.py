@@ -24,10 +24,8 @@ from cotrain.models import (
     enable_gradient_checkpointing,
     forward_loss,
     model_for_tokenizer,
-    optimizer_factory,
-    parameter_groups,
-    scheduler_factory,
 )
+from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 from cotrain.progressbar import StepProgress
 from cotrain.sinks.jsonl import JsonlSink
 

@@ -1,0 +1,80 @@
+"""cotrain.deferred: hivemind's scipy.optimize is imported only when an all-reduce needs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+from cotrain import deferred
+
+IN_A_FRESH_PROCESS = """
+import json, sys, threading
+from cotrain._worker import main  # noqa: F401  (what a role process imports first)
+from cotrain.deferred import StandIn, defer_all
+deferred = defer_all()
+import hivemind
+from hivemind.averaging.load_balancing import load_balance_peers
+before = {
+    "deferred": deferred,
+    "stand_in": isinstance(sys.modules["scipy.optimize"], StandIn),
+    "loaded": sorted(m for m in sys.modules if m.startswith("scipy.optimize.")),
+    "probe": hasattr(sys.modules["scipy.optimize"], "__file__"),
+}
+# no bandwidths given: the parts are sized without a linear program, so nothing is loaded
+even = load_balance_peers(1000, [None, None, None])
+before["loaded_after_even"] = sorted(m for m in sys.modules if m.startswith("scipy.optimize."))
+results, start = [], threading.Barrier(4)
+def balance():
+    start.wait()
+    results.append(load_balance_peers(100000, [100.0, 20.0, None, 50.0]))
+threads = [threading.Thread(target=balance) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({**before, "even": even, "results": results,
+                  "real": type(sys.modules["scipy.optimize"]).__name__,
+                  "on_parent": type(sys.modules["scipy"].optimize).__name__}))
+"""
+
+
+def test_hivemind_loads_scipy_optimize_only_for_a_linear_program_and_from_many_threads_at_once():
+    done = subprocess.run(
+        [sys.executable, "-c", IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["deferred"] == ["scipy.optimize"]
+    assert seen["stand_in"] and seen["loaded"] == [] and seen["probe"] is False
+    assert seen["loaded_after_even"] == [] and sum(seen["even"]) == 1000
+
+    from hivemind.averaging.load_balancing import (
+        load_balance_peers,  # here scipy.optimize is imported as usual
+    )
+
+    expected = list(load_balance_peers(100000, [100.0, 20.0, None, 50.0]))
+    assert seen["results"] == [expected] * 4
+    assert seen["real"] == "module" and seen["on_parent"] == "module"
+
+
+def test_a_module_imported_already_or_missing_is_left_alone(monkeypatch):
+    assert deferred.defer("json") is False  # imported by this process
+    assert deferred.defer("cotrain_no_such_module.part") is False
+    assert deferred.defer("json.no_such_part") is False
+    assert "json.no_such_part" not in sys.modules
+
+
+def test_a_stand_in_imports_the_real_module_at_its_first_attribute(monkeypatch):
+    name = "email.quoprimime"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    parent = sys.modules.get("email") or __import__("email")
+    monkeypatch.delattr(parent, "quoprimime", raising=False)
+    assert deferred.defer(name) is True
+    stand_in = sys.modules[name]
+    assert isinstance(stand_in, deferred.StandIn) and parent.quoprimime is stand_in
+    assert stand_in.unquote("=3D") == "="  # the first use imports it
+    real = sys.modules[name]
+    assert type(real) is types.ModuleType and parent.quoprimime is real
+    assert stand_in.header_length is real.header_length  # a kept reference still reaches the real module
