@@ -161,3 +161,20 @@ def test_a_persistent_buffer_has_no_layout():
     module.register_buffer("counts", torch.zeros(2))
     with pytest.raises(UserError, match="counts is a persistent buffer"):
         describe(module)
+
+
+def test_the_monitors_layout_of_a_run_started_from_a_pretrained_folder(tmp_path):
+    from cotrain.data import demo_corpus, train_albert_tokenizer
+
+    tokenizer = train_albert_tokenizer(demo_corpus()[:300], 300, tmp_path / "tokenizer")
+    small = resolve(overrides={"run": {"preset": "albert-tiny", "model": {"num_hidden_layers": 1}}}).run
+    build_model(small, vocab_size=len(tokenizer), pad_token_id=0).save_pretrained(tmp_path / "albert")
+    config = resolve(
+        overrides={
+            "run": {"preset": "albert-tiny", "init_from": str(tmp_path / "albert")},
+            "peer": {"tokenizer_path": str(tmp_path / "tokenizer")},
+        }
+    )
+    _, layout = run_state_layout(config, tmp_path / "checkpoints", tmp_path / "saved")
+    real = build_model(config.run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    assert describe(layout) == describe(real)

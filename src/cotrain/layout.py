@@ -14,8 +14,9 @@ meta device (from ``--init-from``'s folder, on the CPU) and prints ``describe(mo
 The monitor holds the run's tokenizer the same way: its checkpoints carry the tokenizer's files and content
 hash, and loading a tokenizer imports transformers (about 30 MB more). ``run_state_layout`` has the child
 find the run's tokenizer as the monitor would (``--tokenizer-path``, the dataset's, or with ``--resume`` the
-newest good checkpoint's), save it into a folder of the monitor's (``save_pretrained``), and report its hash,
-vocabulary size and special ids, from which it reads the layout: the monitor holds a ``SavedTokenizer``.
+newest good checkpoint's), save it into a folder of the monitor's (``save_pretrained``), and report its
+content hash with the layout of the run's model for it (its vocabulary size, its special ids): the monitor
+holds a ``SavedTokenizer``.
 """
 
 from __future__ import annotations
@@ -195,39 +196,32 @@ def _state_layout(request: dict) -> dict | None:
     """The child's side of run_state_layout."""
     from cotrain.config import config_from_dict
     from cotrain.data.tokenizer import save_tokenizer, tokenizer_hash
-    from cotrain.models import build_model
 
     config = config_from_dict(request["config"])
     tokenizer = find_run_tokenizer(config, Path(request["checkpoints"]))
     if tokenizer is None:
         return None
-    try:
-        with torch.device("meta"):
-            model = build_model(
-                config.run,
-                vocab_size=len(tokenizer),
-                pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        entries = describe(model)
-    except UserError as e:
-        raise UserError(f"{NO_LAYOUT}: {e}") from None
+    entries = _built_layout(
+        config.run,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     save_tokenizer(tokenizer, request["save_to"])
     return {"content_hash": tokenizer_hash(tokenizer), "entries": entries}
 
 
-def _layout(request: dict) -> list[dict]:
-    """The child's side of read_layout."""
+def _built_layout(run: RunConfig, **ids: Any) -> list[dict]:
+    """Build the run's model (vocabulary size and special ids in ``ids``) and describe it."""
     from cotrain.models import build_model
 
-    run = RunConfig.from_dict(request.pop("run"))
     try:
         if run.init_from:  # from_pretrained reads the folder's weights: on the CPU
-            model = build_model(run, **request)
+            model = build_model(run, **ids)
         else:
             with torch.device("meta"):
-                model = build_model(run, **request)
+                model = build_model(run, **ids)
         return describe(model)
     except UserError as e:
         raise UserError(f"{NO_LAYOUT}: {e}") from None
@@ -241,7 +235,7 @@ def main() -> None:
         if "config" in request:
             answer: Any = _state_layout(request)
         else:
-            answer = _layout(request)
+            answer = _built_layout(RunConfig.from_dict(request.pop("run")), **request)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
