@@ -208,6 +208,7 @@ def announce_public_address(host_maddrs: list[str], target: tuple[str, int] = GO
 
 
 JOIN_ATTEMPTS = 3  # DHT starts when the initial peers were there but answered no ping in time
+SLOW_DIAL_S = 5.0  # a libp2p dial refused or reset fails within about a second; a busy peer's takes longer
 P2PD_GOGC = "25"  # the libp2p daemon's Go collector runs when its heap has grown by a quarter
 
 
@@ -291,9 +292,14 @@ def create_dht(
             break
         except Exception as e:
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
-            # the initial peers were there but answered no ping in wait_timeout: a busy machine or a saturated
-            # link, not a wrong address (a refused connection fails the ping at once)
-            slow = "responded to a ping" in text and time.monotonic() - started >= wait_timeout
+            took = time.monotonic() - started
+            # the initial peers were there but answered too late: a busy machine or a saturated link, not a
+            # wrong address (a refused connection fails at once). Either their DHT answered no ping within
+            # wait_timeout, or already their daemon did not finish the connection's handshake in time (the
+            # daemon's own dial timeout), before the DHT could ping them.
+            slow = ("responded to a ping" in text and took >= wait_timeout) or (
+                "failed to connect to bootstrap peers" in text and took >= SLOW_DIAL_S
+            )
             if initial_peers and slow and attempt < JOIN_ATTEMPTS:
                 logger.warning(
                     f"No initial peer answered within {wait_timeout:.0f} s (a busy machine or a slow link?); "
