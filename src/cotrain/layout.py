@@ -12,11 +12,11 @@ The layout is read in a short-lived child process (``python -m cotrain.layout``)
 meta device (from ``--init-from``'s folder, on the CPU) and prints ``describe(model)`` as JSON.
 
 The monitor holds the run's tokenizer the same way: its checkpoints carry the tokenizer's files and content
-hash, and loading a tokenizer imports transformers (about 30 MB more). ``run_state_layout`` has the child
-find the run's tokenizer as the monitor would (``--tokenizer-path``, the dataset's, or with ``--resume`` the
-newest good checkpoint's), save it into a folder of the monitor's (``save_pretrained``), and report its
-content hash with the layout of the run's model for it (its vocabulary size, its special ids): the monitor
-holds a ``SavedTokenizer``.
+hash, and loading a tokenizer imports transformers (with the data layer's pyarrow, 44 MiB of the monitor's
+PSS). ``run_state_layout`` has the child find the run's tokenizer as the monitor would (``--tokenizer-path``,
+the dataset's, or with ``--resume`` the newest good checkpoint's), save it into a folder of the monitor's
+(``save_pretrained``), and report its content hash with the layout of the run's model for it (its vocabulary
+size, its special ids): the monitor holds a ``SavedTokenizer``.
 """
 
 from __future__ import annotations
