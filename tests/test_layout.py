@@ -178,3 +178,27 @@ def test_the_monitors_layout_of_a_run_started_from_a_pretrained_folder(tmp_path)
     _, layout = run_state_layout(config, tmp_path / "checkpoints", tmp_path / "saved")
     real = build_model(config.run, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     assert describe(layout) == describe(real)
+
+
+def test_the_monitor_finds_the_tokenizer_of_a_dataset_it_reads_by_url(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    from cotrain.data import demo_corpus, load_tokenizer, prepare_dataset, tokenizer_hash
+
+    data = tmp_path / "data"
+    prepare_dataset(demo_corpus()[:400], str(data), vocab_size=300, max_length=64)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(data))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/"
+        peer = {"dataset_url": url, "cache_dir": str(tmp_path / "cache")}
+        config = resolve(overrides={"run": {"preset": "albert-tiny"}, "peer": peer})
+        tokenizer, _ = run_state_layout(config, tmp_path / "checkpoints", tmp_path / "saved")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert tokenizer.content_hash == tokenizer_hash(load_tokenizer(data / "tokenizer"))
+    assert tokenizer_hash(load_tokenizer(tmp_path / "saved")) == tokenizer.content_hash
