@@ -212,8 +212,8 @@ class Monitor:
             return
         from cotrain.layout import run_state_layout
 
-        # the run's tokenizer (it gives the model's shapes), saved beside the checkpoints that carry it
-        found = run_state_layout(self.config, root, out / "tokenizer")
+        # the run's tokenizer (it gives the model's shapes), saved among the checkpoints that carry it
+        found = run_state_layout(self.config, root, root / "tokenizer")
         if found is None:
             logger.info(
                 "Checkpoints are off: the monitor needs the model's shapes; give --dataset-path, "
