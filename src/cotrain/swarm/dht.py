@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import itertools
 import logging
 import os
 import re
@@ -207,7 +208,9 @@ def announce_public_address(host_maddrs: list[str], target: tuple[str, int] = GO
     return [f"/{proto}/{address}/tcp/{port}" for port in ports]
 
 
-JOIN_ATTEMPTS = 3  # DHT starts when the initial peers were there but answered no ping in time
+# how long a newcomer keeps starting its DHT node again while its initial peers are there but too busy to
+# answer in time (at 32 trainers on 2 cores, a monitor answered nothing for over 40 s)
+JOIN_PATIENCE_S = 120.0
 SLOW_DIAL_S = 5.0  # a libp2p dial refused or reset fails within about a second; a busy peer's takes longer
 P2PD_GOGC = "25"  # the libp2p daemon's Go collector runs when its heap has grown by a quarter
 
@@ -285,7 +288,8 @@ def create_dht(
         in_thread=in_thread,
         start=True,
     )
-    for attempt in range(1, JOIN_ATTEMPTS + 1):
+    first = time.monotonic()
+    for attempt in itertools.count(2):
         started = time.monotonic()
         try:
             dht = SwarmDHT(**options)
@@ -300,10 +304,11 @@ def create_dht(
             slow = ("responded to a ping" in text and took >= wait_timeout) or (
                 "failed to connect to bootstrap peers" in text and took >= SLOW_DIAL_S
             )
-            if initial_peers and slow and attempt < JOIN_ATTEMPTS:
+            waited = time.monotonic() - first
+            if initial_peers and slow and waited < JOIN_PATIENCE_S:
                 logger.warning(
-                    f"No initial peer answered within {wait_timeout:.0f} s (a busy machine or a slow link?); "
-                    f"trying again ({attempt + 1} of {JOIN_ATTEMPTS})"
+                    f"No initial peer answered in time (a busy machine or a slow link?); trying again (try "
+                    f"{attempt}, {waited:.0f} s of at most {JOIN_PATIENCE_S:.0f})"
                 )
                 continue
             raise _start_error(text, initial_peers, host_maddrs, access) from None
