@@ -78,3 +78,35 @@ def test_a_stand_in_imports_the_real_module_at_its_first_attribute(monkeypatch):
     real = sys.modules[name]
     assert type(real) is types.ModuleType and parent.quoprimime is real
     assert stand_in.header_length is real.header_length  # a kept reference still reaches the real module
+
+
+MODEL_CODE_IN_A_FRESH_PROCESS = """
+import json, sys
+from cotrain._worker import main  # noqa: F401
+from cotrain.deferred import StandIn, defer_all
+defer_all()
+import transformers.loss.loss_utils  # what transformers' model classes import: its detection losses
+from cotrain import config
+from cotrain.models import build_model
+build_model(config.resolve("albert-tiny").run, vocab_size=100)
+seen = {"stand_in": isinstance(sys.modules["scipy.optimize"], StandIn),
+        "loaded": sorted(m for m in sys.modules if m.startswith("scipy.optimize."))}
+from scipy.optimize import linear_sum_assignment
+rows, cols = linear_sum_assignment([[4, 1, 3], [2, 0, 5], [3, 2, 2]])
+seen.update(name=linear_sum_assignment.__name__, rows=rows.tolist(), cols=cols.tolist(),
+            real=type(sys.modules["scipy.optimize"]).__name__)
+print(json.dumps(seen))
+"""
+
+
+def test_transformers_model_code_leaves_scipy_optimize_unloaded_until_its_function_is_called():
+    done = subprocess.run(
+        [sys.executable, "-c", MODEL_CODE_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["stand_in"] and seen["loaded"] == []
+    # scipy's own answer for this cost matrix (its documentation's example): rows 0,1,2 -> columns 1,0,2
+    assert seen["name"] == "linear_sum_assignment"
+    assert (seen["rows"], seen["cols"]) == ([0, 1, 2], [1, 0, 2])
+    assert seen["real"] == "module"

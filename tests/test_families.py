@@ -171,6 +171,50 @@ def test_the_masked_positions_loss_and_gradients_are_the_full_forwards(twin, tok
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("twin", ["albert-tiny", "gpt2-tiny"])
+def test_gelu_new_runs_as_the_fused_kernel_with_the_same_loss_gradients_and_config(twin, tokenizers):
+    """ALBERT's and GPT-2's ``gelu_new`` runs as torch's fused tanh-GELU: the same loss and gradients as
+    transformers' own activation, fewer bytes kept for the backward pass, and the configuration unchanged."""
+    from transformers.activations import NewGELUActivation
+
+    from cotrain.models import build_model, collator_for_run, forward_loss
+
+    run = cfg.resolve(twin).run
+    tokenizer = tokenizers[tokenizer_type_for(run.model_family, run.objective)]
+    model = build_model(
+        run, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+    )
+    model.eval()
+    assert "gelu_new" in (
+        getattr(model.config, "hidden_act", None),
+        getattr(model.config, "activation_function", None),
+    )
+    fused = [m for m in model.modules() if type(m).__name__ == "GELUTanh"]
+    assert fused and not any(isinstance(m, NewGELUActivation) for m in model.modules())
+    batch = collator_for_run(run, tokenizer, seed=1)(_batch(run.model_family, tokenizer) * 4)
+
+    def run_step() -> tuple[float, list[torch.Tensor], int]:
+        saved = []
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
+            loss = forward_loss(model, batch)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None], sum(saved)
+
+    loss, grads, saved_bytes = run_step()
+    for module in list(model.modules()):  # transformers' own activation back in place
+        for name, child in list(module.named_children()):
+            if type(child).__name__ == "GELUTanh":
+                setattr(module, name, NewGELUActivation())
+    their_loss, their_grads, their_saved_bytes = run_step()
+    assert loss == pytest.approx(their_loss, rel=1e-5)
+    for mine, theirs in zip(grads, their_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+    assert saved_bytes < 0.8 * their_saved_bytes, (saved_bytes, their_saved_bytes)
+
+
 @pytest.mark.parametrize("drop", ["labels", "sentence_order_label"])
 def test_a_batch_without_its_labels_is_one_clear_error(drop, tokenizers):
     from cotrain.models import build_model, collator_for_run, forward_loss

@@ -89,7 +89,26 @@ def build_model(
     else:
         config = model_config(run, vocab_size, pad_token_id, bos_token_id, eos_token_id)
         model = getattr(transformers, family.model_class)(config)
+    fuse_activations(model)
     return model
+
+
+def fuse_activations(model: torch.nn.Module) -> int:
+    """Give the model torch's fused kernel for the tanh-approximated GELU in place of transformers'
+    ``gelu_new`` (ALBERT's and GPT-2's activation), the same function written as 8 tensor operations, each
+    of which keeps its output for the backward pass: a feed-forward layer's activation then keeps one tensor
+    for the backward pass instead of several (on ``albert-tiny`` at micro-batches of 8 x 128 tokens, 70-80
+    MiB less at a training step's peak). The configuration, and so checkpoints and exports, still say
+    ``gelu_new``; the two agree to float rounding. Returns how many activations were replaced."""
+    from transformers.activations import NewGELUActivation, get_activation
+
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(module, name, get_activation("gelu_pytorch_tanh"))
+                replaced += 1
+    return replaced
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
