@@ -403,6 +403,7 @@ def test_step_arms_alternate_their_order_and_report_their_means(capsys):
     assert "peak MiB" in out and out.splitlines()[-1].split() == ["b", "2.500", "1.67", "100", "150"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["full", "forward_loss"])
 def test_a_step_arm_trains_its_preset_in_a_fresh_process(loss):
     got = _steps.run_steps(

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import types
 
+import pytest
+
 from cotrain import deferred
 
 IN_A_FRESH_PROCESS = """
@@ -99,6 +101,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_transformers_model_code_leaves_scipy_optimize_unloaded_until_its_function_is_called():
     done = subprocess.run(
         [sys.executable, "-c", MODEL_CODE_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=120

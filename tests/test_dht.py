@@ -311,6 +311,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stopped", ["dht", "daemon"])
 def test_a_newcomer_tries_again_when_its_initial_peer_is_too_busy_to_answer(caplog, stopped):

@@ -12,7 +12,7 @@ import torch
 from cotrain import checkpoints as ck
 from cotrain.config import resolve
 from cotrain.errors import UserError
-from cotrain.layout import LayoutModel, SavedTokenizer, describe, read_layout, run_state_layout
+from cotrain.layout import LayoutModel, SavedTokenizer, describe, run_state_layout
 from cotrain.models import build_model
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
@@ -100,6 +100,7 @@ print(json.dumps({"imported": sorted(m for m in heavy if m in sys.modules), "sha
 """
 
 
+@pytest.mark.slow
 def test_the_monitors_state_keeper_imports_no_model_code_tokenizer_nor_torch_compile(tmp_path):
     from cotrain.data import demo_corpus, load_tokenizer, tokenizer_hash, train_albert_tokenizer
 
@@ -125,6 +126,7 @@ def test_the_monitors_state_keeper_imports_no_model_code_tokenizer_nor_torch_com
     }
 
 
+@pytest.mark.slow
 def test_the_runs_tokenizer_is_found_as_the_monitor_finds_it(tmp_path):
     from cotrain.data import demo_corpus, prepare_dataset
 
@@ -150,10 +152,19 @@ def test_the_runs_tokenizer_is_found_as_the_monitor_finds_it(tmp_path):
     assert not (tmp_path / "t2").exists()
 
 
-def test_a_model_the_child_cannot_build_gives_one_clear_error():
-    run = resolve(overrides={"run": {"preset": "bert-tiny", "model": {"no_such_key": 1}}}).run
+def test_a_model_the_child_cannot_build_gives_one_clear_error(tmp_path):
+    from cotrain.data import demo_corpus, train_albert_tokenizer
+
+    train_albert_tokenizer(demo_corpus()[:300], 300, tmp_path / "given")
+    config = resolve(
+        overrides={
+            "run": {"preset": "albert-tiny", "model": {"no_such_key": 1}},
+            "peer": {"tokenizer_path": str(tmp_path / "given")},
+        }
+    )
     with pytest.raises(UserError, match=r"^cannot read the model's layout: .*no_such_key"):
-        read_layout(run, vocab_size=400)
+        run_state_layout(config, tmp_path / "checkpoints", tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()  # nothing half-saved
 
 
 def test_a_persistent_buffer_has_no_layout():
@@ -163,6 +174,7 @@ def test_a_persistent_buffer_has_no_layout():
         describe(module)
 
 
+@pytest.mark.slow
 def test_the_monitors_layout_of_a_run_started_from_a_pretrained_folder(tmp_path):
     from cotrain.data import demo_corpus, train_albert_tokenizer
 
@@ -180,6 +192,7 @@ def test_the_monitors_layout_of_a_run_started_from_a_pretrained_folder(tmp_path)
     assert describe(layout) == describe(real)
 
 
+@pytest.mark.slow
 def test_the_monitor_finds_the_tokenizer_of_a_dataset_it_reads_by_url(tmp_path):
     import functools
     import http.server

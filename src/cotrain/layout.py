@@ -86,24 +86,6 @@ class LayoutModel(torch.nn.Module):
         return module
 
 
-def read_layout(
-    run: RunConfig,
-    vocab_size: int,
-    pad_token_id: int | None = 0,
-    bos_token_id: int | None = None,
-    eos_token_id: int | None = None,
-) -> list[dict]:
-    """The layout of the run's model, read in a child process (this one imports no model code)."""
-    request = {
-        "run": dataclasses.asdict(run),
-        "vocab_size": vocab_size,
-        "pad_token_id": pad_token_id,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-    }
-    return _ask_child(request)
-
-
 def _ask_child(request: dict) -> Any:
     """Run ``python -m cotrain.layout`` on ``request``; its answer, or its error as one UserError."""
     try:
@@ -121,19 +103,6 @@ def _ask_child(request: dict) -> Any:
         why = lines[-1].removeprefix("error: ") if lines else f"exit status {done.returncode}"
         raise UserError(why if done.returncode == 2 else f"{NO_LAYOUT}: {why}")
     return json.loads(done.stdout)
-
-
-def layout_model(run: RunConfig, tokenizer: Any) -> LayoutModel:
-    """A LayoutModel of the run's model for ``tokenizer`` (its vocabulary size and special token ids)."""
-    return LayoutModel(
-        read_layout(
-            run,
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,14 +197,12 @@ def _built_layout(run: RunConfig, **ids: Any) -> list[dict]:
 
 
 def main() -> None:
-    """``python -m cotrain.layout``: a request (JSON on stdin) -> the model's layout (JSON on stdout); a
-    request with a ``config`` -> the run's tokenizer saved and the layout for it (run_state_layout)."""
+    """``python -m cotrain.layout``: a request (JSON on stdin: the run's config, where its checkpoints are,
+    where to save the tokenizer) -> the run's tokenizer saved and the model's layout for it (JSON on stdout;
+    run_state_layout)."""
     request = json.loads(sys.stdin.read())
     try:
-        if "config" in request:
-            answer: Any = _state_layout(request)
-        else:
-            answer = _built_layout(RunConfig.from_dict(request.pop("run")), **request)
+        answer = _state_layout(request)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -31,7 +31,7 @@ from cotrain import checkpoints as ck
 from cotrain.config import Config
 from cotrain.engine.strategy import strategy_class
 from cotrain.errors import UserError
-from cotrain.layout import LayoutModel, layout_model
+from cotrain.layout import LayoutModel
 from cotrain.nocompile import keep_dynamo_out
 from cotrain.swarm import fixes
 
@@ -57,16 +57,15 @@ class StateKeeper:
         tokenizer: Any,
         root: str | Path,
         stop: threading.Event,
-        model: torch.nn.Module | None = None,
+        model: torch.nn.Module,
     ) -> None:
-        """``model``: the model to hold the state in (the evaluation peer's, which computes with it); by
-        default the run model's parameters without its code (cotrain.layout): the monitor never computes.
-        ``tokenizer``: a loaded tokenizer, or its saved files (cotrain.layout.SavedTokenizer)."""
+        """``model``: the model to hold the state in: the run model's parameters without its code for the
+        monitor, which never computes (a cotrain.layout.LayoutModel, from run_state_layout), the real model
+        for the evaluation peer, which computes with it. ``tokenizer``: a loaded tokenizer, or its saved files
+        (cotrain.layout.SavedTokenizer)."""
         run, peer = config.run, config.peer
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
         fixes.apply()
-        if model is None:
-            model = layout_model(run, tokenizer)
         if isinstance(model, LayoutModel):  # the monitor computes nothing: no torch.compile tracer either
             keep_dynamo_out()
         self.model = model
