@@ -31,6 +31,8 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from cotrain.swarm.hosting import join_at_exit
+
 if TYPE_CHECKING:
     from cotrain.swarm.optimizer import SwarmOptimizer
 
@@ -131,6 +133,7 @@ class SwarmHealer(threading.Thread):
 
     def close(self) -> None:
         self._closed.set()
+        join_at_exit(self)  # it may be loading the swarm's state
 
     def _stopping(self) -> bool:
         return self.stop.is_set() or self._closed.is_set()

@@ -19,6 +19,11 @@ Four things in hivemind 1.1.12 assume a process of their own, and are mended her
 - a process ends with its event loop's tasks and objects as they are. A thread's loop is a ``_ServingLoop``,
   which, closing, finishes what is left while it can still run (``switch_to_uvloop`` makes it).
 
+A process ends its daemon threads where they are: one inside a torch operation then aborts the whole process
+("terminate called without an active exception", exit status 134: torch's C++ code cannot be unwound there).
+A serving thread that did not stop within its shutdown's grace period, and cotrain's helper threads that
+compute on tensors, are given up to ``EXIT_GRACE_S`` more at interpreter exit (``join_at_exit``).
+
 A thread's loop also keeps each of its tasks until it is done. hivemind creates tasks and keeps no reference
 to them (a step's matchmaking, the declaration of an averager in the DHT); such a task, awaiting an
 ``MPFuture`` answered by its id through the update pipe, is a cycle nothing else refers to. A process of its
@@ -30,12 +35,15 @@ later round found a group (tests/test_partition.py, diloco).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import logging
 import os
 import signal
 import threading
+import time
 import traceback
+import weakref
 
 import torch
 import uvloop
@@ -190,8 +198,10 @@ class ServedInThread:
     def terminate(self) -> None:
         if self._serving_thread is None:
             return super().terminate()
-        # a thread cannot be stopped from outside; as a daemon thread it ends with the process
+        # a thread cannot be stopped from outside; as a daemon thread it ends with the process, which waits
+        # for it a little (join_at_exit)
         logger.debug(f"{type(self).__name__} did not stop in time; it ends with the process")
+        join_at_exit(self._serving_thread)
 
     kill = terminate
 
@@ -220,3 +230,21 @@ async def _cancel_and_wait(tasks: list[asyncio.Task]) -> None:
     for task in tasks:
         if task.done() and not task.cancelled():
             task.exception()  # retrieved: an error was logged where it happened, if at all
+
+
+EXIT_GRACE_S = 15.0  # at interpreter exit, for all the threads still stopping together
+_stopping: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def join_at_exit(thread: threading.Thread) -> None:
+    """``thread`` (a daemon thread) was asked to stop: at interpreter exit, wait for it to end, up to
+    EXIT_GRACE_S for all such threads together, rather than end it in the middle of its tensor work."""
+    if thread.is_alive() and thread is not threading.current_thread():
+        _stopping.add(thread)
+
+
+@atexit.register  # after Python joined the non-daemon threads, before it ends the daemon ones
+def _join_stopping_threads() -> None:
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for thread in list(_stopping):
+        thread.join(max(0.0, deadline - time.monotonic()))

@@ -102,7 +102,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     spread,
     verdict,
 )
-from cotrain.swarm.hosting import ServedInThread
+from cotrain.swarm.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
 from cotrain.swarm.progress import witnessed_epoch
 
@@ -239,6 +239,7 @@ class FingerprintPublisher(threading.Thread):
 
     def close(self) -> None:
         self.closed.set()
+        join_at_exit(self)  # it may be computing a fingerprint, a pass over every parameter
 
 
 # --- the holders ----------------------------------------------------------------------------------------
