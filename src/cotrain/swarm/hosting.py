@@ -35,7 +35,6 @@ later round found a group (tests/test_partition.py, diloco).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import gc
 import logging
 import os
@@ -236,15 +235,32 @@ EXIT_GRACE_S = 15.0  # at interpreter exit, for all the threads still stopping t
 _stopping: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
+class _AtExit:
+    """What the exit finalizers share: the one that will run next, and the deadline once exiting began."""
+
+    pending: weakref.finalize | None = None
+    deadline: float | None = None
+
+
+_at_exit = _AtExit()
+
+
 def join_at_exit(thread: threading.Thread) -> None:
     """``thread`` (a daemon thread) was asked to stop: at interpreter exit, wait for it to end, up to
-    EXIT_GRACE_S for all such threads together, rather than end it in the middle of its tensor work."""
-    if thread.is_alive() and thread is not threading.current_thread():
-        _stopping.add(thread)
+    EXIT_GRACE_S for all such threads together, rather than end it in the middle of its tensor work.
+
+    The wait is a ``weakref.finalize`` callback, not a plain ``atexit`` one: a peer left running at exit is
+    shut down by its own finalizer (cotrain.engine.peer), and finalizers run at exit newest first, one made
+    while they run included, so this wait comes after the shutdown that asked the thread to stop."""
+    if not thread.is_alive() or thread is threading.current_thread():
+        return
+    _stopping.add(thread)
+    if _at_exit.pending is None or not _at_exit.pending.alive:
+        _at_exit.pending = weakref.finalize(_at_exit, _join_stopping_threads)
 
 
-@atexit.register  # after Python joined the non-daemon threads, before it ends the daemon ones
 def _join_stopping_threads() -> None:
-    deadline = time.monotonic() + EXIT_GRACE_S
+    if _at_exit.deadline is None:
+        _at_exit.deadline = time.monotonic() + EXIT_GRACE_S
     for thread in list(_stopping):
-        thread.join(max(0.0, deadline - time.monotonic()))
+        thread.join(max(0.0, _at_exit.deadline - time.monotonic()))
