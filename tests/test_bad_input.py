@@ -128,7 +128,9 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "cannot write to the folder of --output",
         "call",
     ),
-    ("demo with no peers", ["demo", "--peers", "0"], "demo peers and steps must be at least 1", "call"),
+    ("demo with no peers", ["demo", "--peers", "0"], "demo peers and steps must be at least 2", "call"),
+    ("demo with a lone peer", ["demo", "--peers", "1"], "demo peers and steps must be at least 2", "call"),
+    ("demo of one step", ["demo", "--steps", "1"], "demo peers and steps must be at least 2", "call"),
     ("no dataset given", [*TRAIN], "give one of --dataset-path", "process"),
     ("peer without /p2p/", [*TRAIN, "--initial-peers", "/ip4/10.0.0.1/tcp/5"], "lacks its /p2p/", "process"),
     (

@@ -165,3 +165,22 @@ def test_demo_trains_a_real_swarm_reports_and_gives_every_peer_its_run_flags(tmp
     first, last = both[0], both[-1]
     per_step = (last["samples"] - first["samples"]) / (last["step"] - first["step"])
     assert 0.8 * 32 <= per_step <= 1.75 * 32, (per_step, rows)
+
+
+@pytest.mark.parametrize(
+    ("losses", "first", "last"),
+    [
+        ([9.3, 9.0, 8.5], 9.3, 8.5),  # 3 steps: the first against the last
+        ([9.4, 9.2, 9.1, 8.9], 9.3, 9.0),
+        ([9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0], 8.0, 3.0),
+        ([9.0], 9.0, 9.0),  # one step shows no fall
+    ],
+)
+def test_the_summary_compares_windows_of_steps_that_never_overlap(losses, first, last):
+    from cotrain.demo import summarize
+
+    rows = [{"step": i + 1, "loss": loss, "max_group_size": 2} for i, loss in enumerate(losses)]
+    rows.insert(1, {"step": 1, "loss": None})  # rows without a loss are not steps
+    summary = summarize(rows, peers=2, seconds=1.0)
+    assert summary["loss_first"] == pytest.approx(first) and summary["loss_last"] == pytest.approx(last)
+    assert summary["global_steps"] == len(losses)

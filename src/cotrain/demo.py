@@ -145,9 +145,11 @@ def demo_run_settings(config: Config) -> Config:
 
 
 def summarize(rows: list[dict], peers: int, seconds: float, strategy: str = "sync") -> dict:
-    """The demo's result from the monitor's per-step metrics."""
+    """The demo's result from the monitor's per-step metrics: the mean loss of the first and of the last (up
+    to) 3 steps, two windows that never overlap (with 3 steps: the first against the last)."""
     steps = [r for r in rows if r.get("loss") is not None]
-    first, last = steps[:3], steps[-3:]
+    window = max(1, min(3, len(steps) // 2))
+    first, last = steps[:window], steps[-window:]
 
     def mean(rs: list[dict]) -> float | None:
         return round(sum(r["loss"] for r in rs) / len(rs), 4) if rs else None

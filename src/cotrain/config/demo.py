@@ -18,16 +18,21 @@ class DemoConfig:
 
     TITLE: ClassVar[str] = "demo"
 
-    peers: int = opt(2, "Number of trainer peers to start.", roles=("demo",))
-    steps: int = opt(8, "Global steps (diloco: outer rounds) to train before stopping.", roles=("demo",))
+    peers: int = opt(2, "Number of trainer peers to start (at least 2).", roles=("demo",))
+    steps: int = opt(
+        8, "Global steps (diloco: outer rounds) to train before stopping (at least 2).", roles=("demo",)
+    )
     deadline: float = opt(
         540.0, "Seconds after which the demo stops even if the steps are not done.", roles=("demo",)
     )
 
     def problems(self) -> list[str]:
         problems = []
-        if self.peers < 1 or self.steps < 1:
-            problems.append("demo peers and steps must be at least 1")
+        if self.peers < 2 or self.steps < 2:
+            problems.append(
+                "demo peers and steps must be at least 2 (peers that average with each other, and steps "
+                "enough to see the loss fall)"
+            )
         if self.deadline <= 0:
             problems.append(f"deadline must be positive, got {self.deadline}")
         return problems
