@@ -6,7 +6,8 @@ labels included), its loss (``loss``: ``forward_loss``, cotrain's, or ``full``, 
 backward and an Adam step. The process reports its mean seconds per step after ``warmup`` steps, its
 largest resident memory after a step (what it holds between steps) and its peak resident memory (``VmHWM``:
 what a step needs at its height). ``mmap_threshold`` sets glibc's ``M_MMAP_THRESHOLD`` before torch
-allocates anything; ``trim`` calls ``malloc_trim(0)`` after every step.
+allocates anything; ``trim`` calls ``malloc_trim(0)`` after every step; ``unfused_gelu`` gives the model
+transformers' own ``gelu_new`` back in place of the fused kernel cotrain builds it with.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ import cotrain.config as cfg
 from cotrain.models import build_model, forward_loss, model_inputs
 VOCAB, BATCH, LENGTH = 30000, arm.get("batch", 8), arm.get("length", 128)
 model = build_model(cfg.resolve(arm["preset"]).run, vocab_size=VOCAB)
+if arm.get("unfused_gelu"):  # transformers' own gelu_new in place of cotrain's fused kernel
+    from transformers.activations import NewGELUActivation
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child).__name__ == "GELUTanh":
+                setattr(module, name, NewGELUActivation())
 opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 gen = torch.Generator().manual_seed(0)
 def loss_of(batch):
@@ -93,6 +100,36 @@ def alternate(
         }
         for name, runs in results.items()
     }
+
+
+def compare_presets(
+    description: str, arms: dict[str, dict], base: str, presets: list[str], event: str
+) -> None:
+    """A benchmark's command line: for each of ``--presets`` (default ``presets``), run the step ``arms``
+    (``base`` among them) side by side, print a table per preset and last a JSON line ``{"event": event,
+    "batch": ..., "length": ..., "presets": {PRESET: {ARM: ROW}}}``."""
+    import argparse
+
+    from _netns import print_finished, print_started
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--presets", nargs="+", default=presets)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    started = print_started()
+    results = {}
+    for preset in args.presets:
+        common = {"preset": preset, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
+                  "length": args.length}  # fmt: skip
+        print(f"\n{preset}, micro-batch {args.batch} x {args.length}", flush=True)
+        results[preset] = alternate({name: {**common, **arm} for name, arm in arms.items()}, args.repeats)
+        print_table(results[preset], base, heading=preset)
+    print_finished(started)
+    print(json.dumps({"event": event, "batch": args.batch, "length": args.length, "presets": results}))
 
 
 def print_table(summary: dict[str, dict], base: str, heading: str = "setting") -> None:

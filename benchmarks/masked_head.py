@@ -16,41 +16,14 @@ Last line: ``{"event": "masked_head_summary", "presets": {PRESET: {ARM: ROW}}}``
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import print_finished, print_started  # noqa: E402
-from _steps import alternate, print_table  # noqa: E402
+from _steps import compare_presets  # noqa: E402
 
 ARMS = {"full forward": {"loss": "full"}, "masked positions": {"loss": "forward_loss"}}
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--presets", nargs="+", default=["albert-tiny", "bert-tiny", "roberta-tiny", "albert-base-v2"]
-    )
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-    started = print_started()
-    results = {}
-    for preset in args.presets:
-        common = {"preset": preset, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
-                  "length": args.length}  # fmt: skip
-        print(f"\n{preset}, micro-batch {args.batch} x {args.length}", flush=True)
-        results[preset] = alternate({name: {**common, **arm} for name, arm in ARMS.items()}, args.repeats)
-        print_table(results[preset], "full forward", heading=preset)
-    print_finished(started)
-    print(json.dumps({"event": "masked_head_summary", "batch": args.batch, "length": args.length,
-                      "presets": results}))  # fmt: skip
-
+PRESETS = ["albert-tiny", "bert-tiny", "roberta-tiny", "albert-base-v2"]
 
 if __name__ == "__main__":
-    main()
+    compare_presets(__doc__.split("\n\n")[0], ARMS, "full forward", PRESETS, "masked_head_summary")

@@ -404,9 +404,11 @@ def test_step_arms_alternate_their_order_and_report_their_means(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["full", "forward_loss"])
-def test_a_step_arm_trains_its_preset_in_a_fresh_process(loss):
+@pytest.mark.parametrize(
+    "arm", [{"loss": "full"}, {"loss": "forward_loss"}, {"loss": "forward_loss", "unfused_gelu": True}]
+)
+def test_a_step_arm_trains_its_preset_in_a_fresh_process(arm):
     got = _steps.run_steps(
-        {"preset": "albert-tiny", "loss": loss, "steps": 2, "warmup": 1, "batch": 2, "length": 32}
+        {"preset": "albert-tiny", "steps": 2, "warmup": 1, "batch": 2, "length": 32, **arm}
     )
     assert got["s_per_step"] > 0 and got["peak_mib"] >= got["rss_mib"] > 50, got

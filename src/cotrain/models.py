@@ -97,9 +97,10 @@ def fuse_activations(model: torch.nn.Module) -> int:
     """Give the model torch's fused kernel for the tanh-approximated GELU in place of transformers'
     ``gelu_new`` (ALBERT's and GPT-2's activation), the same function written as 8 tensor operations, each
     of which keeps its output for the backward pass: a feed-forward layer's activation then keeps one tensor
-    for the backward pass instead of several (on ``albert-tiny`` at micro-batches of 8 x 128 tokens, 70-80
-    MiB less at a training step's peak). The configuration, and so checkpoints and exports, still say
-    ``gelu_new``; the two agree to float rounding. Returns how many activations were replaced."""
+    for the backward pass instead of several (on ``albert-tiny`` at micro-batches of 8 x 128 tokens, 68 MiB
+    less at a training step's peak: benchmarks/fused_gelu.py). The configuration, and so checkpoints and
+    exports, still say ``gelu_new``; the two agree to float rounding. Returns how many activations were
+    replaced."""
     from transformers.activations import NewGELUActivation, get_activation
 
     replaced = 0
