@@ -157,3 +157,39 @@ def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
             if peer.proc.poll() is None:
                 peer.kill()
         monitor.stop()
+
+
+LEAVE = """
+import sys, threading, torch, cotrain
+peer = cotrain.SwarmPeer(
+    torch.nn.Linear(2, 1), optimizer=lambda params: torch.optim.SGD(params, lr=0.1), run_id="leave",
+    target_batch_size=8, host_maddrs=["/ip4/127.0.0.1/tcp/0"], strategy=sys.argv[1],
+)
+names = lambda: [t.name for t in threading.enumerate()]
+assert "stop-rounds" in names(), names()
+peer._stop.set()  # as a role's signal handler does: rounds are cancelled until the peer has left
+threading.Event().wait(0.5)
+if sys.argv[2] == "shutdown":
+    peer.shutdown()
+    assert "stop-rounds" not in names(), names()
+print("left", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["shutdown", "exit"])
+def test_a_peer_that_left_keeps_no_thread_cancelling_its_rounds(how):
+    # a round's future keeps its state in a torch tensor: a thread still cancelling rounds at interpreter
+    # exit was ended inside a torch call and aborted the process ("terminate called without an active
+    # exception"); left by shutdown() or by its finalizer at exit, the peer ends that thread first
+    for strategy in ("sync", "diloco"):
+        done = subprocess.run(
+            [sys.executable, "-c", LEAVE, strategy, how],
+            capture_output=True,
+            text=True,
+            env=cotrain_env(),
+            timeout=150,
+        )
+        assert done.returncode == 0 and "left" in done.stdout, done.stdout + done.stderr[-3000:]
+        assert "terminate called" not in done.stderr

@@ -249,9 +249,9 @@ def join_at_exit(thread: threading.Thread) -> None:
     """``thread`` (a daemon thread) was asked to stop: at interpreter exit, wait for it to end, up to
     EXIT_GRACE_S for all such threads together, rather than end it in the middle of its tensor work.
 
-    The wait is a ``weakref.finalize`` callback, not a plain ``atexit`` one: a peer left running at exit is
-    shut down by its own finalizer (cotrain.engine.peer), and finalizers run at exit newest first, one made
-    while they run included, so this wait comes after the shutdown that asked the thread to stop."""
+    The wait is a ``weakref.finalize`` callback, not a plain ``atexit`` one: finalizers run at exit newest
+    first, one made while they run included, so this wait comes after any shutdown at exit that asked the
+    thread to stop (a peer left running leaves earlier still: cotrain.engine.peer)."""
     if not thread.is_alive() or thread is threading.current_thread():
         return
     _stopping.add(thread)
