@@ -231,6 +231,30 @@ class RobustAllReduceRunner(AllReduceRunner):
         retire(default)
         self.bounded_by = 0.0  # set where the result was bounded: how many times the bound it lay away
 
+    async def run(self) -> AsyncIterator[torch.Tensor]:
+        """hivemind's run, which finalizes this peer's reducer once this peer has all its own results: a peer
+        whose own part was refused (NaN, Inf) has them at once, before the others' parts reach its reducer,
+        and its reducer then turned those away (each such peer kept its own values for that span). After its
+        last result, this peer's reducer first finishes serving the others (bounded by their timeouts: a
+        sender that stalls is banned)."""
+        outputs = len(self.tensor_part_container.local_tensors)
+        yielded = 0
+        async for delta in super().run():
+            yield delta
+            yielded += 1
+            if yielded == outputs:
+                await self._until_reduced()
+
+    async def _until_reduced(self) -> None:
+        reducer = self.tensor_part_reducer
+        if reducer.finished.is_set():
+            return
+        bound = sum(t for t in (self.sender_timeout, self.reducer_timeout) if t is not None) or None
+        try:
+            await asyncio.wait_for(reducer.finished.wait(), bound)
+        except asyncio.TimeoutError:
+            logger.debug(f"{self} - its reducer did not finish within {bound} s after this peer's results")
+
     async def _communicate_with_peer(self, peer_id) -> None:
         if peer_id != self.peer_id:
             return await super()._communicate_with_peer(peer_id)
