@@ -291,10 +291,14 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
             )  # fmt: skip
         victim = roles["trainer2"]
         victim_rows = tmp_path / "t2" / "metrics.jsonl"
+        trainer_rows = [tmp_path / "t1" / "metrics.jsonl", victim_rows]
         monitor_rows = monitor_out / "metrics.jsonl"
 
-        def together() -> bool:  # both trainers averaged with each other at least once
-            return any(r["group_size"] >= 2 for r in read_rows(victim_rows))
+        def together() -> bool:  # both trainers averaged together at the same step: both hold the state
+            # (a trainer that joined a step or two behind averages once before it has downloaded the state;
+            # cut off then, the other trainer holds the swarm's state alone: healing.py)
+            steps = [{r["step"] for r in read_rows(rows) if r["group_size"] >= 2} for rows in trainer_rows]
+            return bool(steps[0] & steps[1])
 
         wait_until(together, 240, interval=1, what="the two trainers to average together")
         victim_pid = victim.proc.pid

@@ -504,7 +504,7 @@ class SwarmPeer:
         """Back from being cut off: the swarm's state wins over what this peer did alone."""
         self.healer.resync.clear()
         logger.info("Loading the swarm's current state after being cut off")
-        adopted = self.strategy.adopt_swarm_state(self._stop.is_set)
+        adopted = self.strategy.adopt_swarm_state(self._stop.is_set, self.healer.epoch_when_isolated)
         if adopted:
             logger.info(f"Adopted the swarm's state at global step {self.global_step}")
         self.events("adopted", {"step": self.global_step, "loaded": adopted})

@@ -117,10 +117,10 @@ class Strategy:
         """Download the swarm's current state, bounded by load_state_timeout."""
         self.opt.load_state_from_peers()
 
-    def adopt_swarm_state(self, should_stop: Callable[[], bool]) -> bool:
+    def adopt_swarm_state(self, should_stop: Callable[[], bool], floor: int = 0) -> bool:
         from cotrain.swarm.healing import adopt_swarm_state
 
-        return adopt_swarm_state(self.opt, self.run_id, self.load_state_timeout, should_stop)
+        return adopt_swarm_state(self.opt, self.run_id, self.load_state_timeout, should_stop, floor)
 
     def shutdown(self) -> None:
         self.cancel_rounds()

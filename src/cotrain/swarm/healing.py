@@ -15,7 +15,10 @@ from them (a lookup of its own DHT id, as at start-up). Peers it reaches add it 
 Whatever the peer did while cut off (it may have taken optimizer steps alone), its state is no longer the
 swarm's, and the swarm's state wins: the healer sets ``resync``, and the training loop calls
 ``adopt_swarm_state`` between two steps, which loads the swarm's current state even when its step number is
-lower than the peer's own, and only then serves the peer's state to others again.
+lower than the peer's own, and only then serves the peer's state to others again. Not lower than the step at
+which the peer was cut off, though: the swarm had that step when they parted, and a state from before it is a
+laggard's (a peer that joined just before the cut and could not download the state since), not the swarm's;
+with no other state as recent, the peer goes on with its own, which the laggard then loads.
 """
 
 from __future__ import annotations
@@ -206,11 +209,12 @@ class SwarmHealer(threading.Thread):
             self.resync.set()  # the training loop adopts the swarm's state, then shares its own again
 
 
-def adopt_swarm_state(opt: SwarmOptimizer, run_id: str, timeout: float, should_stop) -> bool:
+def adopt_swarm_state(opt: SwarmOptimizer, run_id: str, timeout: float, should_stop, floor: int = 0) -> bool:
     """Replace this peer's state with the swarm's current one, even when the swarm's step number is lower
-    than this peer's (after training alone, its own steps are not the swarm's). Call it from the training
-    thread, between two optimizer steps. Tries the peers that serve the state until one delivers, for up to
-    ``timeout`` seconds. Returns True if the swarm's state was loaded."""
+    than this peer's (after training alone, its own steps are not the swarm's), but not lower than ``floor``
+    (the step at which this peer was cut off: see the module's doc). Call it from the training thread, between
+    two optimizer steps. Tries the peers that serve the state until one delivers, for up to ``timeout``
+    seconds. Returns True if the swarm's state was loaded."""
     from cotrain.swarm.optimizer import load_state_bounded
     from cotrain.swarm.served import served_epochs
 
@@ -218,10 +222,13 @@ def adopt_swarm_state(opt: SwarmOptimizer, run_id: str, timeout: float, should_s
     me = opt.dht.peer_id.to_bytes()
 
     def others_serve() -> bool:
-        return any(peer != me for peer in served_epochs(opt.dht, run_id))
+        return any(peer != me and epoch >= floor for peer, epoch in served_epochs(opt.dht, run_id).items())
 
     if not others_serve():
-        logger.info("No other peer serves the swarm's state: this peer goes on with its own")
+        logger.info(
+            f"No other peer serves the swarm's state at step {floor} or later (where this peer left it): "
+            "this peer goes on with its own"
+        )
         averager.allow_state_sharing = not opt.client_mode  # as hivemind.Optimizer sets it
         return False
     if opt.scheduled_grads is not None and not opt.scheduled_grads.done():
@@ -230,7 +237,7 @@ def adopt_swarm_state(opt: SwarmOptimizer, run_id: str, timeout: float, should_s
     averager.step(wait_for_delayed_updates=True)
     own_epoch = opt.local_epoch
     averager.allow_state_sharing = False
-    averager.local_epoch = 0  # hivemind refuses a state whose step is lower than the peer's own
+    averager.local_epoch = floor  # hivemind refuses a state whose step is lower than the peer's own
     loaded = False
     deadline = time.monotonic() + timeout
     try:
