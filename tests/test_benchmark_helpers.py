@@ -411,4 +411,5 @@ def test_a_step_arm_trains_its_preset_in_a_fresh_process(arm):
     got = _steps.run_steps(
         {"preset": "albert-tiny", "steps": 2, "warmup": 1, "batch": 2, "length": 32, **arm}
     )
-    assert got["s_per_step"] > 0 and got["peak_mib"] >= got["rss_mib"] > 50, got
+    # the kernel updates the peak (getrusage's maxrss) lazily: the RSS read last can exceed it by a few pages
+    assert got["s_per_step"] > 0 and got["peak_mib"] >= 0.99 * got["rss_mib"] and got["rss_mib"] > 50, got

@@ -204,11 +204,12 @@ def test_an_eval_peer_measures_the_swarms_state(demo_data, tmp_path):
         )
         roles.append(evaluator)
 
-        def progressed() -> bool:
+        def progressed() -> bool:  # and both trainers counted by the monitor (one may start late when busy)
             steps = [r["step"] for r in eval_rows(metrics)]
-            return len(steps) >= 3 and max(steps) >= min(steps) + 3
+            both = any(r.get("alive_peers") == 2 for r in read_rows(metrics) if "kind" not in r)
+            return both and len(steps) >= 3 and max(steps) >= min(steps) + 3
 
-        wait_until(progressed, 360, interval=1, what="evaluations 3 global steps apart in the monitor's log")
+        wait_until(progressed, 360, interval=1, what="evaluations 3 steps apart and both trainers counted")
         for role in roles:
             assert role.proc.poll() is None, role.text()
         # `cotrain status` reads the evaluation records itself
