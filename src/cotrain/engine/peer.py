@@ -30,7 +30,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ import torch
 from cotrain.config import PeerConfig, RunConfig
 from cotrain.config.averaging import GRAD_COMPRESSIONS
 from cotrain.engine.compute import flat_tensors, gradient_norm
-from cotrain.engine.shutdown import shutdown_in_order
+from cotrain.engine.shutdown import leave_in_order, shutdown_in_order
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -299,19 +298,8 @@ class SwarmPeer:
             shutdown_in_order(self.strategy, self.connection, self.cores)
             self._closed = True
             raise
-        left = threading.Event()
-        canceller = threading.Thread(
-            target=_cancel_rounds_when_set,
-            args=(self._stop, left, self.strategy),
-            daemon=True,
-            name="stop-rounds",
-        )
-        canceller.start()
         # a peer left running at exit still stops its averagers and DHT processes in order
-        self._finalizer = weakref.finalize(
-            self, _leave, self.strategy, self.connection, self.cores, left, canceller
-        )
-        _leave_before_threads_are_joined(self._finalizer)
+        self._finalizer = leave_in_order(self, self._stop, self.strategy, self.connection, self.cores)
         self._last_epoch = self.strategy.global_step
 
     # --- what a loop reads ----------------------------------------------------------------------
@@ -569,42 +557,3 @@ class SwarmPeer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _cancel_rounds_when_set(stop: threading.Event, left: threading.Event, strategy: Any) -> None:
-    """When asked to stop, cancel pending averaging rounds so a blocked step returns within a second
-    (hivemind then falls back to local gradients) and shutdown proceeds in order; until the peer has left.
-    A round's future keeps its state in a torch tensor: a thread still cancelling at interpreter exit would
-    be ended inside a torch call, which aborts the process (cotrain.swarm.hosting)."""
-    while not left.wait(0.2):
-        if stop.is_set():
-            strategy.cancel_rounds()
-
-
-def _leave_before_threads_are_joined(finalizer: weakref.finalize) -> None:
-    """Have a peer still running at interpreter exit leave at the start of the exit, with its threads.
-
-    Python joins the worker threads of every ``concurrent.futures`` thread pool at exit before it runs any
-    ``atexit`` hook or finalizer; hivemind's serving threads (cotrain.swarm.hosting) keep work waiting in
-    such a pool until the peer shuts down, so a script that ended without ``shutdown()`` waited forever.
-    Hooks registered with ``threading._register_atexit`` (the pools' own mechanism) run first, newest
-    first: the peer's shutdown comes before the pools are joined."""
-    try:
-        threading._register_atexit(finalizer)
-    except (AttributeError, RuntimeError) as e:  # no such hook in this Python, or the exit already began
-        logger.debug(f"A peer left running at exit will leave at its finalizer only: {e!r}")
-
-
-def _leave(
-    strategy: Any, connection: Any, cores: Any, left: threading.Event, canceller: threading.Thread
-) -> None:
-    """Shut the peer's parts down in order (``shutdown_in_order``), then end the thread that cancelled rounds
-    meanwhile."""
-    from cotrain.swarm.hosting import join_at_exit
-
-    try:
-        shutdown_in_order(strategy, connection, cores)
-    finally:
-        left.set()
-        canceller.join(timeout=1.0)
-        join_at_exit(canceller)

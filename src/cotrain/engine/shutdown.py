@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class _DroppedTasks(logging.Filter):
@@ -49,3 +53,56 @@ def shutdown_in_order(strategy: Any, connection: Any, cores: Any = None) -> None
         connection.close()
     if cores is not None:
         cores.close()
+
+
+def leave_in_order(owner: object, stop: threading.Event, strategy: Any, connection: Any, cores: Any = None):
+    """Arrange a peer's end: a thread that, once ``stop`` is set, cancels pending rounds until the peer has
+    left; and the returned finalizer, which shuts the peer down in order (``shutdown_in_order``) when called,
+    when ``owner`` is collected, or at the very start of the interpreter's exit."""
+    left = threading.Event()
+    canceller = threading.Thread(
+        target=_cancel_rounds_when_set, args=(stop, left, strategy), daemon=True, name="stop-rounds"
+    )
+    canceller.start()
+    finalizer = weakref.finalize(owner, _leave, strategy, connection, cores, left, canceller)
+    _leave_before_threads_are_joined(finalizer)
+    return finalizer
+
+
+def _cancel_rounds_when_set(stop: threading.Event, left: threading.Event, strategy: Any) -> None:
+    """When asked to stop, cancel pending averaging rounds so a blocked step returns within a second
+    (hivemind then falls back to local gradients) and shutdown proceeds in order; until the peer has left.
+    A round's future keeps its state in a torch tensor: a thread still cancelling at interpreter exit would
+    be ended inside a torch call, which aborts the process (cotrain.swarm.hosting)."""
+    while not left.wait(0.2):
+        if stop.is_set():
+            strategy.cancel_rounds()
+
+
+def _leave_before_threads_are_joined(finalizer: weakref.finalize) -> None:
+    """Have a peer still running at interpreter exit leave at the start of the exit, with its threads.
+
+    Python joins the worker threads of every ``concurrent.futures`` thread pool at exit before it runs any
+    ``atexit`` hook or finalizer; hivemind's serving threads (cotrain.swarm.hosting) keep work waiting in
+    such a pool until the peer shuts down, so a script that ended without ``shutdown()`` waited forever.
+    Hooks registered with ``threading._register_atexit`` (the pools' own mechanism) run first, newest
+    first: the peer's shutdown comes before the pools are joined."""
+    try:
+        threading._register_atexit(finalizer)
+    except (AttributeError, RuntimeError) as e:  # no such hook in this Python, or the exit already began
+        logger.debug(f"A peer left running at exit will leave at its finalizer only: {e!r}")
+
+
+def _leave(
+    strategy: Any, connection: Any, cores: Any, left: threading.Event, canceller: threading.Thread
+) -> None:
+    """Shut the peer's parts down in order (``shutdown_in_order``), then end the thread that cancelled rounds
+    meanwhile."""
+    from cotrain.swarm.hosting import join_at_exit
+
+    try:
+        shutdown_in_order(strategy, connection, cores)
+    finally:
+        left.set()
+        canceller.join(timeout=1.0)
+        join_at_exit(canceller)

@@ -251,7 +251,7 @@ def join_at_exit(thread: threading.Thread) -> None:
 
     The wait is a ``weakref.finalize`` callback, not a plain ``atexit`` one: finalizers run at exit newest
     first, one made while they run included, so this wait comes after any shutdown at exit that asked the
-    thread to stop (a peer left running leaves earlier still: cotrain.engine.peer)."""
+    thread to stop (a peer left running leaves earlier still: cotrain.engine.shutdown)."""
     if not thread.is_alive() or thread is threading.current_thread():
         return
     _stopping.add(thread)
