@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import hivemind
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import (
     CompressionBase,
     Float16Compression,
@@ -19,6 +20,8 @@ from cotrain.swarm import fixes
 
 logger = logging.getLogger(__name__)
 
+GROUPED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)  # a round that found its group
+
 
 class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that remembers how many peers its last gradient-averaging round had."""
@@ -26,6 +29,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     last_group_size: int = 1
     rounds_averaged: int = 0
     rounds_failed: int = 0
+    _reloaded_behind: tuple[int, int] | None = None  # (own, swarm's) steps of the last download for a step
 
     def __init__(self, *, robust_progress: bool = False, **kwargs) -> None:
         fixes.apply()
@@ -100,13 +104,49 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.tracker.global_progress.num_peers > 1:
             super()._maybe_schedule_gradient_averaging()
 
-    def load_state_from_peers(self, **kwargs) -> None:
-        """hivemind retries forever when no peer can serve state; this gives up after load_state_timeout."""
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """hivemind retries forever when no peer can serve state; this gives up after load_state_timeout.
+        Returns True if a newer state was loaded."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
-        load_state_bounded(self, self.load_state_timeout, self.should_stop)
+        return load_state_bounded(self, self.load_state_timeout, self.should_stop)
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        """hivemind's global step, except for a peer the swarm left behind with a gradient of a few samples:
+        it loads the swarm's state instead of stepping alone on them (see left_behind)."""
+        if self.left_behind():
+            own, swarm = self.local_epoch, self.tracker.global_epoch
+            samples = self.grad_averager.local_samples_accumulated
+            logger.info(
+                f"The swarm is at step {swarm} and no group takes this peer's gradient for step {own} "
+                f"({samples} samples): loading the swarm's state instead of stepping alone",
+            )
+            self._reloaded_behind = (own, swarm)
+            if not self.load_state_from_peers():
+                self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+            return
+        super()._update_global_epoch(grad_scaler)
+
+    def left_behind(self) -> bool:
+        """The swarm stepped past this peer's step without it, and this peer holds fewer samples than its
+        share of a step (target / peers): a newcomer that loaded a state the swarm then left, or a peer that
+        missed a round. hivemind would take an optimizer step on those few samples alone (one noisy step at
+        the full learning rate, which the next parameter average spreads over the swarm); a download costs
+        the download and those samples. A peer in a group that will average its gradient, one with at least
+        its share of samples, or one that already tried a download at these two steps steps as hivemind
+        does."""
+        if self.auxiliary or not self.use_gradient_averaging:
+            return False
+        own, swarm = self.local_epoch, self.tracker.global_epoch
+        peers = self.tracker.global_progress.num_peers
+        if own >= swarm or peers <= 1 or self._reloaded_behind == (own, swarm):
+            return False
+        control = self.scheduled_grads
+        if control is not None and not control.done() and control.stage in GROUPED:
+            return False
+        return self.grad_averager.local_samples_accumulated * peers < self.target_batch_size
 
     def should_stop(self) -> bool:
         return False
