@@ -238,8 +238,8 @@ def test_a_silent_member_joins_the_group_and_contributes_nothing(monkeypatch):
     tensors.append([torch.full((3000,), 1e6)])  # the silent member: any of its values would show
     made, dhts = make_averagers(tensors, silent=3, monkeypatch=monkeypatch)
     try:
-        # 30 s: matchmaking (4 s) and the all-reduce (its 20 s timeout) fit; the silent member, its round failed
-        # after 19 s, looks for another group until then
+        # 30 s: matchmaking (4 s) and the all-reduce (its 20 s timeout) fit; the silent member, its round
+        # failed after 19 s, looks for another group until then
         controls = [a.step(wait=False, timeout=30) for a in made]
         outcomes = []
         for c in controls:

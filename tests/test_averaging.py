@@ -65,6 +65,7 @@ def test_read_ahead_below_one_is_refused():
         gradient_averager_factory({"read_ahead": 0})
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, not the daily "not slow" run
 def test_the_gradient_averager_serves_no_state_and_a_newcomer_asks_none():
     """A trainer's gradient accumulators are no state to share: its averager declares nothing under its
     prefix's ``all_averagers`` key (hivemind's would, and serve a model-sized buffer to every newcomer through

@@ -191,6 +191,7 @@ def test_export_command_line(tmp_path, tokenizer, capsys):
     assert "cotrain export: error:" in err and "truncated or corrupted" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, not the daily "not slow" run
 def test_export_refuses_a_folder_it_did_not_make_and_replaces_its_own(tmp_path, tokenizer):
     import subprocess
     import sys

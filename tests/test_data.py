@@ -443,6 +443,7 @@ def test_collator_pads_to_multiple_and_masks_at_least_one(tokenizer: PreTrainedT
         AlbertCollator(tokenizer, mlm_probability=0)
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, not the daily "not slow" run
 @pytest.mark.parametrize("progress", [True, False])
 def test_tokenizer_training_shows_progress_only_when_asked(progress: bool, tmp_path: Path) -> None:
     """`cotrain prepare` shows the tokenizer trainer's progress bars on a terminal like its other stages."""

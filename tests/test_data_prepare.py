@@ -296,6 +296,7 @@ def test_preparing_again_replaces_a_dataset_folder(wiki_docs: list[str], tmp_pat
     assert [f.name for f in tmp_path.iterdir()] == ["data"]
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, not the daily "not slow" run
 def test_dataset_for_another_objective_is_refused_by_the_trainer(
     wiki_docs: list[str], tmp_path: Path
 ) -> None:

@@ -38,6 +38,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, not the daily "not slow" run
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
 def test_a_file_still_mapped_is_kept_and_a_dead_processs_file_removed(tmp_path):
     out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
@@ -81,6 +82,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, not the daily "not slow" run
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
 @pytest.mark.parametrize("users_choice", [None, "file_system"])
 def test_a_peers_processes_share_tensors_with_no_manager_and_no_files(users_choice):
