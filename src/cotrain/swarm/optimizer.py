@@ -104,14 +104,13 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.tracker.global_progress.num_peers > 1:
             super()._maybe_schedule_gradient_averaging()
 
-    def load_state_from_peers(self, **kwargs) -> bool:
-        """hivemind retries forever when no peer can serve state; this gives up after load_state_timeout.
-        Returns True if a newer state was loaded."""
+    def load_state_from_peers(self, **kwargs) -> None:
+        """hivemind retries forever when no peer can serve state; this gives up after load_state_timeout."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
-        return load_state_bounded(self, self.load_state_timeout, self.should_stop)
+        load_state_bounded(self, self.load_state_timeout, self.should_stop)
 
     def _update_global_epoch(self, grad_scaler) -> None:
         """hivemind's global step, except for a peer the swarm left behind with a gradient of a few samples:
@@ -123,9 +122,8 @@ class SwarmOptimizer(hivemind.Optimizer):
                 f"The swarm is at step {swarm} and no group takes this peer's gradient for step {own} "
                 f"({samples} samples): loading the swarm's state instead of stepping alone",
             )
-            self._reloaded_behind = (own, swarm)
-            if not self.load_state_from_peers():
-                self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+            self._reloaded_behind = (own, swarm)  # a failed download: the next call steps as hivemind does
+            self.load_state_from_peers()
             return
         super()._update_global_epoch(grad_scaler)
 
