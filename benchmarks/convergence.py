@@ -121,10 +121,8 @@ class Swarm:
         self.tree: set[int] = set()
 
     def start(self, name: str, args: list[str], threads: int) -> None:
-        # fewer malloc arenas: the same work in less memory, so that several swarms fit on a small machine
-        env = dict(
-            os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", MALLOC_ARENA_MAX="2"
-        )
+        # malloc's arenas as cotrain sets them for its workers (cotrain.procs.worker_env)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         with open(self.out / f"{name}.log", "w") as log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "cotrain", *args],

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import alive
-from cotrain.procs import SUPERVISOR_ENV
+from cotrain.procs import SUPERVISOR_ENV, worker_env
 
 # a worker: a child in its process group (as hivemind's DHT, averagers and p2pd are), a graceful stop when its
 # supervisor is gone, then the exit that cotrain's worker makes
@@ -104,3 +104,11 @@ def test_a_full_collection_in_the_worker_copies_no_page_it_shares_with_its_child
         assert copied < 8, copied
     else:
         assert copied > 30, copied
+
+
+def test_the_worker_gets_two_malloc_arenas_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    env = worker_env()
+    assert env["MALLOC_ARENA_MAX"] == "2" and env[SUPERVISOR_ENV] == str(os.getpid())
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert worker_env()["MALLOC_ARENA_MAX"] == "8"
