@@ -91,7 +91,7 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
     """One swarm of the monitor, the public trainer and the home trainers (joined as ``mode`` says)."""
     out = root / mode
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     procs = []
     with _netns.Network(2 + args.homes, args.rate) as net:
         homes = [net.add_nat_host(router) for router in range(2, 2 + args.homes)]

@@ -99,8 +99,9 @@ def test_ctrl_c_or_sigterm_stops_the_whole_demo_within_15_seconds(tmp_path, how)
     arenas = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
-            if "cotrain._worker" in psutil.Process(pid).cmdline():
-                arenas[pid] = psutil.Process(pid).environ().get("MALLOC_ARENA_MAX")
+            proc = psutil.Process(pid)
+            if "cotrain._worker" in proc.cmdline():
+                arenas[pid] = proc.environ().get("MALLOC_ARENA_MAX")
     assert list(arenas.values()) == [os.environ.get("MALLOC_ARENA_MAX", "2")] * 3, (arenas, commands)
     t = time.monotonic()
     if how == "ctrl-c":
