@@ -160,6 +160,9 @@ if __name__ == "__main__":
 
     try:
         raise SystemExit(main())
+    except KeyboardInterrupt:  # Ctrl+C: the `with` block has already left the swarm in order
+        print("custom_loop: stopped (Ctrl+C)", file=sys.stderr)
+        raise SystemExit(130) from None
     except UserError as e:  # an unreachable peer, a bad argument: one line, no traceback
         print(f"custom_loop: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -193,3 +194,26 @@ def test_a_peer_that_left_keeps_no_thread_cancelling_its_rounds(how):
         )
         assert done.returncode == 0 and "left" in done.stdout, done.stdout + done.stderr[-3000:]
         assert "terminate called" not in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_a_script_that_uses_a_peer(tmp_path):
+    # hivemind's averager left SIGINT ignored in the script's process: Ctrl+C did nothing until SIGTERM; and
+    # the terminal's SIGINT reaches the peer's p2pd daemon too, whose handlers the shutdown then waited for
+    peer = Example(["--run-id", "ctrl-c", "--host-maddrs", LOCALHOST, "--steps", "100000"], tmp_path / "peer")
+    try:
+        wait_until(lambda: len(peer.steps()) >= 2 or peer.proc.poll() is not None, 120, what="two steps")
+        assert peer.proc.poll() is None, peer.out.with_suffix(".log").read_text()[-3000:]
+        tree = peer.tree()
+        assert len(tree) >= 2, tree  # the script and its p2pd daemon
+        signalled = time.monotonic()
+        os.killpg(peer.proc.pid, signal.SIGINT)  # Ctrl+C in a terminal: the whole process group
+        peer.proc.wait(timeout=10)
+        log = peer.out.with_suffix(".log").read_text()
+        assert peer.proc.returncode == 130 and "stopped (Ctrl+C)" in log, log[-3000:]
+        wait_until(lambda: not alive(tree), 10, what="the peer's processes to end")
+        assert time.monotonic() - signalled < 15
+    finally:
+        if peer.proc.poll() is None:
+            peer.kill()

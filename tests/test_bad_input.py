@@ -45,6 +45,12 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "is smaller than one step of this peer",
         "call",
     ),
+    (
+        "batch size lead at the target",
+        [*TRAIN, "--target-batch-size", "64", "--batch-size-lead", "200"],
+        "batch_size_lead (200) must be below target_batch_size (64)",
+        "call",
+    ),
     ("not a number", [*TRAIN, "--learning-rate", "fast"], "invalid float value: 'fast'", "call"),
     (
         "NaN learning rate",

@@ -49,6 +49,11 @@ class Config:
                 f"target_batch_size ({self.run.target_batch_size}) is smaller than one step of this peer "
                 f"(per_device_train_batch_size x gradient_accumulation_steps = {micro})"
             )
+        if peer.batch_size_lead and peer.batch_size_lead >= self.run.target_batch_size:
+            problems.append(
+                f"batch_size_lead ({peer.batch_size_lead}) must be below target_batch_size "
+                f"({self.run.target_batch_size}): with such a lead every micro-batch starts a global step"
+            )
         return problems
 
 

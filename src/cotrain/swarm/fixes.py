@@ -4,6 +4,10 @@
   instead of on the runners they hold, so a peer stopped in the middle of an averaging round ended its
   averager process with an AttributeError traceback. The replacement cancels what is still pending and
   finalizes the runners that exist.
+- A servicer (the DHT's protocol, an averager) removes its handlers from the ``p2pd`` daemon when it shuts
+  down (``ServicerBase.remove_p2p_handlers``); a daemon that already ended (Ctrl+C reaches a script's whole
+  process group) never answers, and the shutdown waited for it forever. The replacement gives up after
+  ``HANDLER_REMOVAL_TIMEOUT`` seconds: the handlers went with the daemon.
 - A peer looking for an averaging group reads the would-be leaders from the DHT again as soon as its queue
   of them runs empty (``PotentialLeaders._update_queue_periodically``): a peer waiting as the leader of its
   group read them without pause, measured at 228 reads a second (each a search across the DHT) in the demo's
@@ -29,6 +33,8 @@ from math import isfinite
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
+from hivemind.p2p import P2P
+from hivemind.p2p.servicer import ServicerBase
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS as DISCREPANCY
 
@@ -36,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 POLL_FRACTION = 0.1  # of the matchmaking time: the least time between two reads of the would-be leaders
 MAX_POLL_INTERVAL = 1.0  # seconds
+HANDLER_REMOVAL_TIMEOUT = 2.0  # seconds a shutdown waits for the daemon to drop a servicer's handlers
+_hivemind_remove_handlers = ServicerBase.remove_p2p_handlers
 _hivemind_update_queue = PotentialLeaders._update_queue_periodically  # what apply() replaces (for its test)
 
 
@@ -48,6 +56,15 @@ async def _shutdown(self: DecentralizedAverager, timeout: float | None) -> None:
         elif not future.cancelled() and future.exception() is None:
             future.result().finalize(cancel=True)
     await asyncio.sleep(0)  # let the cancelled rounds see it before the process ends
+
+
+async def _remove_p2p_handlers(self: ServicerBase, p2p: P2P, *, namespace: str | None = None) -> None:
+    try:
+        await asyncio.wait_for(
+            _hivemind_remove_handlers(self, p2p, namespace=namespace), HANDLER_REMOVAL_TIMEOUT
+        )
+    except (asyncio.TimeoutError, OSError) as e:
+        logger.debug(f"{type(self).__name__}'s handlers were not removed (has p2pd ended?): {e!r}")
 
 
 async def _update_queue_periodically(self: PotentialLeaders, key_manager: GroupKeyManager) -> None:
@@ -129,4 +146,7 @@ def apply() -> None:
         DecentralizedAverager._shutdown = _shutdown
         DecentralizedAverager._declare_for_download_periodically = _declare_for_download_periodically
         PotentialLeaders._update_queue_periodically = _update_queue_periodically
-        logger.debug("hivemind averager shutdown, state declarations and leader search replaced")
+        ServicerBase.remove_p2p_handlers = _remove_p2p_handlers
+        logger.debug(
+            "hivemind averager shutdown, handler removal, state declarations and leader search replaced"
+        )

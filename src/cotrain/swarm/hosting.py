@@ -15,7 +15,9 @@ Four things in hivemind 1.1.12 assume a process of their own, and are mended her
   another thread whose own loop runs (a DHT's or an averager's) while that loop is idle, hivemind tried to run
   the idle loop from there (RuntimeError); the event is set directly then (``_set_event_threadsafe``).
 - ``DHT.run`` ignores SIGINT with ``signal.signal``, which Python allows only in the main thread. In another
-  thread that call is skipped (the worker keeps its own handlers).
+  thread that call is skipped (the worker keeps its own handlers). An averager's ``run_in_background`` ignores
+  SIGINT in the calling thread for its forked process to inherit and leaves it so; the caller's handler is
+  put back after (a script using ``SwarmPeer`` stops on Ctrl+C).
 - a process ends with its event loop's tasks and objects as they are. A thread's loop is a ``_ServingLoop``,
   which, closing, finishes what is left while it can still run (``switch_to_uvloop`` makes it).
 
@@ -168,6 +170,19 @@ class ServedInThread:
             target=self._serve_in_thread, name=f"{type(self).__name__}", daemon=True
         )
         self._serving_thread.start()
+
+    def run_in_background(self, *args, **kwargs) -> None:
+        """hivemind's averager ignores SIGINT in the calling thread around its start, for the process it forks
+        to inherit, and leaves it ignored there: a script using ``SwarmPeer`` ran on through Ctrl+C. The
+        caller's own handler is put back once the averager has started."""
+        if threading.current_thread() is not threading.main_thread():
+            return super().run_in_background(*args, **kwargs)
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            return super().run_in_background(*args, **kwargs)
+        finally:
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
 
     def _serve_in_thread(self) -> None:
         # one torch thread for the tensor work of averaging here: a second OpenMP team as wide as the training
