@@ -1,8 +1,11 @@
 """Trainers that stop together at --max-steps leave their final state to the monitor's last checkpoint,
-even when --save-every would not have taken it: they announce they are leaving and serve it until the
-monitor holds it."""
+even when --save-every would not have taken it (a monitor that has made no checkpoint yet, and serves no
+state, included): they announce they are leaving and serve it until the monitor holds it. The next trainer
+starts from there, not from step 0."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -11,13 +14,13 @@ from cotrain import checkpoints as ck
 
 pytestmark = [pytest.mark.slow]
 
-MAX_STEPS = 6  # not a multiple of --save-every: the monitor's schedule alone would stop at step 4
+MAX_STEPS = 5  # far below --save-every: the monitor's schedule alone would take no checkpoint at all
 
 
 @pytest.mark.timeout(300)
 def test_trainers_stopping_together_leave_their_final_state_to_the_monitor(demo_data, tmp_path):
     common = ["--preset", "albert-tiny", "--run-id", "leaving-test", "--host-maddrs", LOCALHOST, *FAST]
-    checkpoints = ["--dataset-path", str(demo_data), "--save-every", "4", "--load-state-timeout", "20"]
+    checkpoints = ["--dataset-path", str(demo_data), "--save-every", "500", "--load-state-timeout", "20"]
     monitor = Role(monitor_args(common, tmp_path / "monitor", *checkpoints), tmp_path / "monitor.log")
     roles = [monitor]
     try:
@@ -42,6 +45,16 @@ def test_trainers_stopping_together_leave_their_final_state_to_the_monitor(demo_
         assert meta["step"] >= MAX_STEPS, (meta["step"], monitor.text()[-3000:])
         assert any("The monitor holds global step" in t.text() for t in trainers)
         assert "No peer served a state newer" not in monitor.text()
+        # the next trainer continues from the monitor's checkpoint
+        later = Role(
+            trainer_args(common, initial, demo_data, 9, tmp_path / "later", "--load-state-timeout", "20"),
+            tmp_path / "later.log",
+        )
+        roles.append(later)
+        found = wait_until(
+            lambda: re.search(r"Starting from global step (\d+)", later.text()), 120, what="the next start"
+        )
+        assert int(found.group(1)) >= MAX_STEPS, later.text()[-3000:]
     finally:
         for role in roles:
             if role.proc.poll() is None:

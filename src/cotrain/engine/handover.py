@@ -56,10 +56,12 @@ def leave_final_state(peer: SwarmPeer, timeout: float | None = None) -> bool:
     """Announce that ``peer`` is leaving (a monitor then fetches the newest state at once) and keep serving
     its state until a monitor serves one at least as new, for up to ``timeout`` seconds (default:
     load_state_timeout + 30). Returns whether a monitor has it; False at once when no monitor keeps
-    checkpoints."""
-    monitors = peer.connection.peers_in_role("monitor")
+    checkpoints. A monitor that keeps them says so in its config record, whether or not it serves a state yet
+    (before its first checkpoint it serves none, and it takes this one whatever its --save-every)."""
+    monitors = peer.connection.peers_in_role("monitor", keeps_state=True)
     run_id = peer.run.run_id
-    if not any(p in served_epochs(peer.dht, run_id) for p in monitors):  # nobody to wait for
+    if not monitors:  # nobody to wait for
+        logger.info("No monitor keeps this run's checkpoints: leaving without handing over the final state")
         return False
     step = peer.global_step
     timeout = peer.peer_config.load_state_timeout + 30 if timeout is None else timeout

@@ -112,14 +112,17 @@ class SwarmConnection:
             self.publisher = ConfigPublisher(self.dht, self.run_id, self.public_key, mine)
             self.publisher.start()
 
-    def peers_in_role(self, role: str) -> dict[bytes, str]:
-        """The peers whose config record names ``role`` (e.g. "monitor", "leaving"): raw peer id -> base58."""
+    def peers_in_role(self, role: str, keeps_state: bool | None = None) -> dict[bytes, str]:
+        """The peers whose config record names ``role`` (e.g. "monitor", "leaving"), with ``keeps_state``
+        those whose record says whether they keep the swarm's checkpoints: raw peer id -> base58."""
         from hivemind.p2p import PeerID
 
         from cotrain.swarm.configrecord import read_configs
 
         out = {}
         for record in read_configs(self.dht, self.run_id).values():
+            if keeps_state is not None and record.keeps_state != keeps_state:
+                continue
             if record.role == role and record.peer_id and record.peer_id != self.peer_id:
                 try:
                     out[PeerID.from_base58(record.peer_id).to_bytes()] = record.peer_id
@@ -130,7 +133,13 @@ class SwarmConnection:
     def announce_leaving(self) -> None:
         """Tell the swarm (the monitor) that this peer is done training and leaves soon."""
         if self.publisher is not None:
-            self.publisher.announce("leaving")
+            self.publisher.announce(role="leaving")
+
+    def announce_keeping_state(self) -> None:
+        """Tell the swarm that this peer (a monitor) checkpoints its state: trainers that are done training
+        leave their final state to it."""
+        if self.publisher is not None:
+            self.publisher.announce(keeps_state=True)
 
     def close(self) -> None:
         """Stop publishing and leave the DHT."""

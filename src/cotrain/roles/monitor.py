@@ -228,6 +228,7 @@ class Monitor:
             self.keeper.resume()
         if saving:
             self.keeper.start()
+            self.connection.announce_keeping_state()  # trainers at their end leave their final state here
             logger.info(f"Checkpoints every {peer.save_every} global steps into {root}")
         if peer.push_to_hub:
             from cotrain.hub import HubUploader

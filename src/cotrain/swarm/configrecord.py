@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Any
 
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from pydantic.v1 import BaseModel, confloat, constr, root_validator
+from pydantic.v1 import BaseModel, StrictBool, confloat, constr, root_validator
 
 from cotrain.errors import UserError
 from cotrain.swarm.keys import RUNS_KEY, config_key
@@ -56,6 +56,9 @@ class ConfigRecord(BaseModel):
     role: constr(regex=r"^[a-z]{0,16}$", strict=True) = ""  # trainer, monitor, ...; "leaving": done training
     time: confloat(ge=0.0, le=1e11, strict=True) = 0.0
     peer_id: constr(regex=r"^[1-9A-HJ-NP-Za-km-z]{0,128}$", strict=True) = ""  # its libp2p peer id (base58)
+    keeps_state: StrictBool = (
+        False  # a monitor that checkpoints the swarm's state (takes leavers' final state)
+    )
 
     @root_validator(skip_on_failure=True)
     def _hash_matches(cls, values: dict) -> dict:
@@ -85,7 +88,9 @@ def schema_validators(run_id: str) -> list[SchemaValidator]:
     return [SchemaValidator(ConfigSchema, prefix=run_id), SchemaValidator(RunsSchema)]
 
 
-def make_record(fields: dict, role: str, tokenizer_hash: str = "", peer_id: str = "") -> ConfigRecord:
+def make_record(
+    fields: dict, role: str, tokenizer_hash: str = "", peer_id: str = "", keeps_state: bool = False
+) -> ConfigRecord:
     """This peer's record of its run config ``fields`` (the swarm-wide settings, as a dict)."""
     text = canonical(fields)
     return ConfigRecord(
@@ -95,6 +100,7 @@ def make_record(fields: dict, role: str, tokenizer_hash: str = "", peer_id: str 
         role=role,
         time=time.time(),
         peer_id=peer_id,
+        keeps_state=keeps_state,
     )
 
 
@@ -217,9 +223,9 @@ class ConfigPublisher(threading.Thread):
             if self._closed.wait(REPUBLISH_EVERY):
                 return
 
-    def announce(self, role: str) -> None:
-        """Publish this peer's record again now, with another role (e.g. "leaving")."""
-        self.record = self.record.copy(update={"role": role, "time": time.time()})
+    def announce(self, **changes: Any) -> None:
+        """Publish this peer's record again now, with some fields changed (e.g. role="leaving")."""
+        self.record = self.record.copy(update={**changes, "time": time.time()})
         try:
             self.publish()
         except Exception as e:
