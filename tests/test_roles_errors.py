@@ -51,3 +51,56 @@ def test_bad_input_is_one_clear_line(args, message):
     lines = [line for line in out.splitlines() if line.strip()]
     assert rc != 0 and len(lines) == 1, out
     assert message in lines[0] and lines[0].startswith("cotrain train: error:") and "Traceback" not in out
+
+
+def _dataset_for(tmp_path, preset: str):
+    """A prepared-looking dataset folder whose manifest names ``preset`` (the monitor's supervisor reads only
+    the manifest before it starts anything)."""
+    import json
+
+    folder = tmp_path / f"data-{preset}"
+    folder.mkdir()
+    manifest = {"format_version": 2, "objective": "sop+mlm", "config": {"preset": preset}, "shards": {}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+@pytest.mark.timeout(60)
+def test_a_monitor_whose_preset_disagrees_with_its_dataset_stops_before_it_starts(tmp_path):
+    data = _dataset_for(tmp_path, "albert-tiny")
+    out = tmp_path / "monitor"
+    rc, text, seconds = run_cotrain(
+        "monitor", "--preset", "albert-large-v2", "--dataset-path", str(data), "--output-dir", str(out),
+        "--host-maddrs", LOCALHOST,
+    )  # fmt: skip
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, text
+    assert "prepared for preset albert-tiny" in lines[0] and "--preset albert-tiny" in lines[0]
+    assert not (out / "initial_peers.txt").exists() and not (out / "monitor.log").exists()
+    assert seconds < 20
+
+
+def test_a_monitor_takes_the_preset_of_its_dataset_or_checkpoint_when_none_is_named(tmp_path):
+    import json
+
+    import cotrain.config as cfg
+    from cotrain.errors import UserError
+    from cotrain.preflight import monitor_preset
+
+    data = _dataset_for(tmp_path, "albert-tiny")
+    unnamed = cfg.resolve(overrides={"peer": {"dataset_path": str(data)}})
+    assert unnamed.run.preset == "albert-large-v2" and "preset" not in unnamed.run_given
+    assert monitor_preset(unnamed) == ("albert-tiny", f"the dataset at {data}")
+    same = cfg.resolve("albert-tiny", overrides={"peer": {"dataset_path": str(data)}})
+    assert monitor_preset(same) is None
+    # --resume: the newest checkpoint's config names the preset (a folder that says nothing is passed over)
+    out = tmp_path / "out"
+    for step, preset in ((3, "gpt2-tiny"), (6, None)):
+        folder = out / "checkpoints" / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        meta = {"config": {"run": {"preset": preset}}} if preset else {"step": step}
+        (folder / "checkpoint.json").write_text(json.dumps(meta))
+    resume = {"peer": {"resume": True, "output_dir": str(out)}}
+    assert monitor_preset(cfg.resolve(overrides=resume))[0] == "gpt2-tiny"
+    with pytest.raises(UserError, match="made with preset gpt2-tiny, this monitor runs preset albert-tiny"):
+        monitor_preset(cfg.resolve("albert-tiny", overrides=resume))

@@ -179,6 +179,21 @@ def check_local_paths(command: str, config: cfg.Config) -> None:
     check_writable(Path(peer.output_dir))
 
 
+def monitor_config(ns: argparse.Namespace, config: cfg.Config) -> cfg.Config:
+    """The monitor's config with the preset its dataset or checkpoint was made for, when the user named none
+    (a preset the user named that disagrees with them is refused in one line, before anything starts)."""
+    from cotrain.preflight import monitor_preset
+
+    found = monitor_preset(config)
+    if found is None:
+        return config
+    preset, source = found
+    print(f"cotrain monitor: running preset {preset}, the one {source} was made for", file=sys.stderr)
+    overrides = overrides_from(ns)
+    overrides["run"] = {**overrides.get("run", {}), "preset": preset}
+    return cfg.resolve(config_file=ns.config, overrides=overrides)
+
+
 def check_writable(folder: Path, what: str = "the output folder") -> None:
     """Create ``folder`` if needed and write (then remove) a temporary file in it, or raise UserError."""
     import tempfile
@@ -232,6 +247,7 @@ def cmd_prepare(config: cfg.Config) -> int:
         valid_fraction=p.valid_fraction,
         objective=objective,
         tokenizer_type=p.tokenizer_type or tokenizer_type_for(config.run.model_family, objective),
+        config={"preset": config.run.preset},  # the monitor of a run on this dataset takes its preset
         shard_size=p.shard_size,
         num_proc=p.num_proc,
         progress=True,
@@ -318,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if ns.command in ("train", "monitor"):
                 check_local_paths(ns.command, config)
+            if ns.command == "monitor":
+                config = monitor_config(ns, config)
             return supervise(ns.command, config)
         if ns.command == "demo":
             from cotrain.demo import run_demo
