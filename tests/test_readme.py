@@ -35,3 +35,14 @@ def test_readme_shows_both_strategies_and_links_the_diloco_guide():
     assert "[docs/diloco.md](docs/diloco.md)" in text
     for flag in ("--strategy", "--local-steps", "--outer-lr", "--outer-momentum", "--outer-overlap"):
         assert flag in text, flag
+
+
+def test_the_readme_shows_the_demo_summary_with_every_field_the_demo_prints():
+    import re
+
+    from cotrain.demo import summarize
+
+    line = next(x for x in README.read_text().splitlines() if '{"event": "demo_summary"' in x)
+    shown = re.findall(r'"(\w+)":', line)
+    printed = summarize([{"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}], peers=2, seconds=1.0)
+    assert shown == list(printed), (shown, list(printed))

@@ -88,8 +88,8 @@ def _run_worker(command: list[str]) -> int:
     def on_signal(signum, frame):
         if not stop_requested:
             stop_requested.append(time.monotonic())
-            try:
-                proc.send_signal(signal.SIGTERM)
+            try:  # the worker says which it was (Ctrl+C, kill); a lost terminal (SIGHUP) stops it as SIGTERM
+                proc.send_signal(signum if signum in (signal.SIGINT, signal.SIGTERM) else signal.SIGTERM)
             except ProcessLookupError:
                 pass
         elif signum == signal.SIGINT:  # a second Ctrl+C: stop now

@@ -94,10 +94,12 @@ def eval_row(record: EvalMetrics) -> dict:
     return row
 
 
-def join_command(maddrs: list[str], run_id: str, private: bool = False) -> str:
+def join_command(maddrs: list[str], run_id: str, private: bool = False, dataset_url: str = "") -> str:
+    """The command others join with: the dataset's URL when the monitor was given one, else a local folder."""
     peers = " ".join(maddrs)
     token = " --access-token TOKEN_FILE" if private else ""
-    return f"cotrain train --run-id {run_id} --initial-peers {peers} --dataset-path DATA{token}"
+    data = f"--dataset-url {dataset_url}" if dataset_url else "--dataset-path DATA"
+    return f"cotrain train --run-id {run_id} --initial-peers {peers} {data}{token}"
 
 
 def describe_strategy(run: RunConfig) -> str:
@@ -141,7 +143,7 @@ class Monitor:
         run, peer = self.config.run, self.config.peer
         connection.agree(run)
         maddrs = connection.maddrs()
-        join = join_command(maddrs, run.run_id, private=connection.access is not None)
+        join = join_command(maddrs, run.run_id, connection.access is not None, peer.dataset_url)
         self.sinks = build_sinks(out, run.run_id, peer.tensorboard_dir, peer.wandb_project)
         view = SwarmView(run.run_id, join, run.target_batch_size, run.strategy, run.local_steps)
         self._start_dashboard(view, out)
