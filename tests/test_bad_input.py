@@ -206,7 +206,8 @@ def workspace(root: Path, data: Path | None = None) -> Iterator[dict[str, str]]:
     }
     (truncated / "model.safetensors").write_bytes(weights[:1000])  # a copy that stopped midway
     (truncated / "optimizer.safetensors").write_bytes(weights)
-    meta = {"format": "cotrain-checkpoint/1", "step": 5, "files": files}
+    meta = {"format": "cotrain-checkpoint/1", "step": 5, "config": {}, "tokenizer_hash": "0" * 64,
+            "optimizer": {"param_groups": [], "scalars": {}}, "scheduler": None, "files": files}  # fmt: skip
     (truncated / "checkpoint.json").write_text(json.dumps(meta))
     ro = root / "readonly"
     ro.mkdir()

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -261,7 +262,18 @@ def test_a_trainers_supervisor_checks_its_dataset_without_the_heavy_libraries(tm
     MB USS more when it did, through the dataset module). Checked in a fresh interpreter."""
     data = tmp_path / "data"
     data.mkdir()
-    (data / "manifest.json").write_text('{"format_version": 2}')
+    h = "0" * 64  # a manifest of the right shape (the supervisor reads nothing else of the dataset)
+    counts = {"train": 1, "validation": 0}
+    manifest = {
+        "format_version": 2, "objective": "sop+mlm", "max_length": 128, "seed": 0, "valid_fraction": 0.0,
+        "source": {}, "config": {}, "columns": ["input_ids"], "num_documents": counts, "num_examples": counts,
+        "num_tokens": counts, "mean_tokens_per_example": 1.0, "tokenizer_hash": h, "vocab_size": 100,
+        "tokenizer": {"path": "tokenizer", "type": "unigram", "hash": h, "vocab_size": 100,
+                      "files": {"tokenizer.json": h}},
+        "shards": {"train": [{"path": "train/00000.parquet", "num_examples": 1, "num_tokens": 1, "bytes": 1,
+                              "sha256": h}], "validation": []},
+    }  # fmt: skip
+    (data / "manifest.json").write_text(json.dumps(manifest))
     code = (
         "import sys; from cotrain import cli; "
         f"ns, c = cli.parse(['train', '--preset', 'albert-tiny', '--dataset-path', {str(data)!r}, "

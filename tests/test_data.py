@@ -385,11 +385,11 @@ def test_interrupted_prepare_leaves_nothing(wiki_docs: list[str], tmp_path: Path
     assert list(tmp_path.iterdir()) == []
 
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "manifest.json").write_text("{}")
+    (tmp_path / "data" / "manifest.json").write_text('{"format_version": 2}')  # an earlier dataset
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset(failing(), tmp_path / "data", max_length=64, vocab_size=500)
     assert [p.name for p in tmp_path.iterdir()] == ["data"]
-    assert (tmp_path / "data" / "manifest.json").read_text() == "{}"  # the old folder is untouched
+    assert (tmp_path / "data" / "manifest.json").read_text() == '{"format_version": 2}'  # untouched
 
 
 # --- collator -----------------------------------------------------------------------------------

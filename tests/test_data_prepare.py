@@ -34,6 +34,7 @@ from cotrain.data import (
     train_tokenizer,
 )
 from cotrain.data.shards import sha256_file
+from cotrain.errors import UserError
 
 LARGE_SHARD = at_least(500, 8)  # examples per shard of the albert-large-v2 dataset: at least 3 shards
 
@@ -290,10 +291,15 @@ def test_preparing_again_replaces_a_dataset_folder(wiki_docs: list[str], tmp_pat
     out = tmp_path / "data"
     out.mkdir()  # an empty folder is used
     first = prepare_dataset(wiki_docs[:60], out, max_length=64, seed=0, vocab_size=800)
-    (out / "stale.txt").write_text("left by the first run")
     second = prepare_dataset(wiki_docs[:60], out, max_length=64, seed=1, vocab_size=800)
-    assert read_manifest(out) == second != first and not (out / "stale.txt").exists()
+    assert read_manifest(out) == second != first
     assert [f.name for f in tmp_path.iterdir()] == ["data"]
+    # a file that `prepare` does not write makes it someone else's folder: refused, nothing touched
+    (out / "notes.txt").write_text("the user's")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(UserError, match=r"is not a cotrain dataset \(it holds 'notes.txt'"):
+        prepare_dataset(wiki_docs[:60], out, max_length=64, seed=2, vocab_size=800)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and read_manifest(out) == second
 
 
 @pytest.mark.slow  # several seconds: the full suite runs it, not the daily "not slow" run

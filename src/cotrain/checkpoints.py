@@ -26,13 +26,16 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from cotrain.data.fsutil import sha256_file
+from cotrain.data.errors import DataError
+from cotrain.data.fsutil import inside, sha256_file
+from cotrain.data.manifest import Sha256, first_problem, matching
 from cotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -44,11 +47,49 @@ OPTIMIZER = "optimizer.safetensors"
 INNER_OPTIMIZER = "inner_optimizer.safetensors"
 TOKENIZER = "tokenizer"
 EXPORT_MARKER = "cotrain.json"  # in every folder `cotrain export` writes
+MAX_META_BYTES = 64 << 20  # checkpoint.json holds the config and the optimizer's scalars: a few MB at most
 NAME = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used: missing, truncated, corrupted or made for another model."""
+
+
+# a file of the checkpoint, relative to its folder: up to four plain path components (tokenizer/vocab.txt),
+# each like a manifest's file names (no "..", no separator, nothing empty)
+_PART = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+RelativeFile = Annotated[
+    str, AfterValidator(matching(rf"(?:{_PART}/){{0,3}}{_PART}", "a path inside the checkpoint"))
+]
+
+
+class _OptimizerMeta(BaseModel):
+    model_config = ConfigDict(strict=True)
+    param_groups: list[dict[str, Any]]
+    scalars: dict[str, dict[str, Any]]
+
+
+class _InnerMeta(BaseModel):
+    model_config = ConfigDict(strict=True)
+    optimizer: _OptimizerMeta
+    scheduler: dict[str, Any] | None = None
+
+
+class CheckpointMeta(BaseModel):
+    """``checkpoint.json``, as save_checkpoint writes it (unknown keys are ignored)."""
+
+    model_config = ConfigDict(strict=True)
+    format: Literal["cotrain-checkpoint/1"]
+    step: Annotated[int, Field(ge=0)]
+    source: str = ""
+    created: str = ""
+    run_id: str = ""
+    config: dict[str, Any]
+    tokenizer_hash: Sha256
+    optimizer: _OptimizerMeta
+    scheduler: dict[str, Any] | None
+    inner: _InnerMeta | None = None
+    files: Annotated[dict[RelativeFile, Sha256], Field(max_length=256)]
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -216,20 +257,29 @@ def verify(path: str | Path) -> dict:
     meta_path = path / META
     if not meta_path.is_file():
         raise CheckpointError(f"checkpoint {path} has no {META} (an incomplete or foreign folder)")
+    if meta_path.stat().st_size > MAX_META_BYTES:
+        raise CheckpointError(f"checkpoint {path}: {META} is larger than {MAX_META_BYTES >> 20} MiB")
     try:
         meta = json.loads(meta_path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"checkpoint {path}: {META} is corrupted ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: {META} is not a {FORMAT} file")
-    for name, digest in meta.get("files", {}).items():
-        file = path / name
+    try:
+        meta = CheckpointMeta.model_validate(meta).model_dump()
+    except ValidationError as e:
+        raise CheckpointError(f"checkpoint {path}: {META} is corrupted ({first_problem(e)})") from None
+    for name, digest in meta["files"].items():
+        try:
+            file = inside(path, name)
+        except DataError:
+            raise CheckpointError(f"checkpoint {path}: {name} points outside the checkpoint") from None
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} lacks {name}")
         if sha256_file(file) != digest:
             raise CheckpointError(f"checkpoint {path}: {name} is truncated or corrupted (sha256 mismatch)")
     for needed in (MODEL, OPTIMIZER):
-        if needed not in meta.get("files", {}):
+        if needed not in meta["files"]:
             raise CheckpointError(f"checkpoint {path} does not record {needed}")
     return meta
 

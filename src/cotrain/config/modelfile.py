@@ -7,6 +7,8 @@ from pathlib import Path
 
 from cotrain.errors import UserError
 
+MAX_MODEL_CONFIG_BYTES = 1 << 20  # a model's config.json is a few KB: 1 MiB bounds what a URL may send
+
 # keys of a Hugging Face config.json that are not architecture: the tokenizer gives the vocabulary and
 # special ids, the rest is bookkeeping
 NOT_ARCHITECTURE = {
@@ -32,7 +34,7 @@ def model_config_overrides(path: str, family: str, problems: list[str]) -> dict:
         if path.startswith(("http://", "https://")):
             from cotrain.data.fetch import fetch_bytes
 
-            text = fetch_bytes(path).decode()
+            text = fetch_bytes(path, MAX_MODEL_CONFIG_BYTES).decode()
         else:
             p = Path(path).expanduser()
             text = (p / "config.json" if p.is_dir() else p).read_text()

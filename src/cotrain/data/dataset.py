@@ -28,8 +28,8 @@ from transformers import PreTrainedTokenizerFast
 
 from cotrain.data.albert import MIN_MAX_LENGTH
 from cotrain.data.errors import DataError
-from cotrain.data.fsutil import check_replaceable, replace_dir, sha256_file, temp_dir_beside
-from cotrain.data.manifest import FORMAT_VERSION, MANIFEST, read_manifest
+from cotrain.data.fsutil import check_replaceable, inside, replace_dir, sha256_file, temp_dir_beside
+from cotrain.data.manifest import FORMAT_VERSION, MANIFEST, TOKENIZER, read_manifest, why_not_prepared
 from cotrain.data.objectives import OBJECTIVES, SPLITS, BuildSpec, columns, schema
 from cotrain.data.pipeline import build_shards, read_spool, spool_documents
 from cotrain.data.shards import ShardWriter, read_shard
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OBJECTIVE = "sop+mlm"
-TOKENIZER = "tokenizer"
 DEFAULT_SHARD_SIZE = 10_000
 
 __all__ = ["PreparedData", "document_split", "load_prepared", "prepare_dataset", "read_manifest"]
@@ -85,15 +84,22 @@ def _check_args(
         raise DataError("; ".join(problems))
 
 
+def check_dataset_replaceable(out_dir: Path) -> None:
+    """UserError unless ``out_dir`` is absent, empty, or a dataset that ``prepare`` wrote (its manifest and
+    nothing else but the tokenizer and the shards: a folder of someone else's that merely holds a file called
+    manifest.json is never replaced)."""
+    check_replaceable(out_dir, MANIFEST, "a cotrain dataset", why_not_prepared)
+
+
 def write_atomically(out_dir: str | Path, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
     """Run ``build(tmp)`` in a temporary folder beside ``out_dir`` and rename it into place once it
     returned; on any error (or Ctrl+C) the temporary folder is removed and ``out_dir`` is untouched."""
     out_dir = Path(out_dir).absolute()
-    check_replaceable(out_dir, MANIFEST, "a cotrain dataset")  # before any work: a user's folder is refused
+    check_dataset_replaceable(out_dir)  # before any work: a user's folder is refused
     tmp = temp_dir_beside(out_dir)
     try:
         manifest = build(tmp)
-        replace_dir(tmp, out_dir, MANIFEST, "a cotrain dataset")
+        replace_dir(tmp, out_dir, MANIFEST, "a cotrain dataset", why_not_prepared)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -241,7 +247,7 @@ def _load_split(path: Path, split: str, manifest: dict[str, Any]) -> datasets.Da
         raise DataError(f"{path}/{MANIFEST} lists no {split} shards; run `cotrain prepare` again")
     tables = []
     for entry in entries:
-        shard = path / entry["path"]
+        shard = inside(path, entry["path"])
         if not shard.is_file():
             raise DataError(
                 f"{path} lacks shard {entry['path']}: it is incomplete; run `cotrain prepare` again"

@@ -1,16 +1,20 @@
-"""Write folders atomically: build beside the target under a temporary name, then rename.
+"""Paths that stay inside their folder, and folders written atomically: built beside the target under a
+temporary name, then renamed.
 
 A target that already exists is replaced only when this code made it: it is empty, or it holds the
-``marker`` file that every folder of its kind holds (a dataset's manifest, an export's ``cotrain.json``).
-Anything else is refused before any work starts, and nothing in it is touched."""
+``marker`` file that every folder of its kind holds (an export's ``cotrain.json``), or, where the caller gives
+a stricter test (``why_not``: a prepared dataset's), that test accepts it. Anything else is refused before any
+work starts, and nothing in it is touched."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from cotrain.data.errors import DataError
 from cotrain.errors import UserError
 
 
@@ -22,22 +26,42 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def inside(root: str | Path, *parts: str) -> Path:
+    """``root / parts...``, resolved (symbolic links followed), or DataError when it is not strictly inside
+    ``root`` (also resolved): for every path built from names that a manifest or a remote host supplies."""
+    base = Path(root).resolve()
+    path = base.joinpath(*parts).resolve()
+    if base not in path.parents:
+        raise DataError(f"{'/'.join(parts)!r} points outside {root}: refused")
+    return path
+
+
 def _sibling(target: Path, tag: str) -> Path:
     return target.parent / f".{target.name}.{tag}-{secrets.token_hex(4)}"
 
 
-def check_replaceable(target: Path, marker: str, what: str) -> None:
-    """Raise UserError unless ``target`` is absent, an empty folder, or a folder holding ``marker`` (one that
-    cotrain wrote as ``what``, e.g. "a cotrain dataset")."""
+WhyNot = Callable[[Path], str | None]  # the reason a folder is not one of ours, or None
+
+
+def check_replaceable(target: Path, marker: str, what: str, why_not: WhyNot | None = None) -> None:
+    """Raise UserError unless ``target`` is absent, an empty folder, or a folder that cotrain wrote as
+    ``what`` (e.g. "a cotrain export"): one holding ``marker``, or, with ``why_not``, one for which
+    ``why_not(target)`` (the reason it is not such a folder, or None) returns None."""
     target = Path(target)
     if not target.exists() and not target.is_symlink():
         return
     if not target.is_dir() or target.is_symlink():
         raise UserError(f"{target} exists and is not a folder: choose another output folder")
-    if (target / marker).is_file() or not any(target.iterdir()):
+    if not any(target.iterdir()):
+        return
+    if why_not is not None:
+        reason = why_not(target)
+    else:
+        reason = None if (target / marker).is_file() else f"it has no {marker}"
+    if reason is None:
         return
     raise UserError(
-        f"{target} is not empty and is not {what} (it has no {marker}): nothing was written; "
+        f"{target} is not empty and is not {what} ({reason}): nothing was written; "
         "choose a new or empty folder"
     )
 
@@ -55,12 +79,14 @@ def temp_dir_beside(target: Path) -> Path:
         return tmp
 
 
-def replace_dir(new: Path, target: Path, marker: str | None = None, what: str = "") -> None:
+def replace_dir(
+    new: Path, target: Path, marker: str | None = None, what: str = "", why_not: WhyNot | None = None
+) -> None:
     """Rename the complete folder ``new`` to ``target``, moving an existing ``target`` aside first
     and deleting it only after the rename succeeded. With ``marker``, an existing ``target`` that
     ``check_replaceable`` refuses is left as it is (UserError)."""
     if marker is not None:
-        check_replaceable(target, marker, what)
+        check_replaceable(target, marker, what, why_not)
     old: Path | None = None
     if target.exists():
         old = _sibling(target, "old")

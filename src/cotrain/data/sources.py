@@ -18,8 +18,8 @@ from cotrain.data.albert import EXAMPLE_COLUMNS
 from cotrain.data.corpus import demo_corpus, read_text_files
 from cotrain.data.dataset import (
     DEFAULT_SHARD_SIZE,
-    MANIFEST,
     TOKENIZER,
+    check_dataset_replaceable,
     finish_manifest,
     prepare_dataset,
     tokenizer_entry,
@@ -27,7 +27,6 @@ from cotrain.data.dataset import (
 )
 from cotrain.data.errors import DataError
 from cotrain.data.fetch import download, is_url
-from cotrain.data.fsutil import check_replaceable
 from cotrain.data.objectives import SPLITS, schema
 from cotrain.data.shards import ShardWriter
 from cotrain.data.tokenizer import load_tokenizer, save_tokenizer
@@ -195,7 +194,7 @@ def prepare_from_source(
             "no corpus: pass --text-files (WikiText or plain text), --dataset NAME, --recipe-data "
             "or --demo-corpus"
         )
-    check_replaceable(Path(out_dir).absolute(), MANIFEST, "a cotrain dataset")  # before reading any corpus
+    check_dataset_replaceable(Path(out_dir).absolute())  # before reading any corpus
     if recipe_data:
         if options.get("objective", "sop+mlm") != "sop+mlm":
             raise DataError("the original recipe's data holds sop+mlm examples; drop --objective")

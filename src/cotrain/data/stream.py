@@ -7,6 +7,11 @@ prepared folder, e.g. ``python -m http.server``), shards download in a backgroun
 shards ahead of training, each resumable (a ``.part`` file continued with a Range request), verified
 by its sha256 from the manifest and cached under its hash, so training starts as soon as the first
 shard is there and a second run downloads nothing.
+
+The host of a dataset is not trusted with the machine: its manifest passes a strict schema
+(``cotrain.data.manifest``) and a size cap, every cache path built from it is checked to stay in the cache
+(``cotrain.data.fsutil.inside``), each shard is downloaded only up to its size in the manifest and each
+tokenizer file up to ``MAX_TOKENIZER_FILE_BYTES``.
 """
 
 from __future__ import annotations
@@ -24,11 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from cotrain.data.dataset import TOKENIZER
 from cotrain.data.errors import DataError
-from cotrain.data.fetch import download, fetch_bytes, is_url
-from cotrain.data.fsutil import sha256_file
-from cotrain.data.manifest import MANIFEST, parse_manifest, read_manifest
+from cotrain.data.fetch import TooLarge, download, fetch_bytes, is_url
+from cotrain.data.fsutil import inside, sha256_file
+from cotrain.data.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_TOKENIZER_FILE_BYTES,
+    TOKENIZER,
+    parse_manifest,
+    read_manifest,
+)
 from cotrain.data.shards import read_shard, take_rows
 from cotrain.data.tokenizer import load_tokenizer, tokenizer_hash
 
@@ -106,7 +117,7 @@ class ExampleStream:
             self._thread.start()
         else:
             for i, entry in enumerate(self.shards):
-                path = root / entry["path"]
+                path = inside(root, entry["path"])
                 if not path.is_file():
                     raise DataError(f"{root} lacks shard {entry['path']}: it is incomplete; prepare it again")
                 self._ready[i] = path
@@ -121,7 +132,9 @@ class ExampleStream:
         url = self.base + MANIFEST
         cached = self.cache / "manifests" / f"{hashlib.sha256(url.encode()).hexdigest()[:24]}.json"
         try:
-            data = fetch_bytes(url)
+            data = fetch_bytes(url, MAX_MANIFEST_BYTES)
+        except TooLarge:
+            raise
         except DataError as e:
             if not cached.is_file():
                 raise DataError(f"cannot get the dataset's manifest: {e}; is the server up?") from None
@@ -132,17 +145,14 @@ class ExampleStream:
         return manifest
 
     def _fetch_tokenizer(self) -> Path:
-        info = self.manifest.get("tokenizer") or {}
-        files: dict[str, str] = info.get("files") or {}
-        if not files:
-            raise DataError(
-                f"the manifest at {self.base} lists no tokenizer files; prepare the dataset again"
-            )
-        folder = self.cache / "tokenizers" / self.manifest["tokenizer_hash"]
+        files: dict[str, str] = self.manifest["tokenizer"]["files"]  # names and hashes checked by the schema
+        folder = inside(self.cache, "tokenizers", self.manifest["tokenizer_hash"])
         for name, digest in files.items():
-            dest = folder / name
+            dest = inside(folder, name)
             if not (dest.is_file() and sha256_file(dest) == digest):
-                download(f"{self.base}{info.get('path', TOKENIZER)}/{name}", dest, sha256=digest)
+                download(
+                    f"{self.base}{TOKENIZER}/{name}", dest, sha256=digest, max_bytes=MAX_TOKENIZER_FILE_BYTES
+                )
         return folder
 
     def _download_loop(self) -> None:
@@ -153,11 +163,14 @@ class ExampleStream:
             if self._stop.is_set():
                 return
             entry = self.shards[index]
-            dest = self.cache / "shards" / f"{entry['sha256']}.parquet"
             try:
+                dest = inside(self.cache, "shards", f"{entry['sha256']}.parquet")
                 if not (dest.is_file() and sha256_file(dest) == entry["sha256"]):
                     dest.unlink(missing_ok=True)
-                    download(self.base + entry["path"], dest, sha256=entry["sha256"], progress=self.progress)
+                    download(
+                        self.base + entry["path"], dest, sha256=entry["sha256"], progress=self.progress,
+                        max_bytes=entry["bytes"],
+                    )  # fmt: skip
                     logger.info("downloaded shard %s (%d examples)", entry["path"], entry["num_examples"])
                 result: Path | DataError = dest
             except DataError as e:
