@@ -376,7 +376,7 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
                 {
                     "step": meta["step"],
                     "run_id": meta.get("run_id"),
-                    "checkpoint": str(checkpoint),
+                    "checkpoint": checkpoint.name,  # no local path: the folder may be uploaded
                     "auto_class": auto_class,
                 }
             )
