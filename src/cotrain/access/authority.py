@@ -79,6 +79,18 @@ class RegistryFormat1(_Schema):
     tokens: list[EntryFormat1]
 
 
+def _from_format_1(entry: EntryFormat1) -> dict:
+    """A format-1 entry as format 2: its fingerprint was of the signature's text."""
+    return Entry(
+        name=entry.name,
+        fingerprint=None,
+        signature_fingerprint=entry.fingerprint,
+        issued=entry.issued,
+        expires=entry.expires,
+        revoked=entry.revoked,
+    ).model_dump()
+
+
 def token_name(entry: dict) -> str:
     """The fingerprint `cotrain token list` shows for a registry entry."""
     return entry["fingerprint"] or entry["signature_fingerprint"]
@@ -172,32 +184,31 @@ class Authority:
             raise UserError(f"{damaged} (not JSON)") from None
         try:
             if isinstance(data, dict) and data.get("format") == REGISTRY_FORMAT_1:
-                return self._from_format_1(RegistryFormat1.model_validate(data))
-            return [e.model_dump() for e in Registry.model_validate(data).tokens]
+                entries = [_from_format_1(e) for e in RegistryFormat1.model_validate(data).tokens]
+            else:
+                entries = [e.model_dump() for e in Registry.model_validate(data).tokens]
         except ValidationError as e:
             raise UserError(f"{damaged} ({schema_problems(e)})") from None
+        self._tell_older_names(entries)
+        return entries
 
-    def _from_format_1(self, registry: RegistryFormat1) -> list[dict]:
-        entries = [
-            Entry(
-                name=e.name,
-                fingerprint=None,
-                signature_fingerprint=e.fingerprint,
-                issued=e.issued,
-                expires=e.expires,
-                revoked=e.revoked,
-            ).model_dump()
-            for e in registry.tokens
-        ]
-        revoked = [e for e in entries if e["revoked"] is not None and e["expires"] > time.time()]
-        if revoked and not self._told_format_1:
+    def _tell_older_names(self, entries: list[dict]) -> None:
+        """Say once which revoked tokens only a format-1 name (of the signature's text) keeps revoked."""
+        now = time.time()
+        older = sorted(
+            {
+                e["name"]
+                for e in entries
+                if e["fingerprint"] is None and e["revoked"] is not None and e["expires"] > now
+            }
+        )
+        if older and not self._told_format_1:
             self._told_format_1 = True
             logger.warning(
-                f"Token registry {self.registry_path} has the older format 1: its {len(revoked)} revoked, "
-                f"unexpired token(s) ({', '.join(sorted({e['name'] for e in revoked}))}) stay revoked by "
-                "their signature's fingerprint (the registry lacks what their content fingerprint needs)"
+                f"Token registry {self.registry_path} holds tokens registered in format 1: the revoked, "
+                f"unexpired tokens of {', '.join(older)} stay revoked by their signature's fingerprint (the "
+                "registry lacks what their content fingerprint needs)"
             )
-        return entries
 
     def _save(self, entries: list[dict]) -> None:
         body = json.dumps({"format": REGISTRY_FORMAT, "tokens": entries}, indent=1).encode() + b"\n"
