@@ -68,7 +68,7 @@ class HubUploader(threading.Thread):
         delay, attempt = self.backoff, 1
         while not self.stop.is_set():
             try:
-                ck.export(path, self.folder)
+                ck.export(path, self.folder, local_path=False)
                 self.upload(self.folder, self.repo, f"cotrain: global step {step}")
                 self.uploaded_step = step
                 logger.info(f"Uploaded global step {step} to the Hub repository {self.repo}")
