@@ -3,13 +3,15 @@
 The fast tests cover tokens, the CLI, revocation lists and hivemind's signed-request protocol in one process.
 The live tests share one private swarm (a monitor holding the authority key and two trainers with tokens) and
 check that it trains, that peers without a valid token (none, expired, altered, foreign, revoked) are refused
-with one line, that averaging, matchmaking and download requests need a token too, that replayed requests are
-refused, and that revoking a running trainer's token stops it.
+with one line, that averaging, matchmaking and download requests need a token too, that replayed requests and
+a revoked token with its signature re-encoded are refused, and that revoking a running trainer's token stops
+it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import time
@@ -144,9 +146,8 @@ def test_revoke_marks_every_token_of_a_name(tmp_path, capsys):
     assert (
         main(["token", "revoke", "--name", "alice", "--authority-key", str(tmp_path / "authority.key")]) == 0
     )
-    assert (
-        len(authority.revoked_fingerprints()) == 2 and second.fingerprint in authority.revoked_fingerprints()
-    )
+    revoked = authority.revoked_fingerprints()  # both names of each of alice's two tokens
+    assert len(revoked) == 4 and {second.fingerprint, second.signature_fingerprint} <= revoked
     assert (
         main(["token", "revoke", "--name", "alice", "--authority-key", str(tmp_path / "authority.key")]) == 0
     )
@@ -266,6 +267,253 @@ def test_monitor_and_peer_options_exclude_each_other(tmp_path):
     assert access_for(RUN, "", "") is None
     with pytest.raises(UserError, match="does not exist"):
         access_for(RUN, "", str(tmp_path / "missing.key"))
+
+
+def token_as_sent(path: Path, signature: bytes | None = None):
+    """The AccessToken a peer would send for the token file at ``path``, its signature spelled as given."""
+    from hivemind.proto.auth_pb2 import AccessToken
+
+    data = json.loads(path.read_text())
+    return AccessToken(
+        username=data["name"],
+        public_key=data["public_key"].encode(),
+        expiration_time=data["expiration_time"],
+        signature=data["signature"].encode() if signature is None else signature,
+    )
+
+
+def respellings(signature: bytes) -> dict[str, bytes]:
+    """The same signature in other base64 spellings that a lenient decoder reads as the same bytes."""
+    raw = base64.b64decode(signature)
+    return {
+        "newline at the end": signature + b"\n",
+        "line breaks every 76": base64.encodebytes(raw),
+        "a space inside": signature[:10] + b" " + signature[10:],
+        "junk padding": signature + b"==",
+        "non-base64 junk": b"!" + signature + b"*",
+    }
+
+
+def test_a_revoked_token_stays_revoked_however_its_signature_is_spelled(tmp_path):
+    """A token is named by what the authority signed, and its signature is read in one spelling only: a
+    revoked token with a re-encoded signature is refused (as malformed), and so is a re-encoded valid one."""
+    from cotrain.access import AccessControl, fingerprints
+    from cotrain.access.tokens import MALFORMED
+
+    alice, carol = issue(tmp_path, "alice"), issue(tmp_path, "carol")
+    authority = Authority.load(tmp_path / "authority.key")
+    authority.revoke("carol")
+    revoked = authority.revoked_fingerprints()
+    server = AccessControl.for_authority(RUN, str(tmp_path / "authority.key"))
+    key = authority.public_key
+    assert "'carol' was revoked" in check_token(token_as_sent(carol), key, revoked)
+    assert check_token(token_as_sent(alice), key, revoked) is None
+    for how, spelling in respellings(token_as_sent(carol).signature).items():
+        token = token_as_sent(carol, spelling)
+        assert read_token_file(carol).fingerprint in fingerprints(token), (
+            how
+        )  # the same name, whatever it says
+        assert check_token(token, key, revoked) == MALFORMED, how
+        assert server.refusal(token) == MALFORMED, how
+        assert check_token(token_as_sent(alice, token_as_sent(alice).signature + b"\n"), key) == MALFORMED
+        # the token file with that signature is refused in one line too
+        data = json.loads(carol.read_text())
+        data["signature"] = spelling.decode()
+        (tmp_path / "respelled.token").write_text(json.dumps(data))
+        with pytest.raises(UserError, match="respelled.token is damaged") as e:
+            read_token_file(tmp_path / "respelled.token")
+        assert "\n" not in str(e.value)
+    # an RSA signature whose first byte is zero also verifies without it: that spelling is refused as well
+    for _ in range(5000):
+        short = authority.mint("zed", PrivateKey(), time.time() + 3600)
+        raw = base64.b64decode(short.signature)
+        if raw[0] == 0:
+            break
+    else:
+        pytest.fail("no signature started with a zero byte")
+    assert check_token(short.proto(), key) is None
+    shortened = short.proto()
+    shortened.signature = base64.b64encode(raw[1:])
+    assert check_token(shortened, key) == MALFORMED
+
+
+def test_a_registry_of_format_1_keeps_its_revoked_tokens_revoked(tmp_path, caplog, capsys):
+    """Registries written before content fingerprints named tokens by a hash of the signature's text: read
+    as format 2, their revoked tokens stay revoked under that name (said once in a log line), and the next
+    change writes format 2."""
+    import logging
+
+    from cotrain.access.tokens import signature_fingerprint
+
+    issue(tmp_path, "alice")
+    carol = read_token_file(issue(tmp_path, "carol"))
+    path = registry_path(tmp_path / "authority.key")
+    entries = json.loads(path.read_text())["tokens"]
+    old = [
+        {
+            "name": e["name"],
+            "fingerprint": e["signature_fingerprint"],
+            "issued": e["issued"],
+            "expires": e["expires"],
+            "revoked": time.time() if e["name"] == "carol" else None,
+        }
+        for e in entries
+    ]
+    path.write_text(json.dumps({"format": "cotrain-token-registry/1", "tokens": old}))
+    authority = Authority.load(tmp_path / "authority.key")
+    with caplog.at_level(logging.WARNING, logger="cotrain.access.authority"):
+        revoked = authority.revoked_fingerprints()
+        authority.revoked_fingerprints()
+    assert revoked == {signature_fingerprint(carol.signature)}
+    assert caplog.text.count("registered in format 1") == 1, caplog.text  # once, however often it is read
+    assert "tokens of carol stay revoked by their signature's fingerprint" in caplog.text, caplog.text
+    assert "was revoked" in check_token(carol.proto(), authority.public_key, revoked)
+    assert check_token(token_as_sent(tmp_path / "alice.token"), authority.public_key, revoked) is None
+    capsys.readouterr()
+    assert main(["token", "list", "--authority-key", str(tmp_path / "authority.key")]) == 0
+    table = capsys.readouterr().out
+    assert re.search(rf"carol\s+{signature_fingerprint(carol.signature)}\s+revoked", table), table
+    issue(tmp_path, "bob")  # the next change writes format 2, carol still revoked
+    assert json.loads(path.read_text())["format"] == "cotrain-token-registry/2"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cotrain.access.authority"):
+        assert Authority.load(tmp_path / "authority.key").revoked_fingerprints() == revoked
+    assert "tokens of carol stay revoked" in caplog.text  # said again by each process that reads it
+
+
+@pytest.mark.parametrize(
+    "change,problem",
+    [
+        (lambda d: d.update(extra="x"), "extra: extra inputs are not permitted"),
+        (lambda d: d.pop("private_key"), "private_key: field required"),
+        (lambda d: d.update(name="a" * 65), "name: string should match pattern"),
+        (lambda d: d.update(name=7), "name: input should be a valid string"),
+        (lambda d: d.update(public_key="A" * 5000), "public_key: string should have at most"),
+        (lambda d: d.update(signature="A" * 5000), "signature: string should have at most"),
+        (lambda d: d.update(expiration_time="1e10"), "expiration_time: string should match pattern"),
+        (lambda d: d.update(private_key="x" * 70000), "over 65536 bytes"),
+    ],
+    ids=["extra", "missing", "long name", "name type", "huge key", "huge signature", "expiry", "huge file"],
+)
+def test_token_files_pass_a_strict_schema(tmp_path, change, problem):
+    data = json.loads(issue(tmp_path, "alice").read_text())
+    change(data)
+    (tmp_path / "bad.token").write_text(json.dumps(data))
+    with pytest.raises(UserError) as e:
+        read_token_file(tmp_path / "bad.token")
+    assert problem in str(e.value).lower() and "\n" not in str(e.value), str(e.value)
+
+
+def test_registries_and_tokens_on_the_wire_pass_a_strict_schema(tmp_path, capsys):
+    from cotrain.access.tokens import MALFORMED
+
+    path = issue(tmp_path, "alice")
+    registry = registry_path(tmp_path / "authority.key")
+    good = json.loads(registry.read_text())
+    key = ["--authority-key", str(tmp_path / "authority.key")]
+    bad = {
+        "revoked as text": {**good["tokens"][0], "revoked": "yesterday"},
+        "an extra field": {**good["tokens"][0], "admin": True},
+        "no expiry": {k: v for k, v in good["tokens"][0].items() if k != "expires"},
+        "a name with a newline": {**good["tokens"][0], "name": "alice\nroot"},
+    }
+    for what, entry in bad.items():
+        registry.write_text(json.dumps({**good, "tokens": [entry]}))
+        capsys.readouterr()
+        assert main(["token", "list", *key]) == 2, what
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is damaged" in err[0], (what, err)
+    registry.write_text(json.dumps(good))
+    authority = Authority.load(tmp_path / "authority.key")
+    for field, value in [
+        ("username", "x" * 10_000),
+        ("expiration_time", "9" * 40),
+        ("public_key", b"A" * 10_000),
+    ]:
+        token = token_as_sent(path)
+        setattr(token, field, value)
+        assert check_token(token, authority.public_key) == MALFORMED, field
+
+
+def test_private_files_are_written_through_a_new_temp_file(tmp_path):
+    """A symlink or file planted at the temp name that writes used to take is neither followed nor used."""
+    import os
+
+    from cotrain.access.tokens import write_private
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    target = tmp_path / "authority.key"
+    planted = tmp_path / f".{target.name}.tmp{os.getpid()}"
+    planted.symlink_to(victim)
+    Authority.load(target, create=True)  # writes the key with write_private
+    assert victim.read_text() == "keep me" and planted.is_symlink()
+    assert not target.is_symlink() and b"PRIVATE KEY" in target.read_bytes()
+    assert (target.stat().st_mode & 0o777) == 0o600
+    registry = registry_path(target)
+    (tmp_path / f".{registry.name}.tmp{os.getpid()}").symlink_to(victim)
+    issue(tmp_path, "alice")
+    assert victim.read_text() == "keep me" and not registry.is_symlink() and "alice" in registry.read_text()
+    write_private(tmp_path / "again.txt", b"secret")
+    assert (tmp_path / "again.txt").read_bytes() == b"secret"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temp file left
+
+
+def test_only_a_refusal_the_peer_can_verify_stops_it(tmp_path):
+    """An initial peer's answer to the access check is not signed: it stops the asking peer only when the
+    peer can check it (a revocation list signed by the authority naming its token, its own check, or, before
+    it joined, a claim nothing it knows contradicts)."""
+    from cotrain.access import AccessControl
+    from cotrain.access.authorizer import _answer_check
+    from cotrain.access.probe import Verdict, judge
+    from cotrain.access.tokens import MALFORMED
+    from cotrain.access.wire import messages
+
+    m = messages()
+    carol = AccessControl.for_token(RUN, str(issue(tmp_path, "carol")))
+    alice = AccessControl.for_token(RUN, str(issue(tmp_path, "alice")))
+    Authority.load(tmp_path / "authority.key").revoke("carol")
+    monitor = AccessControl.for_authority(RUN, str(tmp_path / "authority.key"))
+    revoked = "access token 'carol' was revoked by the swarm's operator"
+
+    def refused(reason: str, revocations: bytes = b""):
+        return m.AccessReply(granted=False, reason=reason, revocations=revocations)
+
+    def answer(access: AccessControl):
+        request = m.AccessRequest(token=access.own().proto.SerializeToString())
+        return asyncio.run(_answer_check(monitor, request, None))
+
+    # an unsigned claim, from whichever initial peer, stops nobody
+    assert judge(refused(revoked), carol, joined=True) == Verdict(
+        unverified=revoked + (" (without a revocation list signed by the authority naming it)")
+    )
+    assert judge(refused(revoked), carol, joined=False).stop is None
+    for claim in (MALFORMED, "access token 'carol' expired at 2020-01-01 00:00:00 UTC", NO_TOKEN):
+        assert judge(refused(claim), carol, joined=False) == Verdict(unverified=claim)
+    foreign = "access token 'carol' was not issued by this swarm's authority (or was altered)"
+    assert judge(refused(foreign), carol, joined=True).stop is None  # the swarm accepted it when it joined
+    assert judge(refused(foreign), carol, joined=False) == Verdict(stop=foreign)
+    assert judge(m.AccessReply(granted=True), carol, joined=True) == Verdict()
+    # a revocation list not signed by the authority proves nothing
+    other = Authority.load(tmp_path / "other.key", create=True)
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    forged = other.signed_revocations(time.time() + 60)
+    forged["revoked"] = sorted(monitor.revoked)
+    assert judge(refused(revoked, MSGPackSerializer.dumps(forged)), carol, joined=True).stop is None
+    # the monitor's answer carries the list it published, signed: that stops carol, not alice
+    assert answer(carol).revocations == b""  # nothing published yet: no proof
+    monitor.revocations_record = monitor.authority.signed_revocations(time.time() + 60)
+    reply = answer(carol)
+    assert not reply.granted and reply.revocations
+    assert judge(reply, carol, joined=True) == Verdict(stop=revoked)
+    assert carol.own_refusal() == revoked  # its own check agrees from now on
+    assert (
+        answer(alice).granted and judge(refused(revoked, reply.revocations), alice, joined=True).stop is None
+    )
+    # a peer without a token stops on any refusal; control characters never reach a log
+    assert judge(refused("x"), None, joined=False) == Verdict(stop=NO_TOKEN)
+    assert judge(refused("a\x1b[2Jb\nc"), alice, joined=False) == Verdict(unverified="a?[2Jb?c")
 
 
 def test_the_access_package_stays_below_config_models_and_data():
@@ -426,7 +674,8 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
 
     from cotrain.access import AccessControl, GuardedP2P, SwarmAuthorizer
     from cotrain.access.guard import handshake_payload as payload
-    from cotrain.access.wire import HANDSHAKE, messages
+    from cotrain.access.tokens import MALFORMED
+    from cotrain.access.wire import CHECK_HANDLE, HANDSHAKE, messages
     from cotrain.swarm.keys import state_averager_prefix
 
     out = private_swarm["out"]
@@ -503,6 +752,27 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
                     dht_pb2.PingRequest(peer=dht_pb2.NodeInfo()),
                     dht_pb2.PingResponse,
                 )
+            # dave's revoked token with its signature re-encoded (a newline added: the same signature to a
+            # lenient base64 decoder) is refused by the DHT, the access check and the averagers alike
+            dave = AccessControl.for_token(RUN, str(out / "dave.token"))
+            dave.own().proto.signature += b"\n"
+            ping = dht_pb2.PingRequest(peer=dht_pb2.NodeInfo(), validate=False)
+            await SwarmAuthorizer(dave).sign_request(ping, None)
+            assert ping.auth.client_access_token.signature.endswith(b"\n")
+            with pytest.raises(P2PHandlerError):
+                await outsider.call_protobuf_handler(
+                    monitor, "DHTProtocol.rpc_ping", ping, dht_pb2.PingResponse
+                )
+            check = m.AccessRequest(token=dave.own().proto.SerializeToString())
+            reply = await outsider.call_protobuf_handler(monitor, CHECK_HANDLE, check, m.AccessReply)
+            assert not reply.granted and reply.reason == MALFORMED, reply
+            respelled = (await GuardedP2P.create(**options)).setup_guard(dave)
+            try:
+                await respelled._client.connect(trainer, [Multiaddr(trainer_maddr)])
+                with pytest.raises(Exception, match="malformed"):
+                    await download(respelled)
+            finally:
+                await respelled.shutdown()
         finally:
             await outsider.shutdown()
             await member.shutdown()

@@ -285,6 +285,56 @@ def test_hub_uploader_pushes_the_newest_export_and_retries_with_backoff(tmp_path
     assert "retrying in" in caplog.text
 
 
+class FakeHfApi:
+    """Stands in for ``huggingface_hub.HfApi`` (no network here): records what would be sent."""
+
+    def __init__(self):
+        self.created: list[tuple[str, dict]] = []
+        self.uploads: list[dict] = []
+        self.done = threading.Event()
+
+    def create_repo(self, repo_id: str, **options) -> None:
+        self.created.append((repo_id, options))
+
+    def upload_folder(self, **options) -> None:
+        folder = Path(options["folder_path"])
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        self.uploads.append({**options, "files": files})
+        self.done.set()
+
+
+def test_hub_repositories_are_created_private_and_uploads_carry_no_local_path(
+    tmp_path, tokenizer, monkeypatch
+):
+    import huggingface_hub
+
+    from cotrain.cli import parse
+    from cotrain.hub import HubUploader, hf_upload
+
+    api = FakeHfApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
+    root = tmp_path / "checkpoints"
+    save(root, 2, tokenizer, trained_state(tokenizer, steps=1))
+    stop = threading.Event()
+    uploader = HubUploader(root, "me/albert", every=0.1, work_dir=tmp_path / "hub", stop=stop)
+    uploader.start()
+    assert api.done.wait(60)
+    stop.set()
+    uploader.join(10)
+    assert api.created == [("me/albert", {"exist_ok": True, "private": True})]
+    sent = api.uploads[0]
+    assert sent["repo_id"] == "me/albert" and "model.safetensors" in sent["files"]
+    local = str(tmp_path).encode()
+    leaks = [name for name, data in sent["files"].items() if local in data or b"/tmp/" in data]
+    assert not leaks and local.decode() not in sent["commit_message"], leaks
+    assert json.loads(sent["files"]["cotrain.json"])["checkpoint"] == "step-000002"
+    # --hub-public creates a public one
+    hf_upload(tmp_path / "hub" / "export", "me/open", "m", private=False, api=api)
+    assert api.created[-1] == ("me/open", {"exist_ok": True, "private": False})
+    _, config = parse(["monitor", "--push-to-hub", "me/open", "--hub-public"])
+    assert config.peer.hub_public and not parse(["monitor", "--push-to-hub", "me/x"])[1].peer.hub_public
+
+
 def test_hub_uploader_waits_for_the_interval(tmp_path, tokenizer):
     from cotrain.hub import HubUploader
 

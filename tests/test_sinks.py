@@ -144,6 +144,47 @@ def test_snapshot_joins_metrics_and_progress_and_estimates_the_eta():
     assert row["contribution"] == 300 and row["step"] == 8 and row["short_id"].endswith("NfATSa")
 
 
+def test_the_dashboard_answers_only_requests_for_its_own_address():
+    """DNS rebinding: a page from another name re-pointed at 127.0.0.1 gets 400, not the swarm's state."""
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    import http.client
+
+    from cotrain.dashboard import server as dashboard
+    from cotrain.dashboard.view import SwarmView
+
+    server = dashboard.DashboardServer(
+        SwarmView("host-run", "cotrain train ...", 64), lambda: "", "127.0.0.1", 0
+    )
+    try:
+
+        def status(host: str) -> int:
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                connection.request("GET", "/api/state", headers={"Host": host})
+                response = connection.getresponse()
+                response.read()
+                return response.status
+            finally:
+                connection.close()
+
+        assert status("evil.example") == 400
+        assert status(f"evil.example:{server.port}") == 400
+        assert status(f"127.0.0.1.evil.example:{server.port}") == 400
+        for host in (
+            f"127.0.0.1:{server.port}",
+            "127.0.0.1",
+            f"localhost:{server.port}",
+            f"[::1]:{server.port}",
+        ):
+            assert status(host) == 200, host
+    finally:
+        server.close()
+    hosts = dashboard.allowed_hosts
+    assert hosts("0.0.0.0") == ["*"] and hosts("::") == ["*"]  # every interface: any name
+    assert hosts("192.168.1.5") == ["192.168.1.5"] and hosts("::1") == ["[::1]", "localhost", "127.0.0.1"]
+
+
 def test_dashboard_server_serves_page_state_and_metrics(tmp_path):
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")

@@ -396,11 +396,12 @@ def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module
     return model, tokenizer
 
 
-def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def export(checkpoint: str | Path, out_dir: str | Path, local_path: bool = True) -> Path:
     """Write a Hugging Face model folder (config.json, model.safetensors, tokenizer files) that the
     family's Auto class loads (``AutoModelForPreTraining`` for ALBERT, ``AutoModelForMaskedLM`` for BERT,
     DistilBERT and RoBERTa, ``AutoModelForCausalLM`` for GPT-2, Llama and Qwen2). Written beside ``out_dir``,
-    then renamed."""
+    then renamed. Its ``cotrain.json`` names the checkpoint by its full path, or with ``local_path`` False (a
+    folder that leaves this machine) by its folder name only."""
     from cotrain.data.fsutil import check_replaceable, replace_dir, temp_dir_beside
     from cotrain.families import FAMILIES
 
@@ -426,7 +427,7 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
                 {
                     "step": meta["step"],
                     "run_id": meta.get("run_id"),
-                    "checkpoint": str(checkpoint),
+                    "checkpoint": str(checkpoint) if local_path else checkpoint.name,
                     "auto_class": auto_class,
                 }
             )

@@ -4,14 +4,20 @@ Every ``every`` seconds the uploader looks for the newest good checkpoint; when 
 uploaded, it exports it as a Hugging Face model folder and pushes that folder with
 ``HfApi().upload_folder``. A failed upload is logged and retried with exponential backoff (capped at the
 upload interval); it never stops the monitor.
+
+A repository that does not exist yet is created private unless the operator asks for a public one
+(``--hub-public``); an existing repository keeps its visibility. The uploaded folder holds the model, the
+tokenizer and ``cotrain.json`` (step, run id, the checkpoint's folder name), no path of this machine.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cotrain import checkpoints as ck
 
@@ -20,12 +26,14 @@ logger = logging.getLogger(__name__)
 Upload = Callable[[Path, str, str], None]  # (folder, repo id, commit message)
 
 
-def hf_upload(folder: Path, repo: str, message: str) -> None:
-    """Push ``folder`` to the Hub model repo ``repo`` (created if missing; needs HF_TOKEN or a login)."""
-    from huggingface_hub import HfApi
+def hf_upload(folder: Path, repo: str, message: str, private: bool = True, api: Any = None) -> None:
+    """Push ``folder`` to the Hub model repo ``repo`` (created if missing, ``private`` unless told otherwise;
+    needs HF_TOKEN or a login). ``api``: an ``HfApi`` (default: a new one)."""
+    if api is None:
+        from huggingface_hub import HfApi
 
-    api = HfApi()
-    api.create_repo(repo, exist_ok=True)
+        api = HfApi()
+    api.create_repo(repo, exist_ok=True, private=private)
     api.upload_folder(repo_id=repo, folder_path=str(folder), commit_message=message)
 
 
@@ -37,13 +45,15 @@ class HubUploader(threading.Thread):
         every: float,
         work_dir: str | Path,
         stop: threading.Event,
-        upload: Upload = hf_upload,
+        upload: Upload | None = None,
         backoff: float = 10.0,
+        public: bool = False,
     ) -> None:
         super().__init__(daemon=True, name="hub-upload")
         self.checkpoints, self.repo, self.every = Path(checkpoints), repo, every
         self.folder = Path(work_dir) / "export"
-        self.stop, self.upload, self.backoff = stop, upload, backoff
+        self.upload: Upload = upload or functools.partial(hf_upload, private=not public)
+        self.stop, self.backoff = stop, backoff
         self.uploaded_step = -1
 
     def run(self) -> None:
@@ -58,7 +68,7 @@ class HubUploader(threading.Thread):
         delay, attempt = self.backoff, 1
         while not self.stop.is_set():
             try:
-                ck.export(path, self.folder)
+                ck.export(path, self.folder, local_path=False)
                 self.upload(self.folder, self.repo, f"cotrain: global step {step}")
                 self.uploaded_step = step
                 logger.info(f"Uploaded global step {step} to the Hub repository {self.repo}")

@@ -30,7 +30,7 @@ _WHERE = {
     "NO_TOKEN": "tokens",
     "TokenFile": "tokens",
     "check_token": "tokens",
-    "fingerprint": "tokens",
+    "fingerprints": "tokens",
     "read_token_file": "tokens",
     "DEFAULT_AUTHORITY_KEY": "authority",
     "Authority": "authority",
@@ -71,7 +71,7 @@ __all__ = [
     "TokenFile",
     "access_for",
     "check_token",
-    "fingerprint",
+    "fingerprints",
     "issue_token",
     "list_tokens",
     "probe_refusal",
@@ -92,7 +92,7 @@ if TYPE_CHECKING:
     from cotrain.access.crypto import PrivateKey, PublicKey
     from cotrain.access.guard import GuardedP2P
     from cotrain.access.probe import PUBLIC_SWARM, AccessWatcher, probe_refusal, refused_message
-    from cotrain.access.tokens import NO_TOKEN, TokenFile, check_token, fingerprint, read_token_file
+    from cotrain.access.tokens import NO_TOKEN, TokenFile, check_token, fingerprints, read_token_file
 
 
 def __getattr__(name: str) -> Any:

@@ -4,23 +4,96 @@ of revoked tokens.
 The operator keeps an *authority key* (an RSA key, ``authority.key`` by default) next to a registry of the
 tokens it issued (``authority.tokens.json``). Revoking a name marks its tokens in the registry; the monitor
 signs the list of revoked tokens with the authority key and publishes it to the swarm.
+
+The registry names each token twice: ``fingerprint``, a hash of what the authority signed (every spelling of
+the token has it), and ``signature_fingerprint``, a hash of its signature's text (the only name registries of
+format 1 kept). A registry of format 1 is read as format 2 with no ``fingerprint``: it did not keep the public
+keys that the new name needs, so its revoked tokens stay revoked under their signature's name (peers accept a
+signature in its one canonical spelling only, which keeps that name sound). It is written as format 2 on its
+next change.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import logging
 import time
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
 
 from cotrain.access.crypto import PrivateKey
-from cotrain.access.tokens import TokenFile, token_payload, write_private
+from cotrain.access.tokens import (
+    FINGERPRINT_PATTERN,
+    NAME,
+    Name,
+    TokenFile,
+    schema_problems,
+    token_payload,
+    write_private,
+)
 from cotrain.errors import UserError
 
-REGISTRY_FORMAT = "cotrain-token-registry/1"
+logger = logging.getLogger(__name__)
+
+REGISTRY_FORMAT = "cotrain-token-registry/2"
+REGISTRY_FORMAT_1 = "cotrain-token-registry/1"
 DEFAULT_AUTHORITY_KEY = "authority.key"
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 MAX_VALID_DAYS = 3650.0
+MAX_REVOKED = 100_000  # fingerprints in one revocation list
+
+Fingerprint = Annotated[str, StringConstraints(pattern=FINGERPRINT_PATTERN)]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class Entry(_Schema):
+    """One issued token in the registry."""
+
+    name: Name
+    fingerprint: Fingerprint | None  # None: registered in format 1 (see the module's doc)
+    signature_fingerprint: Fingerprint
+    issued: float
+    expires: float
+    revoked: float | None
+
+
+class Registry(_Schema):
+    format: Literal["cotrain-token-registry/2"]
+    tokens: list[Entry]
+
+
+class EntryFormat1(_Schema):
+    name: Name
+    fingerprint: Fingerprint  # of the signature's text
+    issued: float
+    expires: float
+    revoked: float | None
+
+
+class RegistryFormat1(_Schema):
+    format: Literal["cotrain-token-registry/1"]
+    tokens: list[EntryFormat1]
+
+
+def _from_format_1(entry: EntryFormat1) -> dict:
+    """A format-1 entry as format 2: its fingerprint was of the signature's text."""
+    return Entry(
+        name=entry.name,
+        fingerprint=None,
+        signature_fingerprint=entry.fingerprint,
+        issued=entry.issued,
+        expires=entry.expires,
+        revoked=entry.revoked,
+    ).model_dump()
+
+
+def token_name(entry: dict) -> str:
+    """The fingerprint `cotrain token list` shows for a registry entry."""
+    return entry["fingerprint"] or entry["signature_fingerprint"]
 
 
 def registry_path(key_path: str | Path) -> Path:
@@ -41,7 +114,7 @@ def verify_revocations(value: object, authority_public_key, expiration: float | 
         return False
     try:
         revoked, version, expires = list(value["revoked"]), float(value["version"]), float(value["expires"])
-        if not all(isinstance(r, str) for r in revoked):
+        if len(revoked) > MAX_REVOKED or not all(isinstance(r, str) and len(r) <= 64 for r in revoked):
             return False
         if expiration is not None and expires != expiration:
             return False
@@ -60,6 +133,7 @@ class Authority:
         self.private_key = private_key
         self.public_key = private_key.get_public_key()
         self.public_key_bytes = self.public_key.to_bytes()
+        self._told_format_1 = False
 
     @property
     def registry_path(self) -> Path:
@@ -97,16 +171,44 @@ class Authority:
 
     def entries(self) -> list[dict]:
         path = self.registry_path
-        if not path.exists():
-            return []
         try:
-            data = json.loads(path.read_text())
-            assert data.get("format") == REGISTRY_FORMAT
-            return list(data["tokens"])
-        except Exception:
-            raise UserError(
-                f"token registry {path} is damaged; it lists the tokens issued with this key"
-            ) from None
+            text = path.read_text()
+        except FileNotFoundError:
+            return []
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"token registry {path} cannot be read ({type(e).__name__})") from None
+        damaged = f"token registry {path} is damaged; it lists the tokens issued with this key"
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            raise UserError(f"{damaged} (not JSON)") from None
+        try:
+            if isinstance(data, dict) and data.get("format") == REGISTRY_FORMAT_1:
+                entries = [_from_format_1(e) for e in RegistryFormat1.model_validate(data).tokens]
+            else:
+                entries = [e.model_dump() for e in Registry.model_validate(data).tokens]
+        except ValidationError as e:
+            raise UserError(f"{damaged} ({schema_problems(e)})") from None
+        self._tell_older_names(entries)
+        return entries
+
+    def _tell_older_names(self, entries: list[dict]) -> None:
+        """Say once which revoked tokens only a format-1 name (of the signature's text) keeps revoked."""
+        now = time.time()
+        older = sorted(
+            {
+                e["name"]
+                for e in entries
+                if e["fingerprint"] is None and e["revoked"] is not None and e["expires"] > now
+            }
+        )
+        if older and not self._told_format_1:
+            self._told_format_1 = True
+            logger.warning(
+                f"Token registry {self.registry_path} holds tokens registered in format 1: the revoked, "
+                f"unexpired tokens of {', '.join(older)} stay revoked by their signature's fingerprint (the "
+                "registry lacks what their content fingerprint needs)"
+            )
 
     def _save(self, entries: list[dict]) -> None:
         body = json.dumps({"format": REGISTRY_FORMAT, "tokens": entries}, indent=1).encode() + b"\n"
@@ -125,6 +227,7 @@ class Authority:
             {
                 "name": name,
                 "fingerprint": token.fingerprint,
+                "signature_fingerprint": token.signature_fingerprint,
                 "issued": token.issued,
                 "expires": token.expiration,
                 "revoked": None,
@@ -151,9 +254,13 @@ class Authority:
         return newly
 
     def revoked_fingerprints(self) -> set[str]:
-        """Revoked tokens that have not expired yet (expired ones are refused anyway)."""
+        """Both names of every revoked token that has not expired yet (expired ones are refused anyway)."""
         now = time.time()
-        return {e["fingerprint"] for e in self.entries() if e["revoked"] is not None and e["expires"] > now}
+        names: set[str] = set()
+        for e in self.entries():
+            if e["revoked"] is not None and e["expires"] > now:
+                names.update(n for n in (e["fingerprint"], e["signature_fingerprint"]) if n)
+        return names
 
     def signed_revocations(self, expires: float) -> dict:
         revoked = sorted(self.revoked_fingerprints())

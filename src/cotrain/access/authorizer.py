@@ -16,9 +16,11 @@ import time
 
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from cotrain.access.control import AccessControl
+from cotrain.access.tokens import MALFORMED, REVOKED
 from cotrain.access.wire import CHECK_HANDLE, messages
 
 logger = logging.getLogger(__name__)
@@ -76,15 +78,20 @@ async def start_access_service(dht, node) -> None:
 
 
 async def _answer_check(access: AccessControl, request, context):
+    """Whether the asker's token grants access here; a refusal for revocation carries the signed revocation
+    list as its proof (the asker stops only on a refusal it can verify, see cotrain.access.probe)."""
     m = messages()
     token = None
     if request.token:
         try:
             token = AccessToken.FromString(request.token)
         except Exception:
-            return m.AccessReply(granted=False, reason="the access token is malformed")
+            return m.AccessReply(granted=False, reason=MALFORMED)
     reason = access.refusal(token)
-    return m.AccessReply(granted=reason is None, reason=reason or "")
+    reply = m.AccessReply(granted=reason is None, reason=reason or "")
+    if reason is not None and REVOKED in reason and access.revocations_record is not None:
+        reply.revocations = MSGPackSerializer.dumps(access.revocations_record)
+    return reply
 
 
 async def _revocations_loop(node, access: AccessControl) -> None:
@@ -95,6 +102,7 @@ async def _revocations_loop(node, access: AccessControl) -> None:
                 revoked = access.revoked
                 if revoked != published or time.monotonic() - published_at > REPUBLISH:
                     value = access.authority.signed_revocations(get_dht_time() + REVOCATIONS_TTL)
+                    access.revocations_record = value  # the proof that check answers carry
                     await node.store(access.revocations_key, value, expiration_time=value["expires"])
                     if revoked != published:
                         logger.info(

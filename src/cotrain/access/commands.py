@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cotrain.access.authority import Authority
+from cotrain.access.authority import Authority, token_name
 from cotrain.access.tokens import TokenFile, iso
 
 
@@ -47,8 +47,9 @@ def list_tokens(authority_key: str | Path) -> list[dict]:
 
 
 def token_table(rows: list[dict]) -> list[str]:
-    """``list_tokens``'s rows as the lines of a table."""
+    """``list_tokens``'s rows as the lines of a table (a token registered in format 1 shows the fingerprint
+    of its signature, the only one its registry kept)."""
     lines = [f"{'name':<20}{'token':<26}{'status':<9}{'expires':<25}"]
     for row in rows:
-        lines.append(f"{row['name']:<20}{row['fingerprint']:<26}{row['status']:<9}{iso(row['expires']):<25}")
+        lines.append(f"{row['name']:<20}{token_name(row):<26}{row['status']:<9}{iso(row['expires']):<25}")
     return lines

@@ -16,12 +16,11 @@ from pathlib import Path
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto.auth_pb2 import AccessToken
-from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from cotrain.access.authority import Authority, verify_revocations
-from cotrain.access.crypto import PrivateKey
-from cotrain.access.tokens import TokenFile, check_token, fingerprint, iso, read_token_file
+from cotrain.access.crypto import PrivateKey, PublicKey
+from cotrain.access.tokens import REVOKED, TokenFile, check_token, fingerprints, iso, read_token_file
 from cotrain.errors import UserError
 from cotrain.swarm.keys import revocations_key
 
@@ -57,14 +56,16 @@ class AccessControl:
         self.authority_public_key = authority_public_key
         self.token_path = token_path
         self.authority = authority
-        self._authority_key = RSAPublicKey.from_bytes(authority_public_key)
+        self._authority_key = PublicKey.from_bytes(authority_public_key)
         self._revoked: frozenset[str] = frozenset()
         self.revocations_version = -1.0
+        self.revocations_record: dict | None = None  # the newest list signed by the authority, as stored
         self._registry_mtime: float | None = None
         self._own: Credential | None = None
         self._own_mtime = 0.0
         self._own_checked = 0.0
-        self._checked: dict[bytes, tuple[bytes, float]] = {}  # signature -> (token bytes, expiry), valid ones
+        # signature -> (token bytes, expiry, fingerprints) of the valid tokens seen
+        self._checked: dict[bytes, tuple[bytes, float, frozenset[str]]] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -100,6 +101,11 @@ class AccessControl:
     def name(self) -> str:
         return self.own().name
 
+    @property
+    def authority_key(self) -> PublicKey:
+        """The swarm authority's public key, which signs tokens and revocation lists."""
+        return self._authority_key
+
     # --- tokens ---------------------------------------------------------------------------------
 
     @property
@@ -120,12 +126,12 @@ class AccessControl:
 
     def refusal(self, token: AccessToken | None) -> str | None:
         """Why ``token`` grants no access (one sentence), or None when it does. A token seen before (the
-        same signature) skips the signature check; its expiry and revocation are checked every time."""
+        same bytes) skips the signature check; its expiry and revocation are checked every time."""
         signature = token.signature if token is not None else b""
         known = self._checked.get(signature)
         if known is not None and known[0] == token.SerializeToString():
-            if fingerprint(signature) in self.revoked:
-                return f"access token {token.username!r} was revoked by the swarm's operator"
+            if known[2] & self.revoked:
+                return f"access token {token.username!r} {REVOKED}"
             if known[1] <= time.time():
                 return f"access token {token.username!r} expired at {iso(known[1])}"
             return None
@@ -133,7 +139,11 @@ class AccessControl:
         if reason is None:
             if len(self._checked) > 1024:
                 self._checked.clear()
-            self._checked[signature] = (token.SerializeToString(), float(token.expiration_time))
+            self._checked[signature] = (
+                token.SerializeToString(),
+                float(token.expiration_time),
+                fingerprints(token),
+            )
         return reason
 
     def _set_own(self, token: TokenFile, mtime: float) -> None:
@@ -195,6 +205,7 @@ class AccessControl:
         newly = set(value["revoked"]) - self._revoked
         self._revoked = frozenset(value["revoked"]) | self._revoked  # a revocation is never taken back
         self.revocations_version = float(value["version"])
+        self.revocations_record = value
         if newly:
             logger.debug(f"{len(newly)} more revoked access token(s)")
         return True
@@ -222,7 +233,7 @@ class RevocationsValidator(RecordValidatorBase):
     def __init__(self, key: str, authority_public_key: bytes) -> None:
         self._key = DHTID.generate(source=key).to_bytes()
         self._authority_public_key = authority_public_key
-        self._authority_key = RSAPublicKey.from_bytes(authority_public_key)
+        self._authority_key = PublicKey.from_bytes(authority_public_key)
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self._key:
@@ -239,7 +250,7 @@ class RevocationsValidator(RecordValidatorBase):
     def __setstate__(self, state):
         self._key = state["key"]
         self._authority_public_key = state["authority_public_key"]
-        self._authority_key = RSAPublicKey.from_bytes(state["authority_public_key"])
+        self._authority_key = PublicKey.from_bytes(state["authority_public_key"])
 
 
 def access_for(run_id: str, access_token: str, authority_key: str) -> AccessControl | None:

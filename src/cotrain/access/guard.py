@@ -24,7 +24,7 @@ from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
 from cotrain.access.authorizer import local_revocations
 from cotrain.access.control import AccessControl
-from cotrain.access.tokens import fingerprint
+from cotrain.access.tokens import MALFORMED, fingerprints
 from cotrain.access.wire import HANDSHAKE, messages
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class GuardedP2P(P2P):
     def setup_guard(self, access: AccessControl, dht=None) -> GuardedP2P:
         """``dht`` (to read the revocation list from) may be None for a short-lived client."""
         self.access, self.dht = access, dht
-        self._admitted: dict[tuple[str, PeerID], tuple[float, str]] = {}
+        self._admitted: dict[tuple[str, PeerID], tuple[float, frozenset[str]]] = {}
         self._trusted: dict[tuple[str, PeerID], float] = {}
         self._pending: dict[tuple[str, PeerID], asyncio.Future] = {}
         self._nonces = TimedStorage()
@@ -137,7 +137,7 @@ class GuardedP2P(P2P):
             reason = "it has not proven an access token"
         elif entry[0] < time.monotonic():
             reason = "its proof of access is out of date"
-        elif entry[1] in self.access.revoked:
+        elif entry[1] & self.access.revoked:
             reason = "its access token was revoked"
         if reason is not None:
             self._admitted.pop((namespace, peer), None)
@@ -152,10 +152,7 @@ class GuardedP2P(P2P):
             self._log(context.remote_id, f"Refused peer {context.remote_id} in {namespace}: {reason}")
             return m.AccessReply(granted=False, reason=reason)
         ttl = min(SERVER_PROOF_TTL, float(token.expiration_time) - time.time())
-        self._admitted[(namespace, context.remote_id)] = (
-            time.monotonic() + ttl,
-            fingerprint(token.signature),
-        )
+        self._admitted[(namespace, context.remote_id)] = (time.monotonic() + ttl, fingerprints(token))
         own = self.access.own()
         payload = handshake_payload(
             b"reply", namespace, context.remote_id, context.local_id, request.time, request.nonce
@@ -171,7 +168,7 @@ class GuardedP2P(P2P):
         try:
             token = AccessToken.FromString(request.token) if request.token else None
         except Exception:
-            return "the access token is malformed", None
+            return MALFORMED, None
         reason = self.access.refusal(token)
         if reason is not None:
             return reason, None

@@ -4,6 +4,12 @@ A token is a file given to one participant: their name, an RSA key pair made for
 authority's public key and the authority's signature over (name, public key, expiry). It is a credential:
 whoever holds the file can join the swarm until it expires or is revoked, so it is written readable by its
 owner only.
+
+A token is named by what the authority signed (``token_fingerprint``: a hash of the signed payload), so every
+spelling of the same token has the same name and a revoked token stays revoked however it is re-encoded.
+Revocation lists also carry the older name, a hash of the signature's text (``signature_fingerprint``), for
+tokens registered before: it is sound only because a signature is accepted in one spelling only
+(cotrain.access.crypto).
 """
 
 from __future__ import annotations
@@ -11,12 +17,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Annotated, Literal
 
-from cotrain.access.crypto import PrivateKey, PublicKey
+from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
+
+from cotrain.access.crypto import PrivateKey, PublicKey, decode_signature
 from cotrain.errors import UserError
 
 TOKEN_FORMAT = "cotrain-access-token/1"
@@ -24,6 +35,18 @@ NO_TOKEN = (
     "no access token: this swarm is private; pass --access-token FILE (a token its operator issued with "
     "`cotrain token issue`)"
 )
+REVOKED = "was revoked by the swarm's operator"
+FOREIGN = "was not issued by this swarm's authority"
+MALFORMED = "the access token is malformed"
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
+NAME = re.compile(NAME_PATTERN)
+EXPIRATION_PATTERN = r"^[0-9]{1,12}$"  # whole seconds since the epoch, as the authority signs them
+FINGERPRINT_PATTERN = r"^[0-9a-f]{24}$"
+MAX_PUBLIC_KEY = 2048  # characters of an OpenSSH RSA public key (8192 bits: ~1,400)
+MAX_SIGNATURE = 1400  # characters of a base64 signature (8192 bits: 1,368)
+MAX_PRIVATE_KEY = 8192  # characters of a PEM RSA private key (8192 bits: ~6,400)
+MAX_TOKEN_FILE = 64 * 1024  # bytes
 
 
 def iso(t: float) -> str:
@@ -35,43 +58,78 @@ def token_payload(name: str, public_key: bytes, expiration_time: str) -> bytes:
     return b"\n".join([TOKEN_FORMAT.encode(), name.encode(), public_key, expiration_time.encode()])
 
 
-def fingerprint(signature: bytes) -> str:
-    """A short, unique name for one issued token (revocation lists carry these)."""
+def token_fingerprint(name: str, public_key: bytes, expiration_time: str) -> str:
+    """A token's name in revocation lists: a hash of what the authority signed, the same however the token's
+    signature is spelled."""
+    return hashlib.sha256(token_payload(name, public_key, expiration_time)).hexdigest()[:24]
+
+
+def signature_fingerprint(signature: bytes) -> str:
+    """The name registries before ``token_fingerprint`` gave a token: a hash of its signature's text."""
     return hashlib.sha256(signature).hexdigest()[:24]
 
 
+def fingerprints(token) -> frozenset[str]:
+    """Both names of ``token`` (a hivemind AccessToken) that a revocation list may carry."""
+    return frozenset(
+        (
+            token_fingerprint(token.username, token.public_key, token.expiration_time),
+            signature_fingerprint(token.signature),
+        )
+    )
+
+
+def is_malformed(token) -> bool:
+    """Whether ``token``'s fields are out of shape (checked before any signature work)."""
+    return (
+        not NAME.match(token.username)
+        or not re.match(EXPIRATION_PATTERN, token.expiration_time)
+        or len(token.public_key) > MAX_PUBLIC_KEY
+        or len(token.signature) > MAX_SIGNATURE
+    )
+
+
 def check_token(token, authority_public_key, revoked: frozenset[str] | set[str] = frozenset()) -> str | None:
-    """Why ``token`` (a hivemind AccessToken) does not grant access, in one sentence; None when it does."""
+    """Why ``token`` (a hivemind AccessToken) does not grant access, in one sentence; None when it does.
+    ``authority_public_key`` is a cotrain.access.crypto.PublicKey: a signature in any spelling but the
+    canonical one is malformed."""
     if token is None or not token.signature or not token.public_key:
         return NO_TOKEN
     try:
+        if is_malformed(token):
+            return MALFORMED
         PublicKey.from_bytes(token.public_key)
         expiration = float(token.expiration_time)
+        decode_signature(token.signature, authority_public_key.signature_size)
     except Exception:
-        return "the access token is malformed"
+        return MALFORMED
     name = token.username
     if not authority_public_key.verify(
         token_payload(name, token.public_key, token.expiration_time), token.signature
     ):
-        return f"access token {name!r} was not issued by this swarm's authority (or was altered)"
-    if fingerprint(token.signature) in revoked:
-        return f"access token {name!r} was revoked by the swarm's operator"
+        return f"access token {name!r} {FOREIGN} (or was altered)"
+    if fingerprints(token) & revoked:
+        return f"access token {name!r} {REVOKED}"
     if expiration <= time.time():
         return f"access token {name!r} expired at {iso(expiration)}"
     return None
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write a file readable by its owner only: a temp file first, then a rename (never half-written)."""
+    """Write a file readable by its owner only: a new temp file first, then a rename (never half-written).
+    The temp file has an unpredictable name and is created exclusively (O_CREAT | O_EXCL, mode 0600), so a
+    file or symlink planted beside ``path`` is neither followed nor written through."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -93,7 +151,11 @@ class TokenFile:
 
     @property
     def fingerprint(self) -> str:
-        return fingerprint(self.signature)
+        return token_fingerprint(self.name, self.public_key, self.expiration_time)
+
+    @property
+    def signature_fingerprint(self) -> str:
+        return signature_fingerprint(self.signature)
 
     def proto(self):
         from hivemind.proto.auth_pb2 import AccessToken
@@ -125,11 +187,46 @@ class TokenFile:
         )
 
 
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+PublicKeyText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PUBLIC_KEY)]
+
+
+class TokenFileSchema(BaseModel):
+    """A token file as ``TokenFile.to_json`` writes it: every field required, nothing else allowed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    format: Literal["cotrain-access-token/1"]
+    name: Name
+    issued: Annotated[str, StringConstraints(max_length=64)]
+    expires: Annotated[str, StringConstraints(max_length=64)]
+    expiration_time: Annotated[str, StringConstraints(pattern=EXPIRATION_PATTERN)]
+    public_key: PublicKeyText
+    authority_public_key: PublicKeyText
+    signature: Annotated[str, StringConstraints(min_length=1, max_length=MAX_SIGNATURE)]
+    private_key: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PRIVATE_KEY)]
+
+
+def schema_problems(error: ValidationError, limit: int = 3) -> str:
+    """A pydantic error as one short line: ``field: problem; ...``."""
+    parts = [
+        f"{'.'.join(str(x) for x in e['loc']) or 'the file'}: {e['msg'].lower()}"
+        for e in error.errors()[:limit]
+    ]
+    more = error.error_count() - limit
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
 def read_token_file(path: str | Path) -> TokenFile:
-    """Read and check a token file (format and the authority's signature); raise UserError with one line."""
+    """Read and check a token file (its schema and the authority's signature); raise UserError with one
+    line."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        with path.open("rb") as f:
+            raw = f.read(MAX_TOKEN_FILE + 1)
+        if len(raw) > MAX_TOKEN_FILE:
+            raise UserError(f"access token file {path} is not a cotrain token (over {MAX_TOKEN_FILE} bytes)")
+        data = json.loads(raw.decode())
     except FileNotFoundError:
         raise UserError(f"access token file {path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -137,20 +234,29 @@ def read_token_file(path: str | Path) -> TokenFile:
     if not isinstance(data, dict) or data.get("format") != TOKEN_FORMAT:
         raise UserError(f"access token file {path} is not a cotrain token (expected format {TOKEN_FORMAT})")
     try:
+        fields = TokenFileSchema.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"access token file {path} is damaged ({schema_problems(e)})") from None
+    try:
         token = TokenFile(
-            name=str(data["name"]),
-            public_key=data["public_key"].encode(),
-            expiration=float(data["expiration_time"]),
-            signature=data["signature"].encode(),
-            authority_public_key=data["authority_public_key"].encode(),
-            private_key=PrivateKey.from_pem(data["private_key"].encode()),
+            name=fields.name,
+            public_key=fields.public_key.encode(),
+            expiration=float(fields.expiration_time),
+            signature=fields.signature.encode(),
+            authority_public_key=fields.authority_public_key.encode(),
+            private_key=PrivateKey.from_pem(fields.private_key.encode()),
         )
         authority = PublicKey.from_bytes(token.authority_public_key)
+        PublicKey.from_bytes(token.public_key)
         own_public = token.private_key.get_public_key().to_bytes()
     except Exception as e:
         raise UserError(f"access token file {path} is damaged ({type(e).__name__}: {e})") from None
     if own_public != token.public_key:
         raise UserError(f"access token file {path} is damaged: its key pair does not match its public key")
+    try:
+        decode_signature(token.signature, authority.signature_size)
+    except ValueError as e:
+        raise UserError(f"access token file {path} is damaged ({e}); ask for the file again") from None
     if not authority.verify(
         token_payload(token.name, token.public_key, token.expiration_time), token.signature
     ):

@@ -35,6 +35,7 @@ def messages():
             ("token", f.TYPE_BYTES),
             ("nonce", f.TYPE_BYTES),
             ("signature", f.TYPE_BYTES),
+            ("revocations", f.TYPE_BYTES),  # a refusal for revocation: the authority's signed list, msgpack
         ],
         1,
     ):

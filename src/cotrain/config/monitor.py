@@ -39,6 +39,12 @@ class MonitorConfig:
         roles=("monitor",),
         seed="--repo_url",
     )
+    hub_public: bool = opt(
+        False,
+        "Create the --push-to-hub repository public if it does not exist (default: private; an existing "
+        "repository keeps its visibility).",
+        roles=("monitor",),
+    )
     repo_path: str = opt(
         "",
         "Local folder where the model folder uploaded to --push-to-hub is written (default OUTPUT_DIR/hub).",

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cotrain.checkpoints import step_dir
-from cotrain.config import Config, RunConfig
+from cotrain.config import Config, RunConfig, write_atomic
 from cotrain.dashboard.view import SwarmView
 from cotrain.engine.join import SwarmConnection, take_swarm_settings
 from cotrain.sinks import SinkSet, build_sinks
@@ -236,9 +236,15 @@ class Monitor:
             from cotrain.hub import HubUploader
 
             work_dir = Path(peer.repo_path) if peer.repo_path else out / "hub"
-            self.uploader = HubUploader(root, peer.push_to_hub, peer.upload_every, work_dir, self.stop)
+            self.uploader = HubUploader(
+                root, peer.push_to_hub, peer.upload_every, work_dir, self.stop, public=peer.hub_public
+            )
             self.uploader.start()
-            logger.info(f"Uploading the newest checkpoint to {peer.push_to_hub} every {peer.upload_every:g}s")
+            visibility = "public (--hub-public)" if peer.hub_public else "private (--hub-public: public)"
+            logger.info(
+                f"Uploading the newest checkpoint to {peer.push_to_hub} every {peer.upload_every:g}s (a new "
+                f"repository is created {visibility}; an existing one keeps its visibility)"
+            )
 
     def _start_dashboard(self, view: SwarmView, out: Path) -> None:
         """Serve the dashboard unless disabled; a missing extra or a busy port is one line, not a failure."""
@@ -265,9 +271,7 @@ class Monitor:
                 f"choose another --dashboard-port (0: any free port)"
             )
             return
-        tmp = url_file.with_suffix(".tmp")
-        tmp.write_text(self.dashboard.url + "\n")
-        tmp.replace(url_file)
+        write_atomic(url_file, self.dashboard.url + "\n")
         logger.info(f"Dashboard: {self.dashboard.url}")
 
     def close(self) -> None:
