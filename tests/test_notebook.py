@@ -51,7 +51,15 @@ def test_the_first_cell_holds_the_parameters():
     first = nb.cells[0]
     assert first.cell_type == "code" and "parameters" in first.metadata.get("tags", [])
     names = re.findall(r"^([A-Z_]+) = ", first.source, flags=re.M)
-    for name in ("INITIAL_PEERS", "RUN_ID", "DATASET", "INSTALL", "MAX_STEPS", "TIME_LIMIT_MINUTES"):
+    for name in (
+        "INITIAL_PEERS",
+        "RUN_ID",
+        "DATASET",
+        "ACCESS_TOKEN",
+        "INSTALL",
+        "MAX_STEPS",
+        "TIME_LIMIT_MINUTES",
+    ):
         assert name in names, name
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "saved with outputs"
 
@@ -93,6 +101,7 @@ def test_the_notebook_joins_the_swarm_and_averages(swarm, tmp_path):
     max_steps = MAX_STEPS
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    default_extra = re.search(r'^EXTRA_ARGS = "(.*)"$', nb.cells[0].source, flags=re.M).group(1)
     set_parameters(
         nb.cells[0],
         {
@@ -106,7 +115,8 @@ def test_the_notebook_joins_the_swarm_and_averages(swarm, tmp_path):
             "TIME_LIMIT_MINUTES": 9.0,
             "REQUIRE_GPU": False,
             "SEED": 7,
-            "EXTRA_ARGS": " ".join(FAST + SLOWER_STEPS + ["--statistics-expiration", "60"]),
+            # the notebook's own default first: it must suit a small preset's target batch
+            "EXTRA_ARGS": " ".join([default_extra, *FAST, *SLOWER_STEPS, "--statistics-expiration", "60"]),
         },
     )
     work = tmp_path / "work"
@@ -127,8 +137,13 @@ def test_the_notebook_joins_the_swarm_and_averages(swarm, tmp_path):
     train = texts[-1]
     assert "--client-mode" in train and f"Reached --max-steps {max_steps}" in train, train[-3000:]
     assert re.search(r"\] step \d+ \| loss ", train), train[-3000:]  # the notebook shows each step's line
-    rows = [r for r in trainer_rows(work / "outputs") if r["group_size"] == 2]  # the notebook's OUTPUT_DIR
+    assert "--overwrite-output-dir" not in train  # run again, it resumes from its local checkpoints
+    steps = trainer_rows(work / "outputs")  # the notebook's OUTPUT_DIR
+    rows = [r for r in steps if r["group_size"] == 2]
     assert rows, train[-3000:]
+    # each global step took the swarm's target batch (128, about half from each trainer), not one micro-batch
+    per_step = (steps[-1]["contribution"] - steps[0]["contribution"]) / (steps[-1]["step"] - steps[0]["step"])
+    assert per_step >= int(SLOWER_STEPS[1]) / 4, steps
     assert "Left the swarm" in train and "Traceback" not in train
     assert (work / "outputs").is_dir()  # the notebook's OUTPUT_DIR, relative to where it runs
     assert any(r["client_peers"] >= 1 and r["alive_peers"] == 2 for r in read_rows(metrics))
