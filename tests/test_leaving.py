@@ -6,10 +6,20 @@ starts from there, not from step 0."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
-from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    Role,
+    monitor_address,
+    monitor_args,
+    trainer_args,
+    trainer_rows,
+    wait_until,
+)
 from cotrain import checkpoints as ck
 
 pytestmark = [pytest.mark.slow]
@@ -55,6 +65,47 @@ def test_trainers_stopping_together_leave_their_final_state_to_the_monitor(demo_
             lambda: re.search(r"Starting from global step (\d+)", later.text()), 120, what="the next start"
         )
         assert int(found.group(1)) >= MAX_STEPS, later.text()[-3000:]
+    finally:
+        for role in roles:
+            if role.proc.poll() is None:
+                role.kill_all()
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_whose_partner_dies_stops_waiting_for_it_within_a_step(demo_data, tmp_path):
+    # the dead partner's progress record stays in the DHT for --metadata-expiration (60 s): the survivor kept
+    # counting it and waited a whole averaging round (--averaging-timeout) for it before every step
+    common = ["--preset", "albert-tiny", "--run-id", "partner-dies", "--host-maddrs", LOCALHOST, *FAST]
+    common += ["--averaging-timeout", "20"]  # a wait for nobody would be plain to see
+    first = Role(trainer_args(common, [], demo_data, 1, tmp_path / "first"), tmp_path / "first.log")
+    roles = [first]
+    try:
+        initial = wait_until(lambda: re.findall(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", first.text()), 120)
+        survivor = Role(
+            trainer_args(common, initial[:1], demo_data, 2, tmp_path / "survivor"), tmp_path / "survivor.log"
+        )
+        roles.append(survivor)
+        together = wait_until(
+            lambda: len([r for r in trainer_rows(tmp_path / "survivor") if r["group_size"] == 2]) >= 4,
+            180,
+            what="four steps averaged together",
+        )
+        assert together
+        first.kill_all()  # no goodbye: its progress record stays behind
+        killed_at = time.time()
+        before = [r for r in trainer_rows(tmp_path / "survivor") if r["time"] <= killed_at]
+        wait_until(lambda: len(trainer_rows(tmp_path / "survivor")) >= len(before) + 4, 150, what="4 steps")
+        rows = trainer_rows(tmp_path / "survivor")
+        together_gaps = [b["time"] - a["time"] for a, b in zip(before[-4:], before[-3:], strict=False)]
+        typical = sorted(together_gaps)[len(together_gaps) // 2]
+        # alone, a step needs the whole target batch from one peer (twice the compute), plus at most one
+        # matchmaking time and the ping that tells it the partner is gone
+        bound = 2.5 * typical + 2 * float(FAST[FAST.index("--matchmaking-time") + 1]) + 3
+        after = rows[len(before) - 1 : len(before) + 4]
+        gaps = [b["time"] - a["time"] for a, b in zip(after, after[1:], strict=False)]
+        assert max(gaps) < bound < 20, (gaps, bound, survivor.text()[-3000:])
+        assert all(r["group_size"] == 1 for r in after[1:])
+        assert "do not answer: training without them" in survivor.text()
     finally:
         for role in roles:
             if role.proc.poll() is None:

@@ -60,7 +60,7 @@ from cotrain.swarm.lineage import (
     next_lineage,
 )
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
-from cotrain.swarm.progress import tracker_class
+from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, tracker_class
 from cotrain.swarm.robust import Aggregation
 
 logger = logging.getLogger(__name__)
@@ -300,6 +300,8 @@ class DiLoCoOptimizer:
         when it cannot, (this peer's own change, None, 1)."""
         deadline = time.monotonic() + self.averaging_timeout
         attempt = 0
+        if self._others():  # peers quiet for a matchmaking time: still there?
+            forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT, quiet_for=self.matchmaking_time)
         while self._others() and not self.should_stop():
             attempt += 1
             control = self._launch(own, weight)
@@ -308,6 +310,8 @@ class DiLoCoOptimizer:
             except BaseException as e:  # a member left mid-round, no group formed, the timeout
                 if not control.done():
                     control.cancel()
+                if not self.should_stop():  # others that no longer answer are not waited for again
+                    forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT)
                 remaining = deadline - time.monotonic()
                 if remaining < self.matchmaking_time:
                     logger.warning(

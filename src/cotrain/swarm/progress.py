@@ -17,25 +17,45 @@ counts what a minority cannot inflate:
   newcomer or a lagging peer would take a lone liar's epoch and become its second witness.
 
 The all-reduce's weights are capped at their median by the reducers (cotrain.swarm.robust).
+
+Every tracker here (``SwarmProgressTracker``, the robust one included) also stops counting peers that are
+gone. A peer's progress record stays in the DHT for ``--metadata-expiration`` seconds (60) after its last
+report, so a trainer whose partner was killed, lost its link or was revoked kept counting it: it looked for a
+group before every step and waited a whole round for nobody, about a minute of stalled steps. After a failed
+round the peer pings the others its tracker counts (``forget_gone_peers``); those that do not answer are left
+out of the swarm's progress until their record changes (a peer that is back reports again), so the next step
+is taken alone at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
+import hivemind
 import numpy as np
+from hivemind.averaging.control import AveragingStage
 from hivemind.optim.progress_tracker import (
     GlobalTrainingProgress,
     LocalTrainingProgress,
     ProgressTracker,
     TrainingProgressSchema,
 )
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_CAP = 2.0  # a peer's reported samples (and samples/s) count at most this many times the median's
 WITNESSES = 2  # full peers that must report an epoch beyond this peer's next one for it to count
+# seconds for the pings that tell a gone peer from a live one: a peer that ended refuses the dial at once; a
+# live one on a busy machine may take seconds to answer (and is then not left out)
+PING_TIMEOUT = 5.0
 
 
 def robust_epoch(local_epoch: int, epochs: list[int]) -> int:
@@ -69,12 +89,140 @@ def capped(values: list[float], cap: float = PROGRESS_CAP, among: list[float] | 
     return [min(v, limit) for v in values]
 
 
-class RobustProgressTracker(ProgressTracker):
+class SwarmProgressTracker(ProgressTracker):
+    """hivemind's ProgressTracker that leaves out the peers found gone (``leave_out``) until they report
+    again."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._gone: dict[bytes, float] = {}  # peer id -> the time of its record when it was found gone
+        self._gone_lock = threading.Lock()
+        self._last_metadata: Any = None
+        super().__init__(*args, **kwargs)
+
+    def others(self) -> dict[bytes, float]:
+        """The other full peers the last read of the swarm's progress counted: peer id -> its record's time
+        (client-mode peers answer no pings: they are left to their record's expiration)."""
+        entries = _entries(self._last_metadata, clients=False)
+        me = self.dht.peer_id.to_bytes()
+        return {peer: t for peer, t in entries.items() if peer != me and peer not in self._gone}
+
+    def leave_out(self, peers: dict[bytes, float]) -> None:
+        """Stop counting ``peers`` (id -> the time of their record) until their record changes, and count the
+        swarm's progress again now."""
+        with self._gone_lock:
+            self._gone.update(peers)
+        if self._last_metadata is not None:  # one assignment, as the fetching thread makes (the caller may
+            # hold the tracker's lock already: a global step pauses its updates)
+            self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
+
+    def _live(self, metadata: Any) -> Any:
+        """``metadata`` without the records of peers found gone whose record has not changed since."""
+        self._last_metadata = metadata
+        if getattr(self, "_gone", None) is None:  # hivemind's __init__ reads the progress before ours runs
+            return metadata
+        entries = _entries(metadata)
+        with self._gone_lock:
+            for peer, seen in list(self._gone.items()):
+                if entries.get(peer) != seen:  # it reported again, or its record expired
+                    del self._gone[peer]
+            if not self._gone:
+                return metadata
+            return {
+                key: item
+                for key, item in metadata.items()
+                if _peer_of(item) is None or self._gone.get(_peer_of(item)) != entries.get(_peer_of(item))
+            }
+
+    def _parse_swarm_progress_data(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
+        return super()._parse_swarm_progress_data(self._live(metadata))
+
+
+def _peer_of(item: Any) -> bytes | None:
+    value = getattr(item, "value", None)
+    peer = value.get("peer_id") if isinstance(value, dict) else None
+    return peer if isinstance(peer, bytes) else None
+
+
+def _entries(metadata: Any, clients: bool = True) -> dict[bytes, float]:
+    """Peer id -> the time of its progress record, for the well-formed records of a read of the DHT (without
+    client-mode peers' unless ``clients``)."""
+    out: dict[bytes, float] = {}
+    if isinstance(metadata, dict):
+        for item in metadata.values():
+            value, peer = getattr(item, "value", None), _peer_of(item)
+            if peer is None or not isinstance(value.get("time"), int | float):
+                continue
+            if clients or not value.get("client_mode"):
+                out[peer] = float(value["time"])
+    return out
+
+
+async def _ping(dht: hivemind.DHT, node: Any, peers: list[bytes], timeout: float) -> list[bytes]:
+    """Run in the DHT's loop: the peers among ``peers`` that answer a DHT ping within ``timeout``."""
+    calls = [asyncio.wait_for(node.protocol.call_ping(PeerID(p)), timeout) for p in peers]
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    return [
+        p for p, a in zip(peers, answers, strict=True) if a is not None and not isinstance(a, BaseException)
+    ]
+
+
+def forget_gone_peers(
+    tracker: ProgressTracker, dht: hivemind.DHT, timeout: float = PING_TIMEOUT, quiet_for: float = 0.0
+) -> int:
+    """Ping the other full peers ``tracker`` counts (with ``quiet_for``, only those whose progress record is
+    older than that many seconds) and leave out those that do not answer. Returns how many were left out (0
+    with a tracker that cannot leave peers out).
+
+    Called after a failed round (every other peer), and before a round (those that have not reported for a
+    matchmaking time: a live peer reports after each of its micro-batches, and answers when it is slower)."""
+    if not isinstance(tracker, SwarmProgressTracker):
+        return 0
+    others = tracker.others()
+    if quiet_for > 0:
+        others = {p: t for p, t in others.items() if t < get_dht_time() - quiet_for}
+    if not others:
+        return 0
+    try:
+        answered = set(dht.run_coroutine(functools.partial(_ping, peers=list(others), timeout=timeout)))
+    except Exception as e:  # the DHT is stopping: nothing to conclude
+        logger.debug(f"pinging the swarm's peers failed: {e!r}")
+        return 0
+    gone = {p: t for p, t in others.items() if p not in answered}
+    if gone:
+        tracker.leave_out(gone)
+        logger.info(
+            f"{len(gone)} of the {len(others)} other peers in the swarm's progress do not answer: training "
+            "without them until they report again"
+        )
+    return len(gone)
+
+
+def watch_matchmaking(control: Any, timeout: float, alone: Callable[[], bool], every: float) -> None:
+    """Wait up to ``timeout`` for an averaging round (a hivemind StepControl) to end; every ``every`` seconds
+    that it is still looking for a group, ask ``alone()`` (which pings the other peers and leaves out those
+    gone: ``forget_gone_peers``) and cancel the round once no other peer is left: a round waited for a group
+    until its timeout when the peers it expected were gone."""
+    deadline = time.monotonic() + timeout
+    while not control.done() and time.monotonic() < deadline:
+        try:
+            control.result(max(0.0, min(every, deadline - time.monotonic())))
+        except Exception:  # a timeout here; the round's own end (success or not) is the caller's to read
+            pass
+        if control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            continue
+        if alone():
+            logger.info("No other peer is left to average with: this step uses this peer's own gradients")
+            control.cancel()
+            return
+
+
+class RobustProgressTracker(SwarmProgressTracker):
     """hivemind's ProgressTracker counting the swarm's progress as the module's doc says."""
 
     def _parse_swarm_progress_data(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
+        metadata = self._live(metadata)
         if not isinstance(metadata, dict) or len(metadata) == 0:
-            return super()._parse_swarm_progress_data(metadata)
+            return ProgressTracker._parse_swarm_progress_data(self, metadata)
         current_time = get_dht_time()
         entries = [
             LocalTrainingProgress.parse_obj(peer_state.value)
@@ -121,4 +269,4 @@ class RobustProgressTracker(ProgressTracker):
 
 
 def tracker_class(robust: bool) -> type[ProgressTracker]:
-    return RobustProgressTracker if robust else ProgressTracker
+    return RobustProgressTracker if robust else SwarmProgressTracker
