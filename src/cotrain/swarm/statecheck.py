@@ -105,6 +105,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
 from cotrain.swarm.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
 from cotrain.swarm.progress import witnessed_epoch
+from cotrain.swarm.statelimit import StateBudget, StateTooLarge
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,14 @@ class CheckedStateDownloads:
         super().__init__(*args, **kwargs)
         self.fingerprints = FingerprintPublisher(self)
         self.fingerprints.start()
+
+    def served_sizes(self) -> list[int]:
+        """The bytes of each tensor this holder serves, in order: what a donor's state may hold at most
+        (cotrain.swarm.statelimit). Shapes do not change, so no lock is taken."""
+        from hivemind.optim.state_averager import dump_optimizer_state
+
+        _, statistics = dump_optimizer_state(self.optimizer)
+        return [t.nbytes for t in [*self.fingerprinted_tensors(), *statistics]]
 
     def fingerprinted_tensors(self) -> list[torch.Tensor]:
         """The tensors the fingerprint covers, in the order they are served (call under the tensors' lock)."""
@@ -442,6 +451,9 @@ class CheckedStateDownloads:
         peer)."""
         try:
             return await asyncio.wait_for(self._download_from(peer, chunk_timeout), timeout)
+        except StateTooLarge as e:
+            logger.warning(f"Peer {peer} served a state larger than this peer's ({e}); trying another peer")
+            return None
         except Exception as e:
             logger.info(f"Failed to download the state from peer {peer}: {e!r}")
             return None
@@ -455,9 +467,11 @@ class CheckedStateDownloads:
         started = time.monotonic()
         logger.info(f"Downloading the state from peer {peer}")
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        budget = StateBudget(self.served_sizes())
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
         async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+            budget.take(message)  # before its tensor is built: raises beyond this peer's own state
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a new tensor starts: the previous one is complete
