@@ -61,7 +61,9 @@ any vote; a private swarm's tokens (cotrain.access) bound who can publish at all
 attacker that knows the sampled positions can also craft a state that matches the fingerprint while it
 differs elsewhere (keeping every tensor's norm): the check stops a peer that serves garbage, scaled or
 sign-flipped parameters, not a state crafted against it. Optimizer statistics are not checked: DiLoCo's inner
-statistics differ between honest peers by design, and sync's are not averaged.
+statistics differ between honest peers by design, and sync's are not averaged. A donor's stream is counted as
+it comes against the state the downloader holds itself (``served_sizes``; cotrain.swarm.statelimit): more
+tensors or bytes than that and it is refused, and the next donor asked.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from pydantic.v1 import BaseModel, confloat, conint, conlist, constr, root_validator
 
 from cotrain.swarm.direct import DirectTransport
@@ -270,8 +272,6 @@ class CheckedStateDownloads:
     def served_sizes(self) -> list[int]:
         """The bytes of each tensor this holder serves, in order: what a donor's state may hold at most
         (cotrain.swarm.statelimit). Shapes do not change, so no lock is taken."""
-        from hivemind.optim.state_averager import dump_optimizer_state
-
         _, statistics = dump_optimizer_state(self.optimizer)
         return [t.nbytes for t in [*self.fingerprinted_tensors(), *statistics]]
 
