@@ -1,5 +1,6 @@
-"""The direct TCP path of the all-reduce (cotrain.swarm.direct): sealed frames, tickets, live all-reduces
-over it, and the fall-back to libp2p."""
+"""The direct TCP path of the all-reduce (cotrain.swarm.direct): sealed frames, tickets, its caps (frames,
+read-ahead, tickets and streams per peer, connections without a ticket), live all-reduces over it (one while
+an outsider floods a reducer's endpoint), and the fall-back to libp2p."""
 
 import asyncio
 import collections

@@ -32,10 +32,7 @@ def declared_bytes(part) -> int:
     dtype = getattr(torch, part.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise StateTooLarge(f"a tensor of unknown dtype {part.dtype[:32]!r}")
-    numel = math.prod(part.size)
-    if numel < 0:
-        raise StateTooLarge(f"a tensor of shape {list(part.size)[:8]}")
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return math.prod(part.size) * torch.empty((), dtype=dtype).element_size()
 
 
 class StateBudget:
