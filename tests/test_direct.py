@@ -1,23 +1,38 @@
-"""The direct TCP path of the all-reduce (cotrain.swarm.direct): sealed frames, tickets, live all-reduces
-over it, and the fall-back to libp2p."""
+"""The direct TCP path of the all-reduce (cotrain.swarm.direct): sealed frames, tickets, its caps (frames,
+read-ahead, tickets and streams per peer, connections without a ticket), live all-reduces over it (one while
+an outsider floods a reducer's endpoint), and the fall-back to libp2p."""
 
 import asyncio
+import collections
+import contextlib
+import struct
+import threading
 import time
 
 import pytest
 import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from hivemind.compression import CompressionInfo, Uniform8BitQuantization
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.multiaddr import Multiaddr
 
 from cotrain.swarm.direct import (
     DATA,
     END,
+    MAX_FRAME,
+    MAX_PENDING,
+    MAX_STREAMS_PER_PEER,
+    MAX_TICKETS,
+    MAX_TICKETS_PER_PEER,
     REDUCER,
     SENDER,
     TICKET_BYTES,
+    TICKET_TIMEOUT,
     DirectServer,
     DirectStreamError,
     Seal,
     _incoming,
+    frame_limit,
     parse_endpoint,
 )
 from cotrain.swarm.robust import Aggregation
@@ -62,17 +77,19 @@ def test_sealed_frames_read_back_in_order_and_refuse_tampering_replay_and_the_wr
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("read_ahead_mib, sender_done_early", [(32, True), (1, False)])
+@pytest.mark.parametrize("read_ahead_mib, sender_done_early", [(32, True), (1, False), (None, False)])
 def test_a_reducer_reads_a_senders_parts_ahead_up_to_its_limit(read_ahead_mib, sender_done_early):
     """24 parts of 1 MiB, more than the connection's buffers hold, to a reducer that averages the first part
-    and then waits (for another sender's part, say): within the read-ahead the sender is done at once."""
+    and then waits (for another sender's part, say): within the read-ahead the sender is done at once. By
+    default (None) a reducer reads two frames ahead, not 24 MiB."""
     key, part = bytes(32), averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=bytes(1 << 20)))
 
     async def main():
         received = asyncio.Queue()
 
         async def reducer(reader, writer):
-            parts = _incoming(reader, Seal(key, REDUCER), read_ahead=read_ahead_mib << 20)
+            limit = {} if read_ahead_mib is None else dict(read_ahead=read_ahead_mib << 20)
+            parts = _incoming(reader, Seal(key, REDUCER), **limit)
             await received.put(await anext(parts))
             await asyncio.sleep(2.0)  # waiting for another sender's part
             async for message in parts:
@@ -126,12 +143,182 @@ def test_a_connection_without_a_valid_ticket_is_closed_unserved():
             for ticket in [bytes(TICKET_BYTES), offer.ticket[::-1]]:
                 reader, writer = await asyncio.open_connection(host, port)
                 writer.write(ticket + Seal(offer.key, SENDER).seal(END))
-                assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing said
+                assert await closed(reader, 5)  # nothing said
                 writer.close()
             assert served == [] and offer.ticket in server.tickets
         finally:
             server.close()
             await p2p.shutdown()
+
+    asyncio.run(main())
+
+
+# --- caps -----------------------------------------------------------------------------------------------
+
+
+async def closed(reader: asyncio.StreamReader, within: float) -> bool:
+    """Whether the other end closes the connection (or resets it: closed with bytes unread) within
+    ``within`` seconds, without sending anything."""
+    try:
+        return await asyncio.wait_for(reader.read(), within) == b""
+    except ConnectionResetError:
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+class LoopbackP2P:
+    """What a DirectServer asks of its P2P: the peer's addresses (127.0.0.1) and id."""
+
+    peer_id = "reducer"
+
+    async def get_visible_maddrs(self, latest: bool = True):
+        return [Multiaddr("/ip4/127.0.0.1/tcp/1")]
+
+
+async def hold(stream, context):
+    """A reducer's handler that takes the first part and keeps the stream open until cancelled."""
+    await anext(stream)
+    await asyncio.Event().wait()
+    yield  # pragma: no cover (never reached)
+
+
+async def connect(offer, payload: bytes = b"", kept: list | None = None):
+    """A connection to the offer's endpoint that presents its ticket, then ``payload``; its writer goes in
+    ``kept`` (a writer collected closes its connection)."""
+    host, port = parse_endpoint(offer.endpoints[0])
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(offer.ticket + payload)
+    if kept is not None:
+        kept.append(writer)
+    return reader
+
+
+def first_part(offer) -> bytes:
+    return Seal(offer.key, SENDER).seal(DATA, averaging_pb2.AveragingData().SerializeToString())
+
+
+def test_a_frame_over_four_parts_is_refused_before_it_is_read():
+    key = bytes(32)
+    # an honest full part: 512 KiB of 8-bit values and their codebook, in its AveragingData, sealed
+    values = torch.randn(DEFAULT_PART_SIZE_BYTES)
+    part = Uniform8BitQuantization().compress(values, CompressionInfo.from_tensor(values))
+    honest = Seal(key, SENDER).seal(DATA, averaging_pb2.AveragingData(tensor_part=part).SerializeToString())
+    assert DEFAULT_PART_SIZE_BYTES < len(honest) < DEFAULT_PART_SIZE_BYTES + 2048
+    assert MAX_FRAME == frame_limit(DEFAULT_PART_SIZE_BYTES) <= 4 * DEFAULT_PART_SIZE_BYTES + (64 << 10)
+
+    async def main():
+        assert (await Seal(key, REDUCER).read(reader_of(honest)))[0] == DATA
+        # only the length is read: a 64 MiB frame (the limit before) is refused without waiting for it
+        seal = Seal(key, REDUCER)
+        with pytest.raises(DirectStreamError, match="at most"):
+            await seal.read(reader_of(struct.pack(">I", 1 << 26)))
+        assert seal.oversized
+        with pytest.raises(DirectStreamError, match="at most"):
+            await Seal(key, REDUCER).read(reader_of(struct.pack(">I", MAX_FRAME + 1)))
+        # a smaller part size, a smaller limit: the honest part is over 4 parts of 16 KiB
+        with pytest.raises(DirectStreamError, match="at most"):
+            await Seal(key, REDUCER, frame_limit(2**14)).read(reader_of(honest))
+
+    asyncio.run(main())
+
+
+def test_tickets_are_capped_per_peer_and_in_all():
+    async def main():
+        server, kept = DirectServer(LoopbackP2P(), hold), []
+        try:
+            offers = [await server.offer("flooder") for _ in range(MAX_TICKETS_PER_PEER + 5)]
+            assert all(o.ticket and not o.refusal for o in offers[:MAX_TICKETS_PER_PEER])
+            assert {o.refusal for o in offers[MAX_TICKETS_PER_PEER:]} == {"too many tickets for this peer"}
+            assert server.refused["too many tickets for this peer"] == 5
+            assert (await server.offer("honest")).ticket  # another peer still gets its tickets
+            for i in range(MAX_TICKETS - MAX_TICKETS_PER_PEER - 1):
+                assert (await server.offer(f"peer {i // MAX_TICKETS_PER_PEER}")).ticket
+            assert len(server.tickets) == MAX_TICKETS
+            assert (await server.offer("newcomer")).refusal == "too many outstanding tickets"
+            # a ticket used frees its peer's place
+            await connect(offers[0], first_part(offers[0]), kept)
+            await asyncio.sleep(0.2)
+            assert server.tickets_by_peer["flooder"] == MAX_TICKETS_PER_PEER - 1
+            assert (await server.offer("flooder")).ticket
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_streams_are_capped_per_peer():
+    async def main():
+        server, kept = DirectServer(LoopbackP2P(), hold), []
+        try:
+            offers = [await server.offer("flooder") for _ in range(MAX_STREAMS_PER_PEER + 1)]
+            for offer in offers[:MAX_STREAMS_PER_PEER]:
+                await connect(offer, first_part(offer), kept)
+            await asyncio.sleep(0.3)
+            assert server.streams_by_peer["flooder"] == MAX_STREAMS_PER_PEER
+            assert (await server.offer("flooder")).refusal == "too many direct streams from this peer"
+            # a ticket given before the streams were open: refused all the same, when used
+            assert await closed(await connect(offers[-1], first_part(offers[-1]), kept), 2)
+            assert server.refused["too many direct streams from this peer"] == 2
+            other = await server.offer("honest")
+            await connect(other, first_part(other), kept)
+            await asyncio.sleep(0.3)
+            assert server.streams_by_peer["honest"] == 1 and server.served == MAX_STREAMS_PER_PEER + 1
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_without_its_ticket_in_time_is_closed_and_an_honest_one_is_quick():
+    async def main():
+        server, kept = DirectServer(LoopbackP2P(), hold), []
+        try:
+            offer = await server.offer("honest")
+            host, port = parse_endpoint(offer.endpoints[0])
+            idle, writer = await asyncio.open_connection(host, port)
+            kept.append(writer)
+            started = time.monotonic()
+            junk, writer = await asyncio.open_connection(host, port)
+            kept.append(writer)
+            writer.write(bytes(1 << 20))  # no ticket: 16 bytes are read, the rest never
+            assert await closed(junk, 2)
+            assert server.refused["unknown or expired ticket"] == 1
+            await connect(offer, first_part(offer), kept)
+            assert await closed(idle, TICKET_TIMEOUT + 1)
+            waited = time.monotonic() - started
+            assert TICKET_TIMEOUT - 0.1 < waited < TICKET_TIMEOUT + 0.5, waited
+            assert server.refused["no ticket in time"] == 1 and server.served == 1
+            print(f"an honest sender's ticket came {server.slowest_ticket * 1e3:.2f} ms after its accept")
+            assert server.slowest_ticket < 0.1
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_too_many_connections_without_a_ticket_close_the_oldest_and_an_honest_one_is_served():
+    async def main():
+        server, kept = DirectServer(LoopbackP2P(), hold), []
+        try:
+            offer = await server.offer("honest")
+            host, port = parse_endpoint(offer.endpoints[0])
+            idle = []
+            for _ in range(MAX_PENDING + 1):
+                reader, writer = await asyncio.open_connection(host, port)
+                idle.append(reader)
+                kept.append(writer)
+            assert await closed(idle[0], 0.5)  # the oldest, long before its ticket's time is up
+            assert not any(await asyncio.gather(*(closed(r, 0.05) for r in idle[1:])))
+            assert server.refused["too many connections without a ticket"] == 1
+            assert len(server.pending) == MAX_PENDING
+            await connect(offer, first_part(offer), kept)
+            await asyncio.sleep(0.3)
+            assert server.served == 1 and server.streams == 1
+            assert all(await asyncio.gather(*(closed(r, TICKET_TIMEOUT + 1) for r in idle[1:])))
+            assert server.pending == {}
+        finally:
+            server.close()
 
     asyncio.run(main())
 
@@ -225,3 +412,147 @@ def test_an_offer_naming_another_address_than_libp2p_reaches_is_not_dialled(monk
     out, sizes, counts = run_round(tensors, [True, True])
     assert_averaged(out, sizes, tensors)
     assert counts == [{"direct": 0, "libp2p": 1, "served": 0}] * 2
+
+
+class Flood(threading.Thread):
+    """An outsider on 127.0.0.1 against one reducer: a libp2p peer of its own that asks for offers (more than
+    a peer may hold) and floods the reducer's direct endpoint, in waves until ``stop``: ``RAW`` bare
+    connections (every other one sending junk instead of a ticket) and a stream per ticket whose first frame
+    says it holds ``OVERSIZED`` bytes, and sends them."""
+
+    RAW, OVERSIZED, OFFERS, LATER_OFFERS = 300, 16 << 20, 70, 24
+
+    def __init__(self, averager, dht) -> None:
+        super().__init__(daemon=True)
+        self.averager, self.maddrs, self.peer = averager, dht.get_visible_maddrs(), dht.peer_id
+        self.ready, self.go, self.stop = threading.Event(), threading.Event(), threading.Event()
+        self.counts: collections.Counter = collections.Counter()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 (reported by the test)
+            self.error = e
+        finally:
+            self.ready.set()
+
+    async def _main(self) -> None:
+        from hivemind.p2p import P2P
+
+        from cotrain.swarm.direct import DirectRequest
+
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=self.maddrs)
+        try:
+            stub = type(self.averager).get_stub(p2p, self.peer, namespace=self.averager.prefix)
+            first = await stub.rpc_direct_offer(DirectRequest(), timeout=10)  # the reducer starts listening
+            host, port = parse_endpoint(first.endpoints[0])
+            self.ready.set()
+            while not self.go.wait(0.1):
+                pass
+            wanted = self.OFFERS
+            while not self.stop.is_set():
+                offers = [await stub.rpc_direct_offer(DirectRequest(), timeout=10) for _ in range(wanted)]
+                self.counts["offers refused"] += sum(1 for o in offers if o.refusal)
+                tickets = [o for o in offers if not o.refusal]
+                await asyncio.gather(
+                    *(self._raw(host, port, junk=i % 2 == 1) for i in range(self.RAW)),
+                    *(self._oversized(host, port, o) for o in tickets),
+                )
+                self.counts["waves"] += 1
+                wanted = self.LATER_OFFERS
+        finally:
+            await p2p.shutdown()
+
+    async def _raw(self, host: str, port: int, junk: bool) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+        except (OSError, asyncio.TimeoutError):
+            self.counts["raw not connected"] += 1
+            return
+        if junk:
+            writer.write(bytes(256 << 10))
+        self.counts["raw closed by the reducer" if await closed(reader, 3) else "raw held"] += 1
+        writer.close()
+
+    async def _oversized(self, host: str, port: int, offer) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+            writer.write(offer.ticket + struct.pack(">I", self.OVERSIZED))
+            for _ in range(self.OVERSIZED >> 20):
+                writer.write(bytes(1 << 20))
+                await asyncio.wait_for(writer.drain(), 3)
+            await closed(reader, 3)
+            self.counts["oversized frames"] += 1
+        except (OSError, asyncio.TimeoutError):
+            self.counts["oversized frames"] += 1
+            self.counts["oversized frames cut short"] += 1
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_honest_round_averages_while_a_flood_hits_a_reducers_endpoint_and_its_memory_stays_bounded():
+    """Two peers average over direct connections while an outsider floods one reducer's endpoint with bare
+    connections, junk instead of tickets, more offers than a peer may hold and frames of 16 MiB: the round
+    averages, and the reducer's averager process grows by less than 64 MiB from where an honest round left
+    it (it would hold the frames, and the junk in every connection's buffer, without the caps)."""
+    import psutil
+
+    tensors = peers_tensors(2)
+    made, dhts = averagers(
+        tensors, Aggregation("mean"), [True, True], prefix="direct-flood", min_matchmaking_time=4.0,
+        next_chunk_timeout=10.0,
+    )  # fmt: skip
+    flood, samples, sampling = Flood(made[0], dhts[0]), [], threading.Event()
+    reducer = psutil.Process(made[0].pid)
+
+    def sample() -> None:
+        while not sampling.wait(0.02):
+            samples.append(reducer.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    try:
+        flood.start()
+        assert flood.ready.wait(60) and flood.error is None, flood.error
+        for flooded in [False, True]:  # a round before, so that its allocations are in the baseline
+            if flooded:
+                before = reducer.memory_info().rss
+                sampler.start()
+                flood.go.set()
+            controls = [a.step(wait=False, timeout=40) for a in made]
+            deadline = time.monotonic() + 60
+            while not all(c.done() for c in controls) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        while flood.counts["waves"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the flood went on at least as long as the round
+        sampling.set()
+        flood.stop.set()
+        flood.join(60)
+        sizes = [len(c.result()) if c.done() and not c.exception() else 0 for c in controls]
+        out = []
+        for a in made:
+            with a.get_tensors() as ts:
+                out.append([t.clone() for t in ts])
+        counts, refusals = [a.transport_counts() for a in made], made[0].direct_refusals()
+    finally:
+        sampling.set()
+        flood.stop.set()
+        for a in made:
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()
+    growth = max(samples) - before
+    print(
+        f"reducer RSS {before / 2**20:.0f} MiB before the flood, {max(samples) / 2**20:.0f} MiB at most "
+        f"during it (+{growth / 2**20:.1f} MiB, {len(samples)} samples); flood {dict(flood.counts)}; "
+        f"refused {refusals}; transport {counts}"
+    )
+    assert flood.error is None, flood.error
+    assert_averaged(out, sizes, tensors)
+    assert counts[1]["direct"] == 2  # in both rounds the honest sender reached the flooded reducer directly
+    assert flood.counts["waves"] >= 2 and flood.counts["oversized frames"] > 0
+    assert refusals["too many tickets for this peer"] > 0 and refusals["a frame over the limit"] > 0
+    assert growth < 64 << 20

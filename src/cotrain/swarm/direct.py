@@ -26,6 +26,19 @@ endpoint that cannot be reached within ``CONNECT_TIMEOUT`` (a firewall, NAT, a r
 refused ticket: the stream goes over libp2p as before, and the peer is not tried directly again for
 ``UNREACHABLE_SECONDS``. Client-mode peers answer no offers (they accept no connections) but send their parts
 directly to reducers they can reach.
+
+Caps (the reasons: docs/security.md), so that neither whoever reaches the endpoint nor a peer admitted to the
+averager's RPCs makes its process hold much memory or many sockets:
+- a frame is at most ``frame_limit(part_size_bytes)``: ``FRAME_PARTS`` (4) parts + ``FRAME_SLACK`` (64 KiB),
+  2 MiB + 64 KiB at hivemind's 512 KiB part (``MAX_FRAME``); a stream is read ahead up to
+  ``READ_AHEAD_FRAMES`` (2) frames' bytes, through a connection buffer of one part (~12 MiB a stream at most);
+- tickets outstanding: ``MAX_TICKETS_PER_PEER`` (64) a peer id, ``MAX_TICKETS`` in all; streams at once:
+  ``MAX_STREAMS_PER_PEER`` (16) a peer id, ``MAX_STREAMS`` (128) in all; an offer beyond is refused (libp2p);
+- connections without a ticket: ``MAX_PENDING`` (128), one more closes the oldest; each is closed unless its
+  ticket comes within ``TICKET_TIMEOUT`` (1 s), and only the ticket's 16 bytes are read before, from the
+  bare socket. An honest sender's ticket comes with its first packet and is read at its accept.
+Each refusal is counted by reason (``DirectServer.refused``, ``DirectTransport.direct_refusals``) and logged
+at debug level once per peer id (an address before its ticket) and reason; the reducer goes on.
 """
 
 from __future__ import annotations
@@ -40,10 +53,12 @@ import socket
 import struct
 import time
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
@@ -53,15 +68,29 @@ logger = logging.getLogger(__name__)
 TICKET_BYTES = 16
 KEY_BYTES = 32
 TICKET_SECONDS = 30.0  # an offer's ticket not used within this is forgotten
-MAX_TICKETS = 4096  # outstanding tickets of one averager process; offers beyond are refused
+MAX_TICKETS = 4096  # outstanding tickets of one averager, all peers together; offers beyond are refused
+MAX_TICKETS_PER_PEER = 64  # outstanding tickets for one peer id; its offers beyond are refused
+MAX_STREAMS_PER_PEER = 16  # direct streams served at once to one peer id; offers, connections beyond refused
+MAX_STREAMS = 128  # direct streams served at once, all peers together; offers, connections beyond refused
+MAX_PENDING = 128  # accepted connections without a ticket yet; one more closes the oldest of them
+TICKET_TIMEOUT = 1.0  # seconds a reducer waits for an accepted connection's ticket
+LISTEN_BACKLOG = 128  # connections the kernel holds that the reducer has not accepted yet
+ACCEPT_PAUSE = 0.1  # seconds a reducer waits after accept() failed (out of file descriptors) before again
 CONNECT_TIMEOUT = 2.0  # seconds to open the TCP connection and hand over the ticket
 OFFER_TIMEOUT = 3.0  # seconds for the reducer's offer over libp2p
 UNREACHABLE_SECONDS = 600.0  # a peer not reached directly is not tried directly again for this long
-MAX_FRAME = 1 << 26  # bytes of one sealed frame (a part of hivemind's all-reduce is 512 KiB)
-BUFFER = 1 << 22  # the stream reader's limit: a whole part is read without pausing the transport
-# a reducer reads a sender's parts ahead of its averaging, up to this many bytes a stream: hivemind's reducer
-# averages part k only once every sender's part k is in, and a sender it does not read from stops sending
-READ_AHEAD_BYTES = 1 << 25
+FRAME_PARTS = 4  # a frame holds at most this many all-reduce parts' bytes (see the module's doc)
+FRAME_SLACK = 1 << 16  # and this much more: protobuf fields, a quantization's codebook, the seal
+READ_AHEAD_FRAMES = 2  # a stream's bytes read ahead of the averaging (that waits for every sender's part k)
+MAX_LOGGED_REFUSERS = 1024  # peers and addresses whose refusals are logged (once); later ones only counted
+
+
+def frame_limit(part_size_bytes: int = DEFAULT_PART_SIZE_BYTES) -> int:
+    """The largest sealed frame of an all-reduce whose parts are of ``part_size_bytes``."""
+    return FRAME_PARTS * part_size_bytes + FRAME_SLACK
+
+
+MAX_FRAME = frame_limit()  # at hivemind's part of 512 KiB: 2 MiB + 64 KiB
 DATA, END, ERROR = 0, 1, 2  # kinds of frame
 SENDER, REDUCER = 0, 1  # the two ends of a stream (the nonce's first byte: one key, two directions)
 
@@ -98,10 +127,11 @@ class Seal:
     """One end of a direct stream: frames sealed with AES-GCM under the stream's key, a counter nonce per
     direction (so a frame cannot be altered, dropped, replayed or moved without the next one failing)."""
 
-    def __init__(self, key: bytes, side: int) -> None:
+    def __init__(self, key: bytes, side: int, max_frame: int = MAX_FRAME) -> None:
         self.aead = AESGCM(key)
-        self.side = side
+        self.side, self.max_frame = side, max_frame
         self.sent = self.received = 0
+        self.oversized = False  # a frame over max_frame came (and ended the stream)
 
     def _nonce(self, side: int, counter: int) -> bytes:
         return bytes([side, 0, 0, 0]) + counter.to_bytes(8, "big")
@@ -114,8 +144,9 @@ class Seal:
     async def read(self, reader: asyncio.StreamReader) -> tuple[int, bytes]:
         try:
             (size,) = struct.unpack(">I", await reader.readexactly(4))
-            if size > MAX_FRAME:
-                raise DirectStreamError(f"a direct frame of {size} bytes (at most {MAX_FRAME})")
+            if size > self.max_frame:
+                self.oversized = True
+                raise DirectStreamError(f"a direct frame of {size} bytes (at most {self.max_frame})")
             box = await reader.readexactly(size)
         except asyncio.IncompleteReadError as e:
             raise DirectStreamError("the direct stream closed before its end") from e
@@ -166,14 +197,23 @@ def parse_endpoint(text: str) -> tuple[str, int] | None:
 
 class DirectServer:
     """The listening end, in an averager process: offers tickets and serves the streams that present them
-    with ``handler`` (the averager's ``rpc_aggregate_part``)."""
+    with ``handler`` (the averager's ``rpc_aggregate_part``), within the caps of the module's doc."""
 
-    def __init__(self, p2p: P2P, handler: Callable) -> None:
+    def __init__(self, p2p: P2P, handler: Callable, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES) -> None:
         self.p2p, self.handler = p2p, handler
+        self.max_frame, self.buffer = frame_limit(part_size_bytes), part_size_bytes + FRAME_SLACK
         self.endpoints: list[str] = []
         self.tickets: dict[bytes, tuple[PeerID, bytes, float]] = {}
+        self.tickets_by_peer: Counter[PeerID] = Counter()
+        self.streams_by_peer: Counter[PeerID] = Counter()
+        self.pending: dict[socket.socket, asyncio.Task] = {}  # connections without a ticket yet, oldest first
+        self.streams = 0  # served now
         self.served = 0  # streams served directly
-        self._servers: list[asyncio.AbstractServer] = []
+        self.refused: Counter[str] = Counter()  # offers and connections refused, by reason
+        self.slowest_ticket = 0.0  # seconds from accepting a connection to its ticket, the longest seen
+        self._logged: set[tuple[str, str]] = set()
+        self._listeners: list[socket.socket] = []
+        self._tasks: set[asyncio.Task] = set()
         self._started: asyncio.Future | None = None
 
     async def start(self) -> None:
@@ -185,44 +225,122 @@ class DirectServer:
     async def _start(self) -> None:
         own = await self.p2p.get_visible_maddrs(latest=True)
         for ip in _ips(own):
-            if ipaddress.ip_address(ip).is_unspecified:
+            address = ipaddress.ip_address(ip)
+            if address.is_unspecified:
                 continue
+            family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
             try:
-                server = await asyncio.start_server(self._serve, host=ip, port=0, limit=BUFFER)
+                listener = socket.create_server((ip, 0), family=family, backlog=LISTEN_BACKLOG)
             except OSError as e:  # an announced address that is not this machine's
                 logger.debug(f"Direct all-reduce: cannot listen on {ip}: {e}")
                 continue
-            self._servers.append(server)
-            self.endpoints.append(endpoint(ip, server.sockets[0].getsockname()[1]))
+            listener.setblocking(False)
+            self._listeners.append(listener)
+            self._spawn(self._accept(listener))
+            self.endpoints.append(endpoint(ip, listener.getsockname()[1]))
         logger.debug(f"Direct all-reduce: listening on {self.endpoints}")
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _refuse(self, who: object, reason: str) -> None:
+        """Count a refusal; log it at debug level the first time for this peer (or address) and reason."""
+        self.refused[reason] += 1
+        key = (str(who), reason)
+        if key not in self._logged and len(self._logged) < MAX_LOGGED_REFUSERS:
+            self._logged.add(key)
+            logger.debug(f"Direct all-reduce: refused {who}: {reason} (counted, not logged again)")
 
     async def offer(self, peer: PeerID):
         await self.start()
         now = time.monotonic()
         for ticket in [t for t, (_, _, deadline) in self.tickets.items() if deadline < now]:
-            del self.tickets[ticket]
+            self._forget(ticket)
         if not self.endpoints:
             return DirectOffer(refusal="no address to listen on")
-        if len(self.tickets) >= MAX_TICKETS:
-            return DirectOffer(refusal="too many outstanding tickets")
+        for full, reason in [
+            (len(self.tickets) >= MAX_TICKETS, "too many outstanding tickets"),
+            (self.tickets_by_peer[peer] >= MAX_TICKETS_PER_PEER, "too many tickets for this peer"),
+            (self.streams_by_peer[peer] >= MAX_STREAMS_PER_PEER, "too many direct streams from this peer"),
+            (self.streams >= MAX_STREAMS, "too many direct streams"),
+        ]:
+            if full:
+                self._refuse(peer, reason)
+                return DirectOffer(refusal=reason)
         ticket, key = secrets.token_bytes(TICKET_BYTES), AESGCM.generate_key(bit_length=8 * KEY_BYTES)
         self.tickets[ticket] = (peer, key, now + TICKET_SECONDS)
+        self.tickets_by_peer[peer] += 1
         return DirectOffer(endpoints=self.endpoints, ticket=ticket, key=key)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            ticket = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), CONNECT_TIMEOUT)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-            return await _close(writer)
+    def _forget(self, ticket: bytes) -> tuple[PeerID, bytes, float] | None:
         entry = self.tickets.pop(ticket, None)
-        if entry is None or entry[2] < time.monotonic():
-            return await _close(writer)  # unknown or expired: nothing is said to whoever this is
-        peer, key, _ = entry
+        if entry is not None:
+            _decrement(self.tickets_by_peer, entry[0])
+        return entry
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while listener.fileno() != -1:
+            try:
+                connection, address = await loop.sock_accept(listener)
+            except OSError as e:  # out of file descriptors, say: the connections served go on
+                self._refuse("the listening socket", f"accept failed ({e.strerror or e!r})")
+                await asyncio.sleep(ACCEPT_PAUSE)
+                continue
+            if len(self.pending) >= MAX_PENDING:
+                oldest = next(iter(self.pending))
+                self.pending.pop(oldest).cancel()  # its own task closes it
+                self._refuse(address[0], "too many connections without a ticket")
+            connection.setblocking(False)
+            task = self._spawn(self._serve(connection, address[0]))
+            task.add_done_callback(lambda _, c=connection: c.close())  # also when cancelled before it ran
+            self.pending[connection] = task
+            await asyncio.sleep(0)  # the connections accepted read their tickets before the next accept
+
+    async def _serve(self, connection: socket.socket, host: str) -> None:
+        try:
+            accepted = time.monotonic()
+            try:
+                ticket = await asyncio.wait_for(_receive(connection, TICKET_BYTES), TICKET_TIMEOUT)
+            except asyncio.TimeoutError:
+                return self._refuse(host, "no ticket in time")
+            except (ConnectionError, OSError):
+                return self._refuse(host, "closed before its ticket")
+            finally:
+                self.pending.pop(connection, None)
+            self.slowest_ticket = max(self.slowest_ticket, time.monotonic() - accepted)
+            entry = self._forget(ticket)
+            if entry is None or entry[2] < time.monotonic():
+                return self._refuse(host, "unknown or expired ticket")  # nothing is said to whoever this is
+            peer, key, _ = entry
+            if self.streams_by_peer[peer] >= MAX_STREAMS_PER_PEER:
+                return self._refuse(peer, "too many direct streams from this peer")
+            if self.streams >= MAX_STREAMS:
+                return self._refuse(peer, "too many direct streams")
+            self.streams += 1
+            self.streams_by_peer[peer] += 1
+            try:
+                reader, writer = await asyncio.open_connection(sock=connection, limit=self.buffer)
+                await self._stream(reader, writer, peer, key)
+            finally:
+                self.streams -= 1
+                _decrement(self.streams_by_peer, peer)
+        except Exception as e:  # one connection's end, never the reducer's
+            logger.debug(f"Direct all-reduce: a connection from {host} failed: {e!r}")
+        finally:
+            connection.close()  # (closed already when a stream ran: then a no-op)
+
+    async def _stream(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: PeerID, key: bytes
+    ) -> None:
         _fast(writer)
-        seal = Seal(key, REDUCER)
+        seal = Seal(key, REDUCER, self.max_frame)
         context = P2PContext(handle_name="cotrain.direct", local_id=self.p2p.peer_id, remote_id=peer)
         self.served += 1
-        incoming = _incoming(reader, seal)
+        incoming = _incoming(reader, seal, READ_AHEAD_FRAMES * self.max_frame)
         try:
             async for message in self.handler(incoming, context):
                 writer.write(seal.seal(DATA, message.SerializeToString()))
@@ -238,14 +356,35 @@ class DirectServer:
             with contextlib.suppress(Exception):
                 await incoming.aclose()  # stops its reading ahead
             await _close(writer)
+            if seal.oversized:
+                self._refuse(peer, "a frame over the limit")
 
     def close(self) -> None:
-        for server in self._servers:
-            server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for listener in self._listeners:
+            listener.close()
+
+
+def _decrement(counter: Counter, key) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]
+
+
+async def _receive(connection: socket.socket, size: int) -> bytes:
+    """Exactly ``size`` bytes from a bare non-blocking socket, never more."""
+    loop, data = asyncio.get_running_loop(), b""
+    while len(data) < size:
+        chunk = await loop.sock_recv(connection, size - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
 
 
 async def _incoming(
-    reader: asyncio.StreamReader, seal: Seal, read_ahead: int = READ_AHEAD_BYTES
+    reader: asyncio.StreamReader, seal: Seal, read_ahead: int = READ_AHEAD_FRAMES * MAX_FRAME
 ) -> AsyncIterator:
     """The sender's messages on the reducer's side, until the sender's end of stream. Frames are read from
     the connection as they come, up to ``read_ahead`` bytes before the reducer takes them: a sender whose
@@ -290,8 +429,9 @@ class DirectClient:
     """The sending end, in an averager process: opens all-reduce streams directly where the reducer offers
     it and its endpoint can be reached, over libp2p otherwise. Counts the streams opened each way."""
 
-    def __init__(self, p2p: P2P) -> None:
+    def __init__(self, p2p: P2P, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES) -> None:
         self.p2p = p2p
+        self.max_frame = frame_limit(part_size_bytes)  # of the reducers' replies
         self.unreachable: dict[PeerID, float] = {}
         self.direct = self.libp2p = 0
 
@@ -322,14 +462,14 @@ class DirectClient:
             for host, port in targets:
                 try:
                     reader, writer = await asyncio.wait_for(
-                        asyncio.open_connection(host, port, limit=BUFFER), CONNECT_TIMEOUT
+                        asyncio.open_connection(host, port, limit=self.max_frame), CONNECT_TIMEOUT
                     )
                 except (OSError, asyncio.TimeoutError) as e:
                     last = e
                     continue
                 _fast(writer)
                 writer.write(offer.ticket)
-                return reader, writer, Seal(offer.key, SENDER)
+                return reader, writer, Seal(offer.key, SENDER, self.max_frame)
             raise DirectStreamError(f"cannot connect to {targets}: {last!r}")
         except Exception as e:  # anything at all: the stream goes over libp2p
             logger.debug(f"Direct all-reduce: {peer} not reached directly ({e!r}); libp2p instead")
@@ -416,13 +556,16 @@ class DirectTransport:
         if not self.direct:
             return DirectOffer(refusal="direct all-reduce is off")
         if getattr(self, "_direct_server", None) is None:
-            self._direct_server = DirectServer(self._p2p, self.rpc_aggregate_part)
+            self._direct_server = DirectServer(self._p2p, self.rpc_aggregate_part, self._part_size_bytes())
         return await self._direct_server.offer(context.remote_id)
 
     def _direct_ready(self) -> None:
         """Before an all-reduce: this process's streams go through a DirectClient (when ``direct``)."""
         if self.direct and self._p2p not in _CLIENTS:
-            _CLIENTS[self._p2p] = DirectClient(self._p2p)
+            _CLIENTS[self._p2p] = DirectClient(self._p2p, self._part_size_bytes())
+
+    def _part_size_bytes(self) -> int:
+        return getattr(self, "allreduce_kwargs", {}).get("part_size_bytes", DEFAULT_PART_SIZE_BYTES)
 
     async def _run_allreduce_inplace_(self, *args, **kwargs):
         self._direct_ready()
@@ -443,3 +586,14 @@ class DirectTransport:
                 "served": server.served if server else 0,
             }
         )
+
+    def direct_refusals(self) -> dict:
+        """Offers and connections this averager's direct server refused, by reason, and the longest it
+        waited for an accepted connection's ticket (``slowest_ticket``, seconds)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_direct_refusals", [], dict(future=future)))
+        return future.result()
+
+    async def _direct_refusals(self, future: MPFuture) -> None:
+        server = getattr(self, "_direct_server", None)
+        future.set_result({**server.refused, "slowest_ticket": server.slowest_ticket} if server else {})
