@@ -1,13 +1,14 @@
 """What a monitor's model must agree with, checked by its supervisor before any process or port starts.
 
 A monitor keeps the swarm's checkpoints in the run's model, whose shapes come from its preset. Given a
-prepared dataset (``--dataset-path``) it learns the run's tokenizer from it, and with ``--resume`` it loads
-its newest checkpoint: a preset that differs from the one they were made for ran a different model silently (a
-dataset prepared for albert-tiny under the default albert-large-v2), or failed only after the DHT and the
-dashboard were up. Here, where the user named no preset, the monitor takes the one the dataset or checkpoint
-was made for (and says so); where the user named another one, it is refused in one line.
+prepared dataset (``--dataset-path`` or ``--dataset-url``) it learns the run's tokenizer from it, and with
+``--resume`` it loads its newest checkpoint: a preset that differs from the one they were made for ran a
+different model silently (a dataset prepared for albert-tiny under the default albert-large-v2), or failed
+only after the DHT and the dashboard were up. Here, where the user named no preset, the monitor takes the one
+the dataset or checkpoint was made for (and says so); where the user named another one, it is refused in one
+line.
 
-Only light reads (JSON files): the supervisor imports neither torch nor hivemind.
+Only light reads (JSON files, a manifest over HTTP): the supervisor imports neither torch nor hivemind.
 """
 
 from __future__ import annotations
@@ -22,11 +23,21 @@ from cotrain.errors import UserError
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
 
-def dataset_preset(dataset_path: str) -> tuple[str, str]:
-    """The preset a prepared dataset was made for ("" when its manifest does not say) and its objective."""
-    from cotrain.data import read_manifest
+def dataset_preset(source: str) -> tuple[str, str]:
+    """The preset a prepared dataset (a folder, or the URL of one) was made for ("" when its manifest does
+    not say, or a server cannot be reached now: the monitor then reports that itself) and its objective."""
+    from cotrain.data import DataError, read_manifest
+    from cotrain.data.fetch import fetch_bytes, is_url
+    from cotrain.data.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest
 
-    manifest = read_manifest(dataset_path)
+    if is_url(source):
+        url = source.rstrip("/") + "/" + MANIFEST
+        try:
+            manifest = parse_manifest(fetch_bytes(url, MAX_MANIFEST_BYTES), url)
+        except DataError:
+            return "", ""
+    else:
+        manifest = read_manifest(source)
     preset = (manifest.get("config") or {}).get("preset") or ""
     return (preset if isinstance(preset, str) else ""), str(manifest.get("objective", ""))
 
@@ -56,9 +67,10 @@ def monitor_preset(config: Config) -> tuple[str, str] | None:
     preset that disagrees with them."""
     peer, run = config.peer, config.run
     chosen = "preset" in config.run_given
-    if peer.dataset_path:
-        preset, objective = dataset_preset(peer.dataset_path)
-        source = f"the dataset at {peer.dataset_path}"
+    if peer.dataset_path or peer.dataset_url:
+        where = peer.dataset_path or peer.dataset_url
+        preset, objective = dataset_preset(where)
+        source = f"the dataset at {where}"
         if preset and preset != run.preset:
             if chosen:
                 raise UserError(
