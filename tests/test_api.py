@@ -209,11 +209,11 @@ def test_ctrl_c_stops_a_script_that_uses_a_peer(tmp_path):
         assert len(tree) >= 2, tree  # the script and its p2pd daemon
         signalled = time.monotonic()
         os.killpg(peer.proc.pid, signal.SIGINT)  # Ctrl+C in a terminal: the whole process group
-        peer.proc.wait(timeout=10)
+        peer.proc.wait(timeout=30)  # 2-5 s on an idle machine; the suite runs two files at a time
         log = peer.out.with_suffix(".log").read_text()
         assert peer.proc.returncode == 130 and "stopped (Ctrl+C)" in log, log[-3000:]
         wait_until(lambda: not alive(tree), 10, what="the peer's processes to end")
-        assert time.monotonic() - signalled < 15
+        assert time.monotonic() - signalled < 40
     finally:
         if peer.proc.poll() is None:
             peer.kill()

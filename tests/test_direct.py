@@ -470,10 +470,15 @@ class Flood(threading.Thread):
         except (OSError, asyncio.TimeoutError):
             self.counts["raw not connected"] += 1
             return
-        if junk:
-            writer.write(bytes(256 << 10))
-        self.counts["raw closed by the reducer" if await closed(reader, 3) else "raw held"] += 1
-        writer.close()
+        try:  # the reducer may have closed it already: the transport then refuses writes (RuntimeError)
+            if junk:
+                writer.write(bytes(256 << 10))
+            held = not await closed(reader, 3)
+        except (OSError, RuntimeError):
+            held = False
+        self.counts["raw held" if held else "raw closed by the reducer"] += 1
+        with contextlib.suppress(Exception):
+            writer.close()
 
     async def _oversized(self, host: str, port: int, offer) -> None:
         try:
@@ -484,7 +489,7 @@ class Flood(threading.Thread):
                 await asyncio.wait_for(writer.drain(), 3)
             await closed(reader, 3)
             self.counts["oversized frames"] += 1
-        except (OSError, asyncio.TimeoutError):
+        except (OSError, RuntimeError, asyncio.TimeoutError):  # closed by the reducer mid-write
             self.counts["oversized frames"] += 1
             self.counts["oversized frames cut short"] += 1
         finally:

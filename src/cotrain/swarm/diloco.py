@@ -300,8 +300,6 @@ class DiLoCoOptimizer:
         when it cannot, (this peer's own change, None, 1)."""
         deadline = time.monotonic() + self.averaging_timeout
         attempt = 0
-        if self._others():  # peers quiet for a matchmaking time: still there?
-            forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT, quiet_for=self.matchmaking_time)
         while self._others() and not self.should_stop():
             attempt += 1
             control = self._launch(own, weight)

@@ -100,10 +100,6 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
     def global_parameters(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def served_sizes(self) -> list[int]:
-        _, inner = dump_optimizer_state(self.inner_optimizer)
-        return [*super().served_sizes(), *(t.nbytes for t in inner)]
-
     def get_current_state(self):
         metadata, tensors, infos = super().get_current_state()
         with self.lock_inner:

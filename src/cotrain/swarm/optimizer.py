@@ -17,7 +17,7 @@ from hivemind.compression import (
 )
 
 from cotrain.swarm import fixes
-from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, watch_matchmaking
+from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,6 @@ class SwarmOptimizer(hivemind.Optimizer):
         )
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
-        if maybe_step_control is not None:  # stop looking for a group once the other peers are gone
-            every = max(self.matchmaking_time, 1.0)
-            watch_matchmaking(maybe_step_control, self.averaging_timeout, self._alone, every)
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         size = 1
         if maybe_step_control is not None:
@@ -102,7 +99,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             except BaseException:  # cancelled or failed round: the peer used its local gradients
                 self.rounds_failed += 1
             if size <= 1 and not self.should_stop():  # nobody averaged with it: are the others still there?
-                self._alone()
+                forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT)
         self.last_group_size = max(1, size)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
@@ -134,43 +131,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._reloaded_behind = (own, swarm)  # a failed download: the next call steps as hivemind does
             self.load_state_from_peers()
             return
-        if self.tracker.global_progress.num_peers > 1:  # peers quiet for a matchmaking time: still there?
-            self._alone(quiet_for=self.matchmaking_time)
-        self._schedule_state_round()
         self.last_group_size = 1  # a step without a round averaged with nobody (a round sets its own size)
         super()._update_global_epoch(grad_scaler)
-
-    def _alone(self, quiet_for: float = 0.0) -> bool:
-        """Ping the other peers the tracker counts (those quiet for ``quiet_for`` seconds) and leave out
-        those gone (cotrain.swarm.progress); when none is left, cancel the parameter-averaging rounds still
-        looking for a group (the background round of the previous step held the next optimizer step for a
-        whole averaging timeout). Returns whether this peer is alone now."""
-        if not forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT, quiet_for=quiet_for):
-            return False
-        if self.tracker.global_progress.num_peers > 1:
-            return False
-        for control in self._state_rounds:
-            if not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-                control.cancel()
-        return True
-
-    def _schedule_state_round(self) -> None:
-        """Start this step's parameter-averaging round here, as hivemind does when it pre-schedules one, so
-        that this peer holds it (``_alone`` cancels it); hivemind would otherwise start it where nothing can
-        reach it."""
-        self._state_rounds = [c for c in self._state_rounds if not c.done()]
-        next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
-        if (
-            self.tracker.global_progress.num_peers <= 1
-            or next_epoch % self.average_state_every != 0
-            or self.state_averager.averaging_in_progress
-        ):
-            return
-        if self.scheduled_state is None or self.scheduled_state.triggered or self.scheduled_state.done():
-            self.scheduled_state = self.state_averager.schedule_step(
-                gather=next_epoch, timeout=self.averaging_timeout
-            )
-        self._state_rounds.append(self.scheduled_state)
 
     def left_behind(self) -> bool:
         """The swarm stepped past this peer's step without it, and this peer holds fewer samples than its

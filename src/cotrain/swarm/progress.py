@@ -21,10 +21,10 @@ The all-reduce's weights are capped at their median by the reducers (cotrain.swa
 Every tracker here (``SwarmProgressTracker``, the robust one included) also stops counting peers that are
 gone. A peer's progress record stays in the DHT for ``--metadata-expiration`` seconds (60) after its last
 report, so a trainer whose partner was killed, lost its link or was revoked kept counting it: it looked for a
-group before every step and waited a whole round for nobody, about a minute of stalled steps. After a failed
-round the peer pings the others its tracker counts (``forget_gone_peers``); those that do not answer are left
-out of the swarm's progress until their record changes (a peer that is back reports again), so the next step
-is taken alone at once.
+group before every step and waited a whole round for nobody, about a minute of stalled steps. After a round
+that found nobody the peer pings the others its tracker counts (``forget_gone_peers``); those that do not
+answer are left out of the swarm's progress until their record changes (a peer that is back reports again),
+so the steps after that one are taken alone at once.
 """
 
 from __future__ import annotations
@@ -33,13 +33,10 @@ import asyncio
 import functools
 import logging
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import hivemind
 import numpy as np
-from hivemind.averaging.control import AveragingStage
 from hivemind.optim.progress_tracker import (
     GlobalTrainingProgress,
     LocalTrainingProgress,
@@ -171,10 +168,7 @@ def forget_gone_peers(
 ) -> int:
     """Ping the other full peers ``tracker`` counts (with ``quiet_for``, only those whose progress record is
     older than that many seconds) and leave out those that do not answer. Returns how many were left out (0
-    with a tracker that cannot leave peers out).
-
-    Called after a failed round (every other peer), and before a round (those that have not reported for a
-    matchmaking time: a live peer reports after each of its micro-batches, and answers when it is slower)."""
+    with a tracker that cannot leave peers out). Called after a round that found nobody."""
     if not isinstance(tracker, SwarmProgressTracker):
         return 0
     others = tracker.others()
@@ -195,25 +189,6 @@ def forget_gone_peers(
             "without them until they report again"
         )
     return len(gone)
-
-
-def watch_matchmaking(control: Any, timeout: float, alone: Callable[[], bool], every: float) -> None:
-    """Wait up to ``timeout`` for an averaging round (a hivemind StepControl) to end; every ``every`` seconds
-    that it is still looking for a group, ask ``alone()`` (which pings the other peers and leaves out those
-    gone: ``forget_gone_peers``) and cancel the round once no other peer is left: a round waited for a group
-    until its timeout when the peers it expected were gone."""
-    deadline = time.monotonic() + timeout
-    while not control.done() and time.monotonic() < deadline:
-        try:
-            control.result(max(0.0, min(every, deadline - time.monotonic())))
-        except Exception:  # a timeout here; the round's own end (success or not) is the caller's to read
-            pass
-        if control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
-            continue
-        if alone():
-            logger.info("No other peer is left to average with: this step uses this peer's own gradients")
-            control.cancel()
-            return
 
 
 class RobustProgressTracker(SwarmProgressTracker):

@@ -61,9 +61,7 @@ any vote; a private swarm's tokens (cotrain.access) bound who can publish at all
 attacker that knows the sampled positions can also craft a state that matches the fingerprint while it
 differs elsewhere (keeping every tensor's norm): the check stops a peer that serves garbage, scaled or
 sign-flipped parameters, not a state crafted against it. Optimizer statistics are not checked: DiLoCo's inner
-statistics differ between honest peers by design, and sync's are not averaged. A donor's stream is counted as
-it comes against the state the downloader holds itself (``served_sizes``; cotrain.swarm.statelimit): more
-tensors or bytes than that and it is refused, and the next donor asked.
+statistics differ between honest peers by design, and sync's are not averaged.
 """
 
 from __future__ import annotations
@@ -84,7 +82,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+from hivemind.optim.state_averager import TrainingStateAverager
 from pydantic.v1 import BaseModel, confloat, conint, conlist, constr, root_validator
 
 from cotrain.swarm.direct import DirectTransport
@@ -107,7 +105,6 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
 from cotrain.swarm.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
 from cotrain.swarm.progress import witnessed_epoch
-from cotrain.swarm.statelimit import StateBudget, StateTooLarge
 
 logger = logging.getLogger(__name__)
 
@@ -268,12 +265,6 @@ class CheckedStateDownloads:
         super().__init__(*args, **kwargs)
         self.fingerprints = FingerprintPublisher(self)
         self.fingerprints.start()
-
-    def served_sizes(self) -> list[int]:
-        """The bytes of each tensor this holder serves, in order: what a donor's state may hold at most
-        (cotrain.swarm.statelimit). Shapes do not change, so no lock is taken."""
-        _, statistics = dump_optimizer_state(self.optimizer)
-        return [t.nbytes for t in [*self.fingerprinted_tensors(), *statistics]]
 
     def fingerprinted_tensors(self) -> list[torch.Tensor]:
         """The tensors the fingerprint covers, in the order they are served (call under the tensors' lock)."""
@@ -451,9 +442,6 @@ class CheckedStateDownloads:
         peer)."""
         try:
             return await asyncio.wait_for(self._download_from(peer, chunk_timeout), timeout)
-        except StateTooLarge as e:
-            logger.warning(f"Peer {peer} served a state larger than this peer's ({e}); trying another peer")
-            return None
         except Exception as e:
             logger.info(f"Failed to download the state from peer {peer}: {e!r}")
             return None
@@ -467,11 +455,9 @@ class CheckedStateDownloads:
         started = time.monotonic()
         logger.info(f"Downloading the state from peer {peer}")
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        budget = StateBudget(self.served_sizes())
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
         async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
-            budget.take(message)  # before its tensor is built: raises beyond this peer's own state
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a new tensor starts: the previous one is complete
