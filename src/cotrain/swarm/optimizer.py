@@ -31,9 +31,6 @@ class SwarmOptimizer(hivemind.Optimizer):
     rounds_averaged: int = 0
     rounds_failed: int = 0
     _reloaded_behind: tuple[int, int] | None = None  # (own, swarm's) steps of the last download for a step
-    _state_rounds: (
-        tuple | list
-    ) = ()  # parameter-averaging rounds this peer started (see _schedule_state_round)
 
     def __init__(self, *, robust_progress: bool = False, **kwargs) -> None:
         fixes.apply()

@@ -163,17 +163,12 @@ async def _ping(dht: hivemind.DHT, node: Any, peers: list[bytes], timeout: float
     ]
 
 
-def forget_gone_peers(
-    tracker: ProgressTracker, dht: hivemind.DHT, timeout: float = PING_TIMEOUT, quiet_for: float = 0.0
-) -> int:
-    """Ping the other full peers ``tracker`` counts (with ``quiet_for``, only those whose progress record is
-    older than that many seconds) and leave out those that do not answer. Returns how many were left out (0
-    with a tracker that cannot leave peers out). Called after a round that found nobody."""
+def forget_gone_peers(tracker: ProgressTracker, dht: hivemind.DHT, timeout: float = PING_TIMEOUT) -> int:
+    """Ping the other full peers ``tracker`` counts and leave out those that do not answer. Returns how many
+    were left out (0 with a tracker that cannot leave peers out). Called after a round that found nobody."""
     if not isinstance(tracker, SwarmProgressTracker):
         return 0
     others = tracker.others()
-    if quiet_for > 0:
-        others = {p: t for p, t in others.items() if t < get_dht_time() - quiet_for}
     if not others:
         return 0
     try:
