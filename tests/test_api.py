@@ -73,8 +73,14 @@ def test_misuse_is_one_clear_error_before_the_network_starts(kwargs, message):
         cotrain.SwarmPeer(model, **args)
 
 
+def as_in_a_terminal() -> None:
+    """In the child before it runs: SIGINT at its default, as in a terminal (a CI job or a script's background
+    job may start everything with SIGINT ignored, which Python then leaves ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Example:
-    """examples/custom_loop.py started as a user would, in its own process group."""
+    """examples/custom_loop.py started as a user would in a terminal, in its own process group."""
 
     def __init__(self, args: list[str], out: Path):
         self.out = out
@@ -84,6 +90,7 @@ class Example:
             stderr=open(out.with_suffix(".log"), "w"),
             env=cotrain_env(),
             start_new_session=True,
+            preexec_fn=as_in_a_terminal,
         )
 
     def events(self) -> list[dict]:

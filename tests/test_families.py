@@ -417,8 +417,11 @@ def test_two_trainers_of_each_family_train_together_and_export(family, prepared,
         assert {r["step"] for r in a} & {r["step"] for r in b}, (a, b)  # and shared global steps
         losses_a, losses_b = ([r["loss"] for r in rows if r["loss"] is not None] for rows in (a, b))
         start = sum(losses_a[:2]) / 2  # from scratch
-        end = sum(losses_a[-2:] + losses_b[-2:]) / 4
-        assert end < start, (family, a, b)
+        # the median of both trainers' later half: one step taken alone on a micro-batch (see above) can lift
+        # the last two losses of a run this short above the first ones
+        later = sorted(losses_a[len(losses_a) // 2 :] + losses_b[len(losses_b) // 2 :])
+        end = later[len(later) // 2]
+        assert end < start, (family, start, end, a, b)
         pids = [pid for r in roles for pid in r.tree()]
         for role in roles:  # both at once, as when a user stops the swarm
             role.proc.send_signal(signal.SIGTERM)

@@ -282,12 +282,17 @@ def swarm(demo_data, tmp_path_factory):
         def done():
             rows = read_rows(metrics)
             seed_rows = read_rows(out / "seed-trainer" / "metrics.jsonl")
+            bf16_rows = trainer_rows(roles["bf16"])
+            # on a loaded machine the bf16 peer (slower per sample, and late: it probes its micro-batch first)
+            # may take a few steps to catch up before it averages: wait until both averaged after the NaN
             return (
                 rows
                 and max(r["step"] for r in rows) >= STEPS
                 and saw_peers(rows, 2)
                 and any(r["step"] > CORRUPT_AT + 1 for r in seed_rows)
-                and len(trainer_rows(roles["bf16"])) >= 3
+                and any(r["step"] > CORRUPT_AT and r["group_size"] == 2 for r in seed_rows)
+                and len(bf16_rows) >= 3
+                and any(r["group_size"] == 2 for r in bf16_rows)
             )
 
         wait_until(done, 600, interval=1.0, what=f"{STEPS} global steps")
