@@ -1,5 +1,5 @@
 """Joining with only an address: the join command a monitor prints works as printed (DATA replaced) for a
-swarm started with a non-default preset; the trainer takes the swarm's settings from its signed config record
+swarm started with a non-default preset; the trainer takes the swarm's settings from the monitor it was given
 and averages with a trainer that named them itself."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_the_printed_join_command_trains_with_the_swarm(demo_data, tmp_path):
 
         wait_until(averaged, 240, what="the newcomer averaging in a group of 2")
         text = newcomer.text()
-        assert "Taking run 'join-test''s settings from the swarm" in text, text[-3000:]
+        assert "Taking run 'join-test''s settings from initial peer" in text, text[-3000:]
         assert "preset albert-tiny" in text
         config = (tmp_path / "joined" / "config.toml").read_text()
         assert 'preset = "albert-tiny"' in config

@@ -2,8 +2,10 @@
 status``) goes through before it does anything else.
 
 record validators -> access control (private swarms) -> the DHT node -> a watcher of this peer's access
--> the swarm's run config: taken as it is (a peer that named no run settings) or checked against this peer's
-own (a differing one is refused, naming the fields), then published, signed, for as long as the peer runs.
+-> the swarm's run config: taken as it is (a peer that named no run settings: from the first initial peer that
+answers, the address the user vouched for; only when none answers, from the DHT's records) or checked against
+this peer's own (a differing one is refused, naming the fields), then published, signed, and served to
+newcomers for as long as the peer runs.
 """
 
 from __future__ import annotations
@@ -111,6 +113,24 @@ class SwarmConnection:
         if publish:
             self.publisher = ConfigPublisher(self.dht, self.run_id, self.public_key, mine)
             self.publisher.start()
+            self._serve_config()
+
+    def _serve_config(self) -> None:
+        """Answer newcomers' config requests with this peer's record (cotrain.swarm.vouch)."""
+        from cotrain.swarm.vouch import serve_config
+
+        try:
+            serve_config(self.dht, self.run_id, self.publisher.record)
+        except Exception as e:  # newcomers then read the DHT's records, as from a peer of an older version
+            logger.warning(f"Serving this peer's config to newcomers failed: {e!r}")
+
+    def initial_peer_run(self) -> tuple[str, dict] | None:
+        """The run config that the first answering initial peer (``/p2p/ID`` of --initial-peers, in order)
+        vouches for, with its peer id; None when none answers."""
+        from cotrain.swarm.vouch import ask_initial_peers
+
+        found = ask_initial_peers(self.dht, self.run_id, self.peer.initial_peers)
+        return None if found is None else (found[0], found[1].fields())
 
     def peers_in_role(self, role: str, keeps_state: bool | None = None) -> dict[bytes, str]:
         """The peers whose config record names ``role`` (e.g. "monitor", "leaving"), with ``keeps_state``
@@ -134,12 +154,14 @@ class SwarmConnection:
         """Tell the swarm (the monitor) that this peer is done training and leaves soon."""
         if self.publisher is not None:
             self.publisher.announce(role="leaving")
+            self._serve_config()
 
     def announce_keeping_state(self) -> None:
         """Tell the swarm that this peer (a monitor) checkpoints its state: trainers that are done training
         leave their final state to it."""
         if self.publisher is not None:
             self.publisher.announce(keeps_state=True)
+            self._serve_config()
 
     def close(self) -> None:
         """Stop publishing and leave the DHT."""
@@ -163,23 +185,36 @@ def _access(run_id: str, peer: PeerConfig, role: str) -> Any:
 
 
 def take_swarm_run(connection: SwarmConnection, run: RunConfig) -> RunConfig:
-    """The run settings of a peer that named none: the swarm's, from its signed config record (said in one
-    line). With no record to read, the peer's own (defaults and preset) stand."""
-    found = connection.swarm_run()
-    if found is None:
-        logger.info(
-            f"No config record of run {run.run_id!r} was found: using preset {run.preset} "
-            f"(give --preset to choose another)"
+    """The run settings of a peer that named none (said in one line): those of the first initial peer that
+    answers (its address is what the user vouched for, cotrain.swarm.vouch); only when none answers, those
+    that most of the DHT's signed config records publish (not vouched for: any process can make keys). With
+    no record to read either, the peer's own (defaults and preset) stand."""
+    vouched = connection.initial_peer_run()
+    if vouched is not None:
+        peer, fields = vouched
+        source = f"initial peer {peer}"
+    else:
+        found = connection.swarm_run()
+        if found is None:
+            logger.info(
+                f"No config record of run {run.run_id!r} was found: using preset {run.preset} "
+                f"(give --preset to choose another)"
+            )
+            return run
+        fields, peers = found
+        source = f"the swarm ({peers} peer{'s' if peers != 1 else ''})"
+        logger.warning(
+            f"No initial peer answered with run {run.run_id!r}'s settings: taking those that most of the "
+            f"DHT's config records publish, which no address vouches for (give the run's settings, e.g. "
+            f"--preset, to be sure of them)"
         )
-        return run
-    fields, peers = found
     known = {f.name for f in dataclasses.fields(RunConfig)}
     try:
         taken = RunConfig(**{k: v for k, v in fields.items() if k in known})
     except TypeError as e:
         raise UserError(f"the swarm's config record cannot be read by this version of cotrain: {e}") from None
     logger.info(
-        f"Taking run {run.run_id!r}'s settings from the swarm ({peers} peer{'s' if peers != 1 else ''}): "
+        f"Taking run {run.run_id!r}'s settings from {source}: "
         f"preset {taken.preset}, {taken.model_family}, target batch {taken.target_batch_size}, "
         f"{taken.optimizer} at learning rate {taken.learning_rate:g}"
     )
