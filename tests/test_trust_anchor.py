@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from types import SimpleNamespace
 
 import hivemind
@@ -160,7 +159,6 @@ def test_a_newcomer_takes_the_settings_of_the_address_it_was_given_not_of_the_mo
     try:
         address = monitor_address(tmp_path / "monitor", 60)
         sybils = publish_sybils(address, run_id)
-        started = time.monotonic()
         newcomer_args = trainer_args(
             ["--run-id", run_id, "--host-maddrs", LOCALHOST, *FAST], address, demo_data, 1, tmp_path / "new"
         )
@@ -172,7 +170,8 @@ def test_a_newcomer_takes_the_settings_of_the_address_it_was_given_not_of_the_mo
         assert f"Taking run {run_id!r}'s settings from initial peer {monitor_id}: preset albert-tiny" in text
         config = wait_until(lambda: _read(tmp_path / "new" / "config.toml"), 10, what="the written config")
         assert 'preset = "albert-tiny"' in config and str(SYBIL_LR) not in config, config
-        assert time.monotonic() - started < 60
+        # its config is then checked against the DHT's majority (the sybils' records), which refuses it: many
+        # keys can still keep a newcomer out, not make it train with their settings
     finally:
         for dht in sybils:
             dht.shutdown()
