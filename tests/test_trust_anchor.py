@@ -150,14 +150,14 @@ def publish_sybils(address: list[str], run_id: str, n: int = 3) -> list[hivemind
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_newcomer_takes_the_settings_of_the_address_it_was_given_not_of_the_most_keys(demo_data, tmp_path):
     run_id = "anchor-live"
     common = ["--preset", "albert-tiny", "--run-id", run_id, "--host-maddrs", LOCALHOST, *FAST]
     monitor = Role(monitor_args(common, tmp_path / "monitor"), tmp_path / "monitor.log")
     roles, sybils = [monitor], []
     try:
-        address = monitor_address(tmp_path / "monitor", 60)
+        address = monitor_address(tmp_path / "monitor", 90)
         sybils = publish_sybils(address, run_id)
         newcomer_args = trainer_args(
             ["--run-id", run_id, "--host-maddrs", LOCALHOST, *FAST], address, demo_data, 1, tmp_path / "new"
