@@ -77,3 +77,24 @@ def test_a_peer_still_at_the_previous_epoch_counts_in_the_median():
     reports = records((3, 8, 10.0), (2, 40, 10.0), (3, 8000, 10.0))
     progress = tracker(3, target=96)._parse_swarm_progress_data(reports)
     assert progress.epoch == 3 and progress.samples_accumulated == 8 + PROGRESS_CAP * 8
+
+
+def test_every_round_of_the_trainers_averagers_passes_the_watch():
+    # cotrain.swarm.liveness: WatchedRounds sees a round only when it sits right before DecentralizedAverager
+    # and hivemind begins both kinds of round through super().step (a guard against a change upstream)
+    import inspect
+
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    from cotrain.swarm.averaging import SwarmGradientAverager
+    from cotrain.swarm.lineage import OuterAverager
+    from cotrain.swarm.liveness import WatchedRounds
+    from cotrain.swarm.statecheck import CheckedTrainingStateAverager
+
+    for cls in (SwarmGradientAverager, CheckedTrainingStateAverager, OuterAverager):
+        mro = cls.__mro__
+        assert mro[mro.index(DecentralizedAverager) - 1] is WatchedRounds, mro
+    assert "super().step(" in inspect.getsource(GradientAverager.schedule_step)
+    assert "super().step(" in inspect.getsource(TrainingStateAverager._do)

@@ -30,6 +30,7 @@ _WHERE = {
     "import_recipe": "sources",
     "prepare_from_source": "sources",
     "ExampleStream": "stream",
+    "manifest_sha256": "stream",
     "TOKENIZER_TYPES": "tokenizer",
     "load_tokenizer": "tokenizer",
     "tokenizer_hash": "tokenizer",

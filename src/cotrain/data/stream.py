@@ -67,12 +67,24 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+def manifest_sha256(source: str | Path) -> str:
+    """The sha256 of a prepared dataset's manifest (a folder, or the URL of one: its manifest downloaded,
+    size-capped), as a peer that trains with it publishes it."""
+    source = str(source)
+    if is_url(source):
+        base = source if source.endswith("/") else source + "/"
+        return hashlib.sha256(fetch_bytes(base + MANIFEST, MAX_MANIFEST_BYTES)).hexdigest()
+    return sha256_file(Path(source) / MANIFEST)
+
+
 class ExampleStream:
     """Endless examples (dicts of lists) of one split of a prepared dataset, in this peer's order.
 
-    ``source`` is a prepared folder or the URL of one. ``manifest``, ``tokenizer`` and
-    ``num_examples`` are available once constructed. Errors (missing or corrupt shards, an unreachable
-    server) are DataErrors, raised where the examples are consumed."""
+    ``source`` is a prepared folder or the URL of one. ``manifest``, ``manifest_sha256`` (of its bytes),
+    ``tokenizer`` and ``num_examples`` are available once constructed. With ``expected_manifest`` (a sha256,
+    the manifest the peer a user was told to join trains with), a downloaded manifest that differs is
+    refused before anything it names is fetched. Errors (missing or corrupt shards, an unreachable server)
+    are DataErrors, raised where the examples are consumed."""
 
     def __init__(
         self,
@@ -83,6 +95,7 @@ class ExampleStream:
         split: str = "train",
         prefetch: int = 2,
         progress: bool = False,
+        expected_manifest: str = "",
     ) -> None:
         self.source, self.seed, self.split = str(source), seed, split
         self.prefetch, self.progress = prefetch, progress
@@ -96,11 +109,12 @@ class ExampleStream:
         if self.remote:
             self.base = self.source if self.source.endswith("/") else self.source + "/"
             self.cache = Path(cache_dir) if cache_dir else default_cache_dir()
-            self.manifest = self._remote_manifest()
+            self.manifest = self._remote_manifest(expected_manifest)
             tokenizer_dir = self._fetch_tokenizer()
         else:
             root = Path(self.source)
             self.manifest = read_manifest(root)
+            self.manifest_sha256 = sha256_file(root / MANIFEST)
             tokenizer_dir = root / TOKENIZER
         self.objective: str = self.manifest["objective"]
         self.shards: list[dict[str, Any]] = self.manifest["shards"].get(split) or []
@@ -128,7 +142,7 @@ class ExampleStream:
 
     # --- remote files ----------------------------------------------------------------------------
 
-    def _remote_manifest(self) -> dict[str, Any]:
+    def _remote_manifest(self, expected: str = "") -> dict[str, Any]:
         url = self.base + MANIFEST
         cached = self.cache / "manifests" / f"{hashlib.sha256(url.encode()).hexdigest()[:24]}.json"
         try:
@@ -140,6 +154,13 @@ class ExampleStream:
                 raise DataError(f"cannot get the dataset's manifest: {e}; is the server up?") from None
             logger.warning("%s; using the manifest cached in %s", e, cached)
             data = cached.read_bytes()
+        self.manifest_sha256 = hashlib.sha256(data).hexdigest()
+        if expected and self.manifest_sha256 != expected:
+            raise DataError(
+                f"the dataset manifest at {url} (sha256 {self.manifest_sha256[:12]}) is not the one the peer "
+                f"you join trains with ({expected[:12]}): the server, or something between it and you, "
+                f"changed it; ask the swarm's operator for the dataset's address (an https:// one is safer)"
+            )
         manifest = parse_manifest(data, url)
         _write_atomic(cached, data)
         return manifest

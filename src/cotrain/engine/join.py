@@ -103,12 +103,17 @@ class SwarmConnection:
                 return None
             time.sleep(0.5)
 
-    def agree(self, run: RunConfig, tokenizer_hash: str = "", publish: bool = True) -> None:
+    def agree(
+        self, run: RunConfig, tokenizer_hash: str = "", publish: bool = True, manifest_sha256: str = ""
+    ) -> None:
         """Refuse this peer when its run config differs from the swarm's (ConfigMismatch names the fields);
-        with ``publish``, keep publishing it, signed, while the peer runs."""
+        with ``publish``, keep publishing it, signed, while the peer runs (with the sha256 of the dataset
+        manifest it has, for newcomers to check theirs against)."""
         from cotrain.swarm.configrecord import ConfigPublisher, join_check, make_record
 
-        mine = make_record(dataclasses.asdict(run), self.role, tokenizer_hash, self.peer_id)
+        mine = make_record(
+            dataclasses.asdict(run), self.role, tokenizer_hash, self.peer_id, manifest_sha256=manifest_sha256
+        )
         join_check(self.dht, self.run_id, mine, self.public_key, self.peer.initial_peers)
         if publish:
             self.publisher = ConfigPublisher(self.dht, self.run_id, self.public_key, mine)
@@ -124,12 +129,19 @@ class SwarmConnection:
         except Exception as e:  # newcomers then read the DHT's records, as from a peer of an older version
             logger.warning(f"Serving this peer's config to newcomers failed: {e!r}")
 
-    def initial_peer_run(self) -> tuple[str, dict] | None:
-        """The run config that the first answering initial peer (``/p2p/ID`` of --initial-peers, in order)
-        vouches for, with its peer id; None when none answers."""
+    def initial_peer_record(self) -> tuple[str, Any] | None:
+        """The config record (cotrain.swarm.configrecord.ConfigRecord) of the first initial peer (``/p2p/ID``
+        of --initial-peers, in order) that answers, with its peer id; None when none answers. Asked once."""
         from cotrain.swarm.vouch import ask_initial_peers
 
-        found = ask_initial_peers(self.dht, self.run_id, self.peer.initial_peers)
+        if not hasattr(self, "_vouched"):
+            self._vouched = ask_initial_peers(self.dht, self.run_id, self.peer.initial_peers)
+        return self._vouched
+
+    def initial_peer_run(self) -> tuple[str, dict] | None:
+        """The run config that the first answering initial peer vouches for, with its peer id; None when none
+        answers."""
+        found = self.initial_peer_record()
         return None if found is None else (found[0], found[1].fields())
 
     def peers_in_role(self, role: str, keeps_state: bool | None = None) -> dict[bytes, str]:

@@ -129,6 +129,21 @@ class Monitor:
         self.evaluations_seen: dict[bytes, tuple[int, float]] = {}
         self.connection: SwarmConnection | None = None
 
+    def _manifest_sha256(self) -> str:
+        """The sha256 of the dataset manifest this monitor was given (--dataset-path or --dataset-url), which
+        its config record carries for trainers to check the manifest they download against; "" without one
+        (or when it cannot be read now: the monitor needs no dataset to run)."""
+        from cotrain.data import DataError, manifest_sha256
+
+        source = self.config.peer.dataset_url or self.config.peer.dataset_path
+        if not source:
+            return ""
+        try:
+            return manifest_sha256(source)
+        except (DataError, OSError) as e:
+            logger.warning(f"The dataset's manifest could not be read ({e}): trainers cannot check theirs")
+            return ""
+
     def run(self) -> int:
         out = Path(self.config.peer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +156,7 @@ class Monitor:
         if self.config.peer.initial_peers:  # a second monitor of a running swarm, given only its address
             take_swarm_settings(connection, self.config)
         run, peer = self.config.run, self.config.peer
-        connection.agree(run)
+        connection.agree(run, manifest_sha256=self._manifest_sha256())
         maddrs = connection.maddrs()
         join = join_command(maddrs, run.run_id, connection.access is not None, peer.dataset_url)
         self.sinks = build_sinks(out, run.run_id, peer.tensorboard_dir, peer.wandb_project)

@@ -73,7 +73,7 @@ class Trainer:
         from cotrain.data import tokenizer_hash
 
         # before joining averaging: a peer whose swarm-wide settings differ from the swarm's is refused
-        self.connection.agree(run, tokenizer_hash(tokenizer))
+        self.connection.agree(run, tokenizer_hash(tokenizer), manifest_sha256=data.manifest_sha256)
         model = model_for_tokenizer(run, tokenizer)
         check_positions(model, run.max_seq_length)
         model.train()
@@ -171,7 +171,15 @@ class Trainer:
                 "give one of --dataset-path (a folder made by `cotrain prepare`) or --dataset-url (the URL "
                 "of one on an HTTP server)"
             )
-        data = ExampleStream(source, seed=peer.seed, cache_dir=peer.cache_dir or None)
+        # a downloaded manifest must be the one the peer the user was told to join trains with (its record
+        # carries the manifest's sha256): a plain-HTTP server, or something on the way, cannot alter it
+        vouched = self.connection.initial_peer_record() if peer.dataset_url and self.connection else None
+        expected = vouched[1].manifest_sha256 if vouched is not None else ""
+        data = ExampleStream(
+            source, seed=peer.seed, cache_dir=peer.cache_dir or None, expected_manifest=expected
+        )
+        if expected:
+            logger.info(f"The dataset's manifest is the one initial peer {vouched[0]} trains with")
         if data.manifest.get("objective") != run.objective:
             raise UserError(
                 f"dataset {source} was prepared for {data.manifest.get('objective')!r}, "

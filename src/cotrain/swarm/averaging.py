@@ -12,6 +12,7 @@ from collections.abc import Callable
 from hivemind.optim.grad_averager import GradientAverager
 
 from cotrain.swarm.hosting import ServedInThread
+from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.robust import Aggregation, RobustAveraging
 
 # Parts of its tensors that an all-reduce reads ahead from each stream. A reducer returns a part's average
@@ -21,7 +22,7 @@ from cotrain.swarm.robust import Aggregation, RobustAveraging
 READ_AHEAD_PARTS = 1
 
 
-class SwarmGradientAverager(ServedInThread, RobustAveraging, GradientAverager):
+class SwarmGradientAverager(ServedInThread, RobustAveraging, GradientAverager, WatchedRounds):
     """hivemind's GradientAverager, as cotrain's trainers run it: ``read_ahead`` parts of each all-reduce
     stream are received, decoded and held while the reducer waits for the other senders; reducers combine
     the parts with ``aggregation`` (cotrain.swarm.robust); with ``direct`` (on by default), parts go over

@@ -59,6 +59,9 @@ class ConfigRecord(BaseModel):
     keeps_state: StrictBool = (
         False  # a monitor that checkpoints the swarm's state (takes leavers' final state)
     )
+    # sha256 of the dataset manifest this peer trains with (or, a monitor, was given); "" when it has none:
+    # a trainer checks a manifest it downloads against its initial peer's (cotrain.data.stream)
+    manifest_sha256: constr(regex=r"^([0-9a-f]{64})?$", strict=True) = ""
 
     @root_validator(skip_on_failure=True)
     def _hash_matches(cls, values: dict) -> dict:
@@ -89,7 +92,12 @@ def schema_validators(run_id: str) -> list[SchemaValidator]:
 
 
 def make_record(
-    fields: dict, role: str, tokenizer_hash: str = "", peer_id: str = "", keeps_state: bool = False
+    fields: dict,
+    role: str,
+    tokenizer_hash: str = "",
+    peer_id: str = "",
+    keeps_state: bool = False,
+    manifest_sha256: str = "",
 ) -> ConfigRecord:
     """This peer's record of its run config ``fields`` (the swarm-wide settings, as a dict)."""
     text = canonical(fields)
@@ -101,6 +109,7 @@ def make_record(
         time=time.time(),
         peer_id=peer_id,
         keeps_state=keeps_state,
+        manifest_sha256=manifest_sha256,
     )
 
 

@@ -59,6 +59,7 @@ from cotrain.swarm.lineage import (
     fresh_lineage,
     next_lineage,
 )
+from cotrain.swarm.liveness import RoundWatch
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, tracker_class
 from cotrain.swarm.robust import Aggregation
@@ -199,6 +200,11 @@ class DiLoCoOptimizer:
         self._pending_own: list[torch.Tensor] | None = None
         self._start = [p.detach().clone() for p in self.parameters] if overlap else None
         self.should_stop: Callable[[], bool] = lambda: False
+        # a round looking for a group while no other peer answers stops within a matchmaking time
+        self.round_watch = RoundWatch(
+            [self.outer_averager], self.tracker, self.dht, self.matchmaking_time, lambda: self.should_stop()
+        )
+        self.round_watch.start()
         self.attack = Attack.from_env("diloco", announce=False)  # COTRAIN_ATTACK (cotrain.faults)
         self.state_averager.state_sharing_priority = self.local_epoch
 
@@ -514,6 +520,7 @@ class DiLoCoOptimizer:
                     param.copy_(saved)
 
     def shutdown(self) -> None:
+        self.round_watch.close()
         self.cancel_rounds()
         for part in (self.tracker, self.outer_averager, self.state_averager):
             try:

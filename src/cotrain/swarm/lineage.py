@@ -21,7 +21,6 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
@@ -29,6 +28,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils.asyncio import enter_asynchronously
 
 from cotrain.swarm.hosting import ServedInThread
+from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.robust import Aggregation, RobustAveraging
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def next_lineage(round_: int, gathered: dict[Any, Any]) -> bytes:
     return digest.digest()
 
 
-class OuterAverager(ServedInThread, RobustAveraging, DecentralizedAverager):
+class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
     """The round's all-reduce: its first ``changes`` tensors (the pseudo-gradients) always, the rest (the
     outer state) only where ``carries_outer_state`` says so for the group, decided from the group's gathered
     data so that all members decide alike. Returns (the gathered data: member's peer id -> what it sent,

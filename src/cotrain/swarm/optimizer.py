@@ -17,6 +17,7 @@ from hivemind.compression import (
 )
 
 from cotrain.swarm import fixes
+from cotrain.swarm.liveness import RoundWatch, WatchedRounds
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,21 @@ class SwarmOptimizer(hivemind.Optimizer):
         # torch's default); the training thread, which builds this optimizer, keeps its count: read it first.
         torch.get_num_threads()
         self.state_averager.step_executor.submit(torch.set_num_threads, 1).result()
+        # a round looking for a group while no other peer answers stops within a matchmaking time
+        self.round_watch = RoundWatch(
+            [a for a in (self.grad_averager, self.state_averager) if isinstance(a, WatchedRounds)],
+            self.tracker,
+            self.dht,
+            self.matchmaking_time,
+            lambda: self.should_stop(),
+        )
+        self.round_watch.start()
+
+    def shutdown(self) -> None:
+        watch = getattr(self, "round_watch", None)
+        if watch is not None:
+            watch.close()
+        super().shutdown()
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs):
         """hivemind's tracker, or with ``robust_progress`` the one that caps what peers claim

@@ -186,6 +186,17 @@ def forget_gone_peers(tracker: ProgressTracker, dht: hivemind.DHT, timeout: floa
     return len(gone)
 
 
+def others_counted(tracker: ProgressTracker) -> int:
+    """How many other peers (client-mode ones included) ``tracker`` counts now, those found gone left out; -1
+    for a tracker that cannot leave peers out."""
+    if not isinstance(tracker, SwarmProgressTracker):
+        return -1
+    me = tracker.dht.peer_id.to_bytes()
+    entries = _entries(tracker._last_metadata, clients=True)
+    with tracker._gone_lock:
+        return sum(1 for peer in entries if peer != me and peer not in tracker._gone)
+
+
 class RobustProgressTracker(SwarmProgressTracker):
     """hivemind's ProgressTracker counting the swarm's progress as the module's doc says."""
 

@@ -104,6 +104,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
 )
 from cotrain.swarm.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
+from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.progress import witnessed_epoch
 
 logger = logging.getLogger(__name__)
@@ -474,7 +475,7 @@ class CheckedStateDownloads:
 
 
 class CheckedTrainingStateAverager(
-    ServedInThread, DirectTransport, CheckedStateDownloads, TrainingStateAverager
+    ServedInThread, DirectTransport, CheckedStateDownloads, TrainingStateAverager, WatchedRounds
 ):
     """hivemind's ``TrainingStateAverager`` (the sync strategy's state, and the monitor's copy of it) with
     checked downloads and published fingerprints; its all-reduces of the parameters send their parts over
