@@ -8,5 +8,8 @@
 - ``state``: the swarm's state as ``cotrain status`` and the dashboard read it;
 - ``optimizer``, ``averaging``, ``fixes``: hivemind.Optimizer and its averagers as cotrain configures them;
 - ``healing``, ``backup``, ``served``: re-joining after a partition, the NaN guard, who serves the state;
+- ``progress``, ``liveness``: the swarm's progress without the peers that are gone; a round that waits for
+  peers that no longer answer ends within a matchmaking time;
+- ``vouch``: the run config an initial peer's address vouches for, asked over libp2p;
 - ``identity``, ``logs``: persistent peer ids; hivemind's expected network failures as one line.
 """
