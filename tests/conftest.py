@@ -337,3 +337,36 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def state_holder(dhts: list, run_id: str, epoch: int | None, kind=None, optimizer=None, **kwargs):
+    """A state holder of run ``run_id`` on a new DHT on 127.0.0.1 joined to ``dhts[0]`` (appended to
+    ``dhts``): ``kind`` (default cotrain.swarm.statecheck.CheckedTrainingStateAverager) over a Linear(8, 4)
+    whose weights depend on ``epoch``, serving its state at step ``epoch`` (None: a newcomer that serves
+    none)."""
+    import hivemind
+    import torch
+
+    from cotrain.swarm import statecheck as sc
+
+    initial = dhts[0].get_visible_maddrs() if dhts else []
+    dhts.append(
+        hivemind.DHT(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial, nat_port_map=False, start=True
+        )
+    )
+    torch.manual_seed(epoch or 0)
+    made = (kind or sc.CheckedTrainingStateAverager)(
+        dht=dhts[-1],
+        prefix=f"{run_id}_state_averager",
+        optimizer=optimizer or (lambda params: torch.optim.SGD(params, lr=0.1)),
+        params=torch.nn.Linear(8, 4).parameters(),
+        allow_state_sharing=epoch is not None,
+        declare_state_period=5,
+        start=True,
+        **kwargs,
+    )
+    if epoch is not None:
+        made.local_epoch = epoch
+        made.state_sharing_priority = epoch
+    return made

@@ -711,10 +711,16 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
             for p2p in (outsider, member):
                 await p2p._client.connect(monitor, [Multiaddr(monitor_addr.split("/p2p/")[0])])
                 await p2p._client.connect(trainer, [Multiaddr(trainer_maddr)])
-            # averaging, matchmaking and state download refuse a peer without a token ...
+            # averaging, matchmaking and state download refuse a peer without a token: the guard's error, or
+            # on a loaded machine a stream that ends before the error reaches the caller; nothing is served
+            # (an unguarded handler answers both calls with a message: the state, a bad-schema reply)
             for call in (download, join_group):
-                with pytest.raises(Exception, match="access refused"):
-                    await call(outsider)
+                try:
+                    served = await call(outsider)
+                except Exception as e:
+                    assert "access refused" in str(e), e
+                else:
+                    assert served == [], served
             # ... and serve one that proves a token
             state = await download(member)
             assert state and state[0].metadata, "a peer with a token downloads the model"

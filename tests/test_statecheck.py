@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import alive, cotrain_env, read_rows, wait_until
+from conftest import alive, cotrain_env, read_rows, state_holder, wait_until
 from cotrain.faults import POISONED_PRIORITY_BONUS, PoisonedState
 from cotrain.swarm import statecheck as sc
 from peer_task import DIM, INIT_SEED, Task, flat, jsonl
@@ -288,7 +288,6 @@ def test_a_newcomer_takes_the_witnessed_step_not_a_lone_peer_far_ahead():
     """Real holders on DHTs on 127.0.0.1: an honest one at step 16 and one at step 19 that no other peer's
     progress reaches (a liar that ran ahead), both reporting their progress. A newcomer that counts progress
     robustly (``progress_key``) loads step 16; one that does not takes the highest priority, 19."""
-    import hivemind
     from hivemind.utils import get_dht_time
 
     from cotrain.swarm.keys import progress_key
@@ -297,27 +296,9 @@ def test_a_newcomer_takes_the_witnessed_step_not_a_lone_peer_far_ahead():
     dhts, holders = [], []
 
     def holder(epoch: int | None, **kwargs) -> sc.CheckedTrainingStateAverager:
-        initial = dhts[0].get_visible_maddrs() if dhts else []
-        dhts.append(
-            hivemind.DHT(
-                host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial, nat_port_map=False, start=True
-            )
-        )
-        torch.manual_seed(epoch or 0)
-        made = sc.CheckedTrainingStateAverager(
-            dht=dhts[-1],
-            prefix=f"{run_id}_state_averager",
-            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-            params=torch.nn.Linear(8, 4).parameters(),
-            allow_state_sharing=epoch is not None,
-            declare_state_period=5,
-            start=True,
-            **kwargs,
-        )
+        made = state_holder(dhts, run_id, epoch, **kwargs)
         holders.append(made)
         if epoch is not None:
-            made.local_epoch = epoch
-            made.state_sharing_priority = epoch
             made.fingerprints.publish(force=True)
             peer_id = dhts[-1].peer_id.to_bytes()
             progress = dict(

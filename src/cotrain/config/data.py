@@ -21,7 +21,8 @@ class DataConfig:
     )
     dataset_url: str = opt(
         "",
-        "URL of a folder made by `cotrain prepare` on any HTTP(S) server; shards download as training goes.",
+        "URL of a folder made by `cotrain prepare` on any HTTP(S) server; shards download as training goes. "
+        "Its manifest must be the one the initial peer trains with (its config record says which).",
         roles=("train", "eval", "monitor"),
     )
     cache_dir: str = opt(

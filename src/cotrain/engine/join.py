@@ -62,6 +62,10 @@ class SwarmConnection:
             record_validators=validators,
             access=self.access,
         )
+        if self.access is not None:  # its records count as one participant's votes (cotrain.access.voters)
+            from cotrain.access.voters import Voters
+
+            Voters.of(self.dht)
         if self.access is not None and role != "monitor":  # a token holder stops when it is refused
             from cotrain.access import AccessWatcher
 
@@ -91,12 +95,13 @@ class SwarmConnection:
     def swarm_run(self, wait: float = CONFIG_WAIT) -> tuple[dict, int] | None:
         """The run config most of the swarm's peers publish and how many publish it (None: no record seen
         within ``wait`` seconds)."""
+        from cotrain.access.voters import voters_of
         from cotrain.swarm.configrecord import read_configs, swarm_record
 
         deadline = time.monotonic() + wait
         while True:
             records = {k: r for k, r in read_configs(self.dht, self.run_id).items() if k != self.public_key}
-            found = swarm_record(records)
+            found = swarm_record(records, voters_of(self.dht))
             if found is not None:
                 return found[0].fields(), found[1]
             if time.monotonic() >= deadline or self.stop.is_set():
@@ -179,6 +184,9 @@ class SwarmConnection:
         """Stop publishing and leave the DHT."""
         if self.publisher is not None:
             self.publisher.close()
+        voters = getattr(self.dht, "cotrain_voters", None)
+        if voters is not None:
+            voters.close()
         if self.dht is not None:
             try:
                 self.dht.shutdown()

@@ -154,8 +154,14 @@ def differences(mine: dict, theirs: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def swarm_record(records: dict[bytes, ConfigRecord]) -> tuple[ConfigRecord, int] | None:
-    """The config most peers publish (ties: the one published first), and how many peers publish it."""
+def swarm_record(
+    records: dict[bytes, ConfigRecord], voters: dict[bytes, str] | None = None
+) -> tuple[ConfigRecord, int] | None:
+    """The config most peers publish (ties: the one published first), and how many peers publish it; with
+    ``voters`` (a private swarm), most participants, one vote each (cotrain.access.voters)."""
+    from cotrain.access.voters import one_vote_each
+
+    records = one_vote_each(records, voters, newest=lambda r: r.time)
     if not records:
         return None
     counts = Counter(r.hash for r in records.values())
@@ -167,10 +173,17 @@ def swarm_record(records: dict[bytes, ConfigRecord]) -> tuple[ConfigRecord, int]
 
 
 def check_agreement(
-    records: dict[bytes, ConfigRecord], mine: ConfigRecord, run_id: str, public_key: bytes
+    records: dict[bytes, ConfigRecord],
+    mine: ConfigRecord,
+    run_id: str,
+    public_key: bytes,
+    voters: dict[bytes, str] | None = None,
 ) -> None:
-    """Raise ConfigMismatch naming every differing field when this peer's config is not the swarm's."""
-    others = {k: r for k, r in records.items() if k != public_key}
+    """Raise ConfigMismatch naming every differing field when this peer's config is not the swarm's (with
+    ``voters``, a private swarm's: one vote per participant)."""
+    from cotrain.access.voters import one_vote_each
+
+    others = one_vote_each({k: r for k, r in records.items() if k != public_key}, voters, lambda r: r.time)
     found = swarm_record(others)
     if found is None:
         return
@@ -192,8 +205,10 @@ def check_agreement(
 def join_check(dht: Any, run_id: str, mine: ConfigRecord, public_key: bytes, initial_peers: list) -> None:
     """Refuse a config that differs from the swarm's; warn when nobody of this run is found (with the runs
     that this DHT carries) although initial peers were given."""
+    from cotrain.access.voters import voters_of
+
     records = read_configs(dht, run_id)
-    check_agreement(records, mine, run_id, public_key)
+    check_agreement(records, mine, run_id, public_key, voters_of(dht))
     if initial_peers and not any(k != public_key for k in records):
         runs = read_runs(dht)
         runs.pop(run_id, None)

@@ -96,6 +96,8 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
         initialize_state(inner_optimizer)
         super().__init__(offload_optimizer=True, custom_gradients=True, reuse_tensors=True, **kwargs)
 
+    state_optimizers = 2  # the outer optimizer's statistics and the inner one's (cotrain.swarm.statelimit)
+
     @property
     def global_parameters(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]

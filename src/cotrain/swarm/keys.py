@@ -74,6 +74,12 @@ def served_state_key(run_id: str) -> str:
     return f"{state_averager_prefix(run_id)}.all_averagers"
 
 
+def voters_key(run_id: str) -> str:
+    """A private swarm's voters: each signing key's proof that a token holder stands behind it
+    (``VotersSchema.voters`` under prefix ``run_id``, cotrain.access.voters)."""
+    return f"{run_id}_voters"
+
+
 def revocations_key(run_id: str) -> str:
     """The private swarm's list of revoked access tokens, signed by its authority (cotrain.access)."""
     return f"{run_id}_access_revocations"

@@ -113,7 +113,12 @@ class SwarmProgressTracker(ProgressTracker):
             self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
 
     def _live(self, metadata: Any) -> Any:
-        """``metadata`` without the records of peers found gone whose record has not changed since."""
+        """``metadata`` without the records of peers found gone whose record has not changed since; in a
+        private swarm, one record per participant (cotrain.access.voters)."""
+        from cotrain.access.voters import one_vote_each, voters_of
+
+        if isinstance(metadata, dict):
+            metadata = one_vote_each(metadata, voters_of(self.dht), newest=_record_time)
         self._last_metadata = metadata
         if getattr(self, "_gone", None) is None:  # hivemind's __init__ reads the progress before ours runs
             return metadata
@@ -132,6 +137,12 @@ class SwarmProgressTracker(ProgressTracker):
 
     def _parse_swarm_progress_data(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
         return super()._parse_swarm_progress_data(self._live(metadata))
+
+
+def _record_time(item: Any) -> float:
+    value = getattr(item, "value", None)
+    t = value.get("time") if isinstance(value, dict) else None
+    return float(t) if isinstance(t, int | float) else 0.0
 
 
 def _peer_of(item: Any) -> bytes | None:

@@ -80,12 +80,15 @@ class EvalSchema(BaseModel):
 
 def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
     """The record validators every peer of a run installs, and this process's public key (its subkey)."""
+    from cotrain.access.voters import voters_validators
+
     signature_validator = RSASignatureValidator()
     validators = [
         SchemaValidator(MetricsSchema, prefix=run_id),
         SchemaValidator(EvalSchema, prefix=run_id),
         *schema_validators(run_id),  # the signed run config, see cotrain.swarm.configrecord
         *fingerprint_validators(run_id),  # fingerprints of the served state, see cotrain.swarm.statecheck
+        *voters_validators(run_id),  # a private swarm's voters, see cotrain.access.voters
         signature_validator,
     ]
     return validators, signature_validator.local_public_key
@@ -122,9 +125,13 @@ def store_record(dht: Any, key: str, public_key: bytes, record: BaseModel, expir
     )
 
 
-def read_metrics(dht: Any, run_id: str) -> dict[bytes, LocalMetrics]:
-    """The latest valid metrics record of every trainer."""
-    return read_records(dht, metrics_key(run_id), LocalMetrics, "metrics")
+def read_metrics(dht: Any, run_id: str) -> dict[Any, LocalMetrics]:
+    """The latest valid metrics record of every trainer (in a private swarm: of every participant, one each,
+    cotrain.access.voters)."""
+    from cotrain.access.voters import one_vote_each, voters_of
+
+    records = read_records(dht, metrics_key(run_id), LocalMetrics, "metrics")
+    return one_vote_each(records, voters_of(dht), newest=lambda r: r.time)
 
 
 def publish_metrics(

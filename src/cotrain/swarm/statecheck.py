@@ -61,7 +61,9 @@ any vote; a private swarm's tokens (cotrain.access) bound who can publish at all
 attacker that knows the sampled positions can also craft a state that matches the fingerprint while it
 differs elsewhere (keeping every tensor's norm): the check stops a peer that serves garbage, scaled or
 sign-flipped parameters, not a state crafted against it. Optimizer statistics are not checked: DiLoCo's inner
-statistics differ between honest peers by design, and sync's are not averaged.
+statistics differ between honest peers by design, and sync's are not averaged. A donor's stream is counted as
+it comes against the most a state of the downloader's model can hold (``state_bound``;
+cotrain.swarm.statelimit): more tensors or bytes than that and it is refused, and the next donor asked.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.optim.state_averager import TrainingStateAverager
 from pydantic.v1 import BaseModel, confloat, conint, conlist, constr, root_validator
 
+from cotrain.access.voters import one_vote_each, voters_of
 from cotrain.swarm.direct import DirectTransport
 from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     MAX_VOTERS,
@@ -106,6 +109,7 @@ from cotrain.swarm.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
 from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.progress import witnessed_epoch
+from cotrain.swarm.statelimit import StateBudget, StateTooLarge, state_bound
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +271,17 @@ class CheckedStateDownloads:
         self.fingerprints = FingerprintPublisher(self)
         self.fingerprints.start()
 
+    state_optimizers = (
+        1  # optimizers whose statistics ride along in the served state (DiLoCo: the inner one too)
+    )
+
+    def state_bound(self) -> tuple[int, int]:
+        """The most tensors and bytes a donor's state may hold (cotrain.swarm.statelimit): from this holder's
+        parameters, which every peer of the run shares, not from its optimizer's statistics, which a newcomer
+        has not built yet. Shapes do not change, so no lock is taken."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return state_bound(params, list(self.extra_tensors), self.state_optimizers)
+
     def fingerprinted_tensors(self) -> list[torch.Tensor]:
         """The tensors the fingerprint covers, in the order they are served (call under the tensors' lock)."""
         return [p for g in self.optimizer.param_groups for p in g["params"]] + list(self.extra_tensors)
@@ -330,11 +345,14 @@ class CheckedStateDownloads:
                 logger.info("No peer serves the swarm's state yet")
                 return
             mine = str(self.peer_id)
-            records = {
-                key: published
-                for key, published in read_fingerprints(self.dht, fingerprints_key(self.prefix)).items()
-                if key != self.public_key and published.peer_id != mine
-            }
+            records = one_vote_each(  # a private swarm: one vote per participant (cotrain.access.voters)
+                {
+                    key: published
+                    for key, published in read_fingerprints(self.dht, fingerprints_key(self.prefix)).items()
+                    if key != self.public_key and published.peer_id != mine
+                },
+                voters_of(self.dht),
+            )
             now = time.monotonic()
             self.suspects = {peer: until for peer, until in self.suspects.items() if until > now}
             offered = {p.to_base58(): v for p, v in priorities.items()}
@@ -393,7 +411,7 @@ class CheckedStateDownloads:
         if found is None or not isinstance(found.value, dict):
             return None
         mine, epochs = self.peer_id.to_bytes(), []
-        for entry in found.value.values():
+        for entry in one_vote_each(found.value, voters_of(self.dht)).values():
             try:
                 progress = LocalTrainingProgress.parse_obj(entry.value)
             except Exception:  # an expired or malformed record counts for nothing
@@ -443,6 +461,11 @@ class CheckedStateDownloads:
         peer)."""
         try:
             return await asyncio.wait_for(self._download_from(peer, chunk_timeout), timeout)
+        except StateTooLarge as e:
+            logger.warning(
+                f"Peer {peer} served a state larger than this model's can be ({e}); trying another peer"
+            )
+            return None
         except Exception as e:
             logger.info(f"Failed to download the state from peer {peer}: {e!r}")
             return None
@@ -456,9 +479,11 @@ class CheckedStateDownloads:
         started = time.monotonic()
         logger.info(f"Downloading the state from peer {peer}")
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        budget = StateBudget(*self.state_bound())
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
         async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+            budget.take(message)  # before its tensor is built: raises beyond what a state of this model holds
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a new tensor starts: the previous one is complete

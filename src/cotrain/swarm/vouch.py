@@ -31,23 +31,13 @@ ASK_TIMEOUT = 5.0  # seconds an initial peer has to answer
 @functools.cache
 def messages():
     """The request and answer of the config handler, built at first use from a descriptor."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from cotrain.access.wire import build_messages
 
-    f = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(name="cotrain_config.proto", package="cotrain", syntax="proto3")
-    req = fdp.message_type.add(name="ConfigRequest")
-    req.field.add(name="run_id", number=1, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
-    req.field.add(name="token", number=2, type=f.TYPE_BYTES, label=f.LABEL_OPTIONAL)  # a private swarm's
-    rep = fdp.message_type.add(name="ConfigReply")
-    rep.field.add(name="record", number=1, type=f.TYPE_BYTES, label=f.LABEL_OPTIONAL)  # JSON; empty: none
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-
-    class Messages:
-        ConfigRequest = message_factory.GetMessageClass(pool.FindMessageTypeByName("cotrain.ConfigRequest"))
-        ConfigReply = message_factory.GetMessageClass(pool.FindMessageTypeByName("cotrain.ConfigReply"))
-
-    return Messages
+    # token: a private swarm's; record: JSON, empty when there is none
+    return build_messages(
+        "cotrain_config.proto",
+        {"ConfigRequest": [("run_id", "string"), ("token", "bytes")], "ConfigReply": [("record", "bytes")]},
+    )
 
 
 def _access(node) -> Any:
