@@ -566,3 +566,22 @@ def test_verdict_counts_a_rival_group_among_the_records_that_disagree():
     records["b3"] = sc.fingerprint(rounded(nudged(b, 1e-3, seed=3)), 5)  # now 4 of 7 agree on the other
     found = sc.verdict(fa, records, {"a0"})
     assert found.kind == "refuted" and found.rivals == 4 and found.nearest <= found.tolerance
+
+
+def test_the_initial_peers_record_outweighs_any_count_of_keys():
+    # five keys vouch for a poisoned state, two peers (the initial peer among them) publish the honest one
+    honest, poisoned = state(0), [-t for t in state(0)]
+    h, p = sc.fingerprint(honest, 3), sc.fingerprint(poisoned, 3)
+    records = {f"sybil{i}": p for i in range(5)} | {"anchor": h, "other": h}
+    by_count = sc.verdict(p, records, {"sybil0"})
+    assert by_count.accepted  # by count the poisoned state wins
+    weighed = sc.weigh_trusted(by_count, p, anchors=[h])
+    assert weighed.kind == "refuted" and weighed.trusted == "initial peer"
+    honest_by_count = sc.verdict(h, records, {"other"})
+    assert not honest_by_count.accepted  # the sybils' majority refutes the honest state
+    assert sc.weigh_trusted(honest_by_count, h, anchors=[h]).accepted
+    # the initial peer's own state is loaded; a peer's own earlier record vouches but never refutes
+    assert sc.weigh_trusted(sc.verdict(p, {"x": h}, ()), p, donor_is_anchor=True).accepted
+    assert sc.weigh_trusted(honest_by_count, h, own=[h]).accepted
+    assert sc.weigh_trusted(by_count, p, own=[h]).accepted  # its own state after a partition may differ
+    assert sc.weigh_trusted(by_count, p) == by_count  # no trusted record: the count stands

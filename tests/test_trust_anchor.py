@@ -84,7 +84,7 @@ def test_a_private_swarm_answers_only_a_request_with_an_accepted_token():
     from hivemind.proto.auth_pb2 import AccessToken
 
     m = messages()
-    served = {RUN: answer(run_fields())}
+    served = {RUN: (answer(run_fields()), b"")}
     token = AccessToken(username="alice").SerializeToString()
     refusing = SimpleNamespace(refusal=lambda token: "no access token" if token is None else "revoked")
     accepting = SimpleNamespace(refusal=lambda token: None if token is not None else "no access token")
@@ -92,9 +92,9 @@ def test_a_private_swarm_answers_only_a_request_with_an_accepted_token():
     def ask(access, **request):
         return asyncio.run(_answer(served, access, m.ConfigRequest(**request), None)).record
 
-    assert ask(None, run_id=RUN) == served[RUN]  # a public swarm
+    assert ask(None, run_id=RUN) == served[RUN][0]  # a public swarm
     assert ask(None, run_id="other-run") == b""
-    assert ask(accepting, run_id=RUN, token=token) == served[RUN]
+    assert ask(accepting, run_id=RUN, token=token) == served[RUN][0]
     assert ask(accepting, run_id=RUN) == b""
     assert ask(refusing, run_id=RUN, token=token) == b""
     assert ask(accepting, run_id=RUN, token=b"\xff garbage") == b""
@@ -109,13 +109,16 @@ def test_a_peer_answers_with_the_record_it_serves_and_silent_peers_are_skipped()
     try:
         server_id, silent_id = str(server.peer_id), str(silent.peer_id)
         record = make_record(run_fields(learning_rate=0.002), "monitor", peer_id=server_id)
-        serve_config(server, RUN, record)
+        signer = RSASignatureValidator(RSAPrivateKey()).local_public_key
+        serve_config(server, RUN, record, signer)
         # a peer without the handler (an older version) is skipped; the next one in order answers
         initial = [f"/ip4/127.0.0.1/tcp/1/p2p/{silent_id}", *address]
         found = ask_initial_peers(asker, RUN, initial, timeout=3.0)
         assert found is not None and found[0] == server_id and found[1].fields() == record.fields()
+        assert found[2] == signer  # the key that signs its records: its fingerprints are the address's own
         assert ask_initial_peers(asker, "other-run", address, timeout=3.0) is None
-        serve_config(server, RUN, record.copy(update={"role": "leaving"}))  # a newer record replaces it
+        serve_config(server, RUN, record.copy(update={"role": "leaving"}), b"not a key")  # a newer one
+        assert ask_initial_peers(asker, RUN, address, timeout=3.0)[2] == b""  # a malformed signer: none
         assert ask_initial_peers(asker, RUN, address, timeout=3.0)[1].role == "leaving"
     finally:
         for dht in (asker, silent, server):

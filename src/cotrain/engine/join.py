@@ -119,6 +119,7 @@ class SwarmConnection:
         mine = make_record(
             dataclasses.asdict(run), self.role, tokenizer_hash, self.peer_id, manifest_sha256=manifest_sha256
         )
+        self.initial_peer_record()  # asked once: the address's settings, and the key that signs its records
         join_check(self.dht, self.run_id, mine, self.public_key, self.peer.initial_peers)
         if publish:
             self.publisher = ConfigPublisher(self.dht, self.run_id, self.public_key, mine)
@@ -130,7 +131,7 @@ class SwarmConnection:
         from cotrain.swarm.vouch import serve_config
 
         try:
-            serve_config(self.dht, self.run_id, self.publisher.record)
+            serve_config(self.dht, self.run_id, self.publisher.record, self.public_key)
         except Exception as e:  # newcomers then read the DHT's records, as from a peer of an older version
             logger.warning(f"Serving this peer's config to newcomers failed: {e!r}")
 
@@ -140,7 +141,10 @@ class SwarmConnection:
         from cotrain.swarm.vouch import ask_initial_peers
 
         if not hasattr(self, "_vouched"):
-            self._vouched = ask_initial_peers(self.dht, self.run_id, self.peer.initial_peers)
+            found = ask_initial_peers(self.dht, self.run_id, self.peer.initial_peers)
+            self._vouched = None if found is None else found[:2]
+            if found is not None and found[2]:  # the state check weighs the address's own records most
+                self.dht.anchor_signers = frozenset([found[2]])
         return self._vouched
 
     def initial_peer_run(self) -> tuple[str, dict] | None:

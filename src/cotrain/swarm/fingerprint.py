@@ -4,6 +4,7 @@ cotrain.swarm.statecheck explains the scheme; this module holds its arithmetic, 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -139,6 +140,7 @@ class Verdict:
     nearest: float = math.inf
     tolerance: float = TOLERANCE  # the distance within which records agreed (``verdict``)
     rivals: int = 0  # the largest group of records that agree on another state
+    trusted: str = ""  # who decided instead of the count (``weigh_trusted``): "initial peer", "own record"
 
     @property
     def accepted(self) -> bool:
@@ -171,6 +173,32 @@ def verdict(
     # a rival group refutes a state another peer vouches for only where it is larger and a strict majority
     ok = any(k not in donor for k in agree) and (len(agree) >= rivals or 2 * rivals <= len(records))
     return Verdict("verified" if ok else "refuted", len(agree), len(records), nearest, tolerance, rivals)
+
+
+def weigh_trusted(
+    found: Verdict,
+    state: Fingerprint,
+    anchors: Sequence[Fingerprint] = (),
+    own: Sequence[Fingerprint] = (),
+    donor_is_anchor: bool = False,
+) -> Verdict:
+    """``found`` (``verdict``'s judgement by count) weighed by the records no count of keys can outvote: those
+    of the initial peer the user was told to join (``anchors``: the address is what the user vouched for) and
+    the downloader's own earlier ones (``own``). A state served by the initial peer itself, or that one of
+    these records matches within ``found.tolerance``, is verified; one that the initial peer's records all
+    miss is refuted, however many other keys vouch for it. The downloader's own records only ever vouch:
+    after a partition its own state at a step is not the swarm's. Without such records, ``found`` stands."""
+    if donor_is_anchor:
+        return dataclasses.replace(found, kind="verified", trusted="initial peer")
+    if anchors:
+        near = min(distance(state, fp) for fp in anchors)
+        kind = "verified" if near <= found.tolerance else "refuted"
+        return dataclasses.replace(found, kind=kind, nearest=near, trusted="initial peer")
+    if own and found.kind != "verified":
+        near = min(distance(state, fp) for fp in own)
+        if near <= found.tolerance:
+            return dataclasses.replace(found, kind="verified", nearest=near, trusted="own record")
+    return found
 
 
 def spread(fingerprints: Sequence[Fingerprint]) -> float:

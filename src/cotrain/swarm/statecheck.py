@@ -104,6 +104,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     sampled_values,
     spread,
     verdict,
+    weigh_trusted,
 )
 from cotrain.swarm.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
@@ -345,12 +346,11 @@ class CheckedStateDownloads:
                 logger.info("No peer serves the swarm's state yet")
                 return
             mine = str(self.peer_id)
+            published = read_fingerprints(self.dht, fingerprints_key(self.prefix))
+            own = [p for key, p in published.items() if key == self.public_key]
+            anchors = [p for key, p in published.items() if key in getattr(self.dht, "anchor_signers", ())]
             records = one_vote_each(  # a private swarm: one vote per participant (cotrain.access.voters)
-                {
-                    key: published
-                    for key, published in read_fingerprints(self.dht, fingerprints_key(self.prefix)).items()
-                    if key != self.public_key and published.peer_id != mine
-                },
+                {key: p for key, p in published.items() if key != self.public_key and p.peer_id != mine},
                 voters_of(self.dht),
             )
             now = time.monotonic()
@@ -374,7 +374,7 @@ class CheckedStateDownloads:
                 loaded = await self._download_state(PeerID.from_base58(donor), chunk_timeout, remaining)
                 if loaded is None:
                     continue
-                found = self._judge(donor, loaded, records)
+                found = self._judge(donor, loaded, records, anchors, own)
                 if found.accepted:
                     future.set_result(loaded)
                     return
@@ -420,7 +420,17 @@ class CheckedStateDownloads:
                 epochs.append(progress.epoch)
         return witnessed_epoch(epochs)
 
-    def _judge(self, donor: str, loaded: tuple, records: Mapping[bytes, Published]) -> Verdict:
+    def _judge(
+        self,
+        donor: str,
+        loaded: tuple,
+        records: Mapping[Any, Published],
+        anchors: list[Published] = (),
+        own: list[Published] = (),
+    ) -> Verdict:
+        """Judge a donor's state by the records for its step (``verdict``), weighed by the initial peer's
+        records (``anchors``, signed by the key its address named) and this peer's ``own``
+        (``weigh_trusted``)."""
         metadata, tensors = loaded
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
         count = self._fingerprinted_count()
@@ -435,7 +445,20 @@ class CheckedStateDownloads:
         mine = fingerprint(tensors[:count], epoch)
         at_epoch = {key: p.steps[epoch] for key, p in records.items() if epoch in p.steps}
         found = verdict(mine, at_epoch, {key for key, p in records.items() if p.peer_id == donor})
-        if found.kind == "refuted":
+        found = weigh_trusted(
+            found,
+            mine,
+            [p.steps[epoch] for p in anchors if epoch in p.steps],
+            [p.steps[epoch] for p in own if epoch in p.steps],
+            donor_is_anchor=any(p.peer_id == donor for p in anchors),
+        )
+        if found.kind == "refuted" and found.trusted:
+            logger.warning(
+                f"Peer {donor} served a state for step {epoch} that the initial peer's own fingerprint does "
+                f"not match (distance {found.nearest:.3g} > {found.tolerance:.3g}, whatever {found.agree} of "
+                f"{found.total} other records say): not loading it, trying another peer"
+            )
+        elif found.kind == "refuted":
             why = (
                 f"distance {found.nearest:.3g} > {found.tolerance:.3g}"
                 if found.nearest > found.tolerance
@@ -445,6 +468,11 @@ class CheckedStateDownloads:
                 f"Peer {donor} served a state for step {epoch} that does not match the fingerprints other "
                 f"peers published for that step ({found.agree} of {found.total} agree, {why}): not loading "
                 "it, trying another peer"
+            )
+        elif found.kind == "verified" and found.trusted:
+            logger.info(
+                f"The state from peer {donor} for step {epoch} is vouched for by the {found.trusted} "
+                f"(distance {found.nearest:.2g})"
             )
         elif found.kind == "verified":
             logger.info(

@@ -4,8 +4,11 @@ asks the initial peers it names (``/p2p/ID``) first.
 
 The address is the one thing the user vouched for, and libp2p authenticates the id of the peer that answers,
 so the answer is that peer's settings, however many records other keys publish in the DHT (any process can
-make new keys). A peer that does not answer (unreachable, or a version without this handler) is skipped; an
-answer is size-capped, schema-checked (``ConfigRecord``) and must name the asked peer and run.
+make new keys). The answer also names the key that signs the peer's DHT records, so that a newcomer knows
+which of the records in the DHT are the address's own (the state check weighs its fingerprints above any
+count of keys, cotrain.swarm.statecheck). A peer that does not answer (unreachable, or a version without this
+handler) is skipped; an answer is size-capped, schema-checked (``ConfigRecord``) and must name the asked peer
+and run.
 
 In a private swarm a peer answers only a request that carries an access token the swarm accepts, so the run's
 settings stay with its members, as its DHT records do.
@@ -26,6 +29,7 @@ logger = logging.getLogger(__name__)
 CONFIG_HANDLE = "cotrain.RunConfig"  # answered by every full peer that publishes its config record
 MAX_ANSWER = 2 * MAX_CONFIG_CHARS + 4096  # bytes of an answer's record (its JSON escapes the config's text)
 ASK_TIMEOUT = 5.0  # seconds an initial peer has to answer
+MAX_SIGNER = 4096  # bytes of an answer's signing key (an RSA public key in OpenSSH form, wrapped)
 
 
 @functools.cache
@@ -36,7 +40,12 @@ def messages():
     # token: a private swarm's; record: JSON, empty when there is none
     return build_messages(
         "cotrain_config.proto",
-        {"ConfigRequest": [("run_id", "string"), ("token", "bytes")], "ConfigReply": [("record", "bytes")]},
+        {
+            "ConfigRequest": [("run_id", "string"), ("token", "bytes")],
+            # signer: the key that signs the answering peer's DHT records (its state fingerprints count as
+            # the address's own, cotrain.swarm.statecheck)
+            "ConfigReply": [("record", "bytes"), ("signer", "bytes")],
+        },
     )
 
 
@@ -50,9 +59,10 @@ def _access(node) -> Any:
 
 async def _answer(served: dict[str, bytes], access: Any, request, context):
     m = messages()
-    record = served.get(request.run_id)
-    if record is None:
+    found = served.get(request.run_id)
+    if found is None:
         return m.ConfigReply()
+    record, signer = found
     if access is not None:
         from hivemind.proto.auth_pb2 import AccessToken
 
@@ -62,10 +72,10 @@ async def _answer(served: dict[str, bytes], access: Any, request, context):
             return m.ConfigReply()
         if access.refusal(token) is not None:
             return m.ConfigReply()
-    return m.ConfigReply(record=record)
+    return m.ConfigReply(record=record, signer=signer)
 
 
-async def _serve(dht, node, run_id: str, record: bytes) -> None:
+async def _serve(dht, node, run_id: str, record: bytes, signer: bytes) -> None:
     """Runs in the DHT's loop: answer config requests for ``run_id`` with ``record`` from now on (the handler
     is registered once; a later call replaces the record)."""
     served = getattr(dht, "served_configs", None)
@@ -75,12 +85,13 @@ async def _serve(dht, node, run_id: str, record: bytes) -> None:
             await node.p2p.add_protobuf_handler(
                 CONFIG_HANDLE, functools.partial(_answer, served, _access(node)), messages().ConfigRequest
             )
-    served[run_id] = record
+    served[run_id] = (record, signer)
 
 
-def serve_config(dht, run_id: str, record: ConfigRecord) -> None:
-    """Answer other peers' config requests for ``run_id`` with ``record`` (called again: with a newer one)."""
-    dht.run_coroutine(functools.partial(_serve, run_id=run_id, record=record.json().encode()))
+def serve_config(dht, run_id: str, record: ConfigRecord, signer: bytes = b"") -> None:
+    """Answer other peers' config requests for ``run_id`` with ``record`` and ``signer`` (the key that signs
+    this peer's DHT records); called again: with a newer record."""
+    dht.run_coroutine(functools.partial(_serve, run_id=run_id, record=record.json().encode(), signer=signer))
 
 
 # --- the asking side ------------------------------------------------------------------------------------
@@ -113,8 +124,11 @@ def parse_answer(raw: bytes, peer: str, run_id: str) -> ConfigRecord | None:
     return record
 
 
-async def _ask(dht, node, run_id: str, peers: list[str], timeout: float) -> tuple[str, ConfigRecord] | None:
-    """Runs in the DHT's loop: the first of ``peers`` (in order) that answers with its config record."""
+async def _ask(
+    dht, node, run_id: str, peers: list[str], timeout: float
+) -> tuple[str, ConfigRecord, bytes] | None:
+    """Runs in the DHT's loop: the first of ``peers`` (in order) that answers with its config record (and the
+    key that signs its records, b"" from a peer that does not say)."""
     from hivemind.p2p import PeerID
 
     m = messages()
@@ -134,15 +148,21 @@ async def _ask(dht, node, run_id: str, peers: list[str], timeout: float) -> tupl
             continue
         record = parse_answer(reply.record, peer, run_id)
         if record is not None:
-            return peer, record
+            signer = reply.signer if _is_signer(reply.signer) else b""
+            return peer, record, signer
     return None
+
+
+def _is_signer(signer: bytes) -> bool:
+    """Whether ``signer`` has the shape of a DHT record subkey's public key (``[owner:ssh-rsa ...]``)."""
+    return 0 < len(signer) <= MAX_SIGNER and signer.startswith(b"[owner:") and signer.endswith(b"]")
 
 
 def ask_initial_peers(
     dht, run_id: str, initial_peers: list[str], timeout: float = ASK_TIMEOUT
-) -> tuple[str, ConfigRecord] | None:
-    """The run config that the first answering initial peer (in the order given) publishes, with its peer id;
-    None when none of them answers."""
+) -> tuple[str, ConfigRecord, bytes] | None:
+    """The run config that the first answering initial peer (in the order given) publishes, with its peer id
+    and the key that signs its DHT records (b"" when it does not say); None when none of them answers."""
     peers = peer_ids(initial_peers)
     if not peers:
         return None
