@@ -118,7 +118,7 @@ class SwarmProgressTracker(ProgressTracker):
         from cotrain.access.voters import one_vote_each, voters_of
 
         if isinstance(metadata, dict):
-            metadata = one_vote_each(metadata, voters_of(self.dht), newest=_record_time)
+            metadata = one_vote_each(metadata, voters_of(getattr(self, "dht", None)), newest=_record_time)
         self._last_metadata = metadata
         if getattr(self, "_gone", None) is None:  # hivemind's __init__ reads the progress before ours runs
             return metadata
