@@ -188,8 +188,8 @@ def weigh_trusted(
     these records matches within ``found.tolerance``, is verified; one that the initial peer's records all
     miss is refuted, however many other keys vouch for it. The downloader's own records only ever vouch:
     after a partition its own state at a step is not the swarm's. Without such records, ``found`` stands."""
-    if donor_is_anchor:
-        return dataclasses.replace(found, kind="verified", trusted="initial peer")
+    if donor_is_anchor:  # its own state: no distance to tell
+        return dataclasses.replace(found, kind="verified", nearest=math.inf, trusted="initial peer")
     if anchors:
         near = min(distance(state, fp) for fp in anchors)
         kind = "verified" if near <= found.tolerance else "refuted"

@@ -469,6 +469,8 @@ class CheckedStateDownloads:
                 f"peers published for that step ({found.agree} of {found.total} agree, {why}): not loading "
                 "it, trying another peer"
             )
+        elif found.kind == "verified" and found.trusted and not math.isfinite(found.nearest):
+            logger.info(f"The state from peer {donor} for step {epoch} is the initial peer's own: loading it")
         elif found.kind == "verified" and found.trusted:
             logger.info(
                 f"The state from peer {donor} for step {epoch} is vouched for by the {found.trusted} "
