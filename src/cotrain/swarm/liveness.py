@@ -28,7 +28,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_dht_time
 
-from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, others_counted
+from cotrain.swarm.progress import PING_TIMEOUT, SwarmProgressTracker, forget_gone_peers
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class RoundWatch(threading.Thread):
         if not stuck or self.should_stop():
             return 0
         forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT)
-        if others_counted(self.tracker) != 0:  # someone answers (or this tracker cannot tell): it may join
+        # someone answers (client-mode peers counted too), or this tracker cannot tell: it may still join
+        if not isinstance(self.tracker, SwarmProgressTracker) or self.tracker.others(clients=True):
             self._closed.wait(PING_TIMEOUT)  # and no ping storm while it does
             return 0
         cancelled = 0

@@ -96,12 +96,14 @@ class SwarmProgressTracker(ProgressTracker):
         self._last_metadata: Any = None
         super().__init__(*args, **kwargs)
 
-    def others(self) -> dict[bytes, float]:
-        """The other full peers the last read of the swarm's progress counted: peer id -> its record's time
-        (client-mode peers answer no pings: they are left to their record's expiration)."""
-        entries = _entries(self._last_metadata, clients=False)
+    def others(self, clients: bool = False) -> dict[bytes, float]:
+        """The other peers the last read of the swarm's progress counted, those found gone left out: peer id
+        -> its record's time. Full peers only unless ``clients`` (client-mode peers answer no pings: they are
+        left to their record's expiration)."""
+        entries = _entries(self._last_metadata, clients=clients)
         me = self.dht.peer_id.to_bytes()
-        return {peer: t for peer, t in entries.items() if peer != me and peer not in self._gone}
+        with self._gone_lock:
+            return {peer: t for peer, t in entries.items() if peer != me and peer not in self._gone}
 
     def leave_out(self, peers: dict[bytes, float]) -> None:
         """Stop counting ``peers`` (id -> the time of their record) until their record changes, and count the
@@ -195,17 +197,6 @@ def forget_gone_peers(tracker: ProgressTracker, dht: hivemind.DHT, timeout: floa
             "without them until they report again"
         )
     return len(gone)
-
-
-def others_counted(tracker: ProgressTracker) -> int:
-    """How many other peers (client-mode ones included) ``tracker`` counts now, those found gone left out; -1
-    for a tracker that cannot leave peers out."""
-    if not isinstance(tracker, SwarmProgressTracker):
-        return -1
-    me = tracker.dht.peer_id.to_bytes()
-    entries = _entries(tracker._last_metadata, clients=True)
-    with tracker._gone_lock:
-        return sum(1 for peer in entries if peer != me and peer not in tracker._gone)
 
 
 class RobustProgressTracker(SwarmProgressTracker):
