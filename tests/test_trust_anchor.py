@@ -171,8 +171,11 @@ def test_a_newcomer_takes_the_settings_of_the_address_it_was_given_not_of_the_mo
         text = newcomer.text()
         monitor_id = address[0].split("/p2p/")[-1]
         assert f"Taking run {run_id!r}'s settings from initial peer {monitor_id}: preset albert-tiny" in text
-        config = wait_until(lambda: _read(tmp_path / "new" / "config.toml"), 10, what="the written config")
-        assert 'preset = "albert-tiny"' in config and str(SYBIL_LR) not in config, config
+        # the peer wrote its config.toml at its start and writes it again with the settings it took
+        written = tmp_path / "new" / "config.toml"
+        wait_until(lambda: 'preset = "albert-tiny"' in _read(written), 30, what="the taken config")
+        config = _read(written)
+        assert str(SYBIL_LR) not in config, config
         # its config is then checked against the DHT's majority (the sybils' records), which refuses it: many
         # keys can still keep a newcomer out, not make it train with their settings
     finally:
