@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -362,7 +362,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "event": "chaos_summary",
         "interrupted": interrupted,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.machine()}",
         "load_average_start": [round(x, 2) for x in load_start],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     lone = [r for r in results if r[1] == 1 and None not in r[3]]
     baseline = sum(min(lone, key=lambda r: r[4])[3]) if lone else None  # the least disturbed lone run
     host = f"{platform.node()}, {cores} cores, python {platform.python_version()}"
-    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {host}, {time.monotonic() - started:.0f} s")
+    print(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {host}, {time.monotonic() - started:.0f} s")
     print(f"{'arm':<16}{'trainers':>9}{'threads each':>14}{'samples/s':>11}{'each':>16}{'vs alone':>10}"
           f"{'other load':>12}")  # fmt: skip
     summary = []

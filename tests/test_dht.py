@@ -8,9 +8,9 @@ from multiprocessing.connection import reduce_connection
 import pytest
 from hivemind.utils.mpfuture import MPFuture
 
-from cotrain.swarm import requestpipe
 from cotrain.swarm.dht import _TolerantRequests
-from cotrain.swarm.requestpipe import RequestReceiver, RequestSender
+from cotrain.swarm.internals import requestpipe
+from cotrain.swarm.internals.requestpipe import RequestReceiver, RequestSender
 
 CTX = mp.get_context("fork")
 
@@ -46,7 +46,7 @@ def test_averager_shutdown_during_a_round_finalizes_runners_and_cancels_pending_
 
     from hivemind.averaging.averager import DecentralizedAverager
 
-    from cotrain.swarm import fixes
+    from cotrain.swarm.internals import fixes
 
     fixes.apply()
     assert DecentralizedAverager._shutdown is fixes._shutdown
@@ -198,7 +198,7 @@ def _leader_search(update_queue, seconds: float) -> int:
 
 
 def test_a_peer_waiting_for_its_group_reads_the_leaders_a_few_times_a_second_not_without_pause():
-    from cotrain.swarm import fixes
+    from cotrain.swarm.internals import fixes
 
     hivemind_reads = _leader_search(fixes._hivemind_update_queue, 0.5)
     # at most every 0.1 x the matchmaking time of 2 s: 6 reads in 1 s
@@ -211,7 +211,7 @@ def test_an_averager_declares_its_state_again_when_its_priority_changes_not_per_
     import asyncio
     from types import SimpleNamespace
 
-    from cotrain.swarm import fixes
+    from cotrain.swarm.internals import fixes
 
     stores = []
 

@@ -163,7 +163,7 @@ async def closed(reader: asyncio.StreamReader, within: float) -> bool:
         return await asyncio.wait_for(reader.read(), within) == b""
     except ConnectionResetError:
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
 
 
@@ -467,7 +467,7 @@ class Flood(threading.Thread):
     async def _raw(self, host: str, port: int, junk: bool) -> None:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             self.counts["raw not connected"] += 1
             return
         try:  # the reducer may have closed it already: the transport then refuses writes (RuntimeError)
@@ -489,7 +489,7 @@ class Flood(threading.Thread):
                 await asyncio.wait_for(writer.drain(), 3)
             await closed(reader, 3)
             self.counts["oversized frames"] += 1
-        except (OSError, RuntimeError, asyncio.TimeoutError):  # closed by the reducer mid-write
+        except (TimeoutError, OSError, RuntimeError):  # closed by the reducer mid-write
             self.counts["oversized frames"] += 1
             self.counts["oversized frames cut short"] += 1
         finally:

@@ -241,9 +241,7 @@ def test_whole_word_masking_is_a_run_option(tokenizers):
 
 
 def test_optimizers_and_schedules_by_name():
-    from torch_optimizer import Lamb
-
-    from cotrain.optim import optimizer_factory, scheduler_factory
+    from cotrain.optim import Lamb, optimizer_factory, scheduler_factory
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     for preset, optimizer, schedule in (

@@ -1,5 +1,5 @@
-"""A peer's DHT and averagers served from threads of its process (cotrain.swarm.hosting), or from processes of
-their own (``--swarm-processes``)."""
+"""A peer's DHT and averagers served from threads of its process (cotrain.swarm.internals.hosting), or from
+processes of their own (``--swarm-processes``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import uvloop
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.mpfuture import MPFuture
 
-from cotrain.swarm import hosting
-from cotrain.swarm.hosting import ServedInThread
+from cotrain.swarm.internals import hosting
+from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.robust import Aggregation, RobustAveraging
 
 
@@ -181,7 +181,7 @@ def test_two_peers_average_with_their_dht_and_averagers_served_where_asked(in_th
 
 STOPPING_AT_EXIT = """
 import sys, threading, time, torch
-from cotrain.swarm import hosting
+from cotrain.swarm.internals import hosting
 hosting.EXIT_GRACE_S = float(sys.argv[2])
 a = torch.randn(1500, 1500)
 stop, started = threading.Event(), threading.Event()

@@ -108,7 +108,7 @@ def test_a_trainer_whose_partner_dies_stops_waiting_for_it_within_a_matchmaking_
         gaps = [b["time"] - a["time"] for a, b in zip(after, after[1:], strict=False)]
         text = survivor.text()
         first_bound = bound + WATCH_PERIOD + GRACE
-        # a round that waited out its timeout would show as a gap over --averaging-timeout, however loaded the host
+        # a round that waited out its timeout shows as a gap over --averaging-timeout, however loaded the host
         assert gaps[0] < first_bound and max(gaps[1:]) < bound, (gaps, bound, text[-3000:])
         assert max(gaps) < 20, (gaps, text[-3000:])
         assert all(r["group_size"] == 1 for r in after[1:])

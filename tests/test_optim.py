@@ -61,3 +61,40 @@ def test_the_optimizer_side_imports_no_transformers():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("weight_decay, clamp", [(0.01, 10.0), (0.0, 0.5)])
+def test_lamb_takes_torch_optimizers_steps_and_keeps_its_state_entries(weight_decay, clamp):
+    from cotrain.optim import Lamb
+
+    torch_optimizer = pytest.importorskip("torch_optimizer")  # the package cotrain's LAMB replaces
+    torch.manual_seed(0)
+    start = [torch.randn(16, 8), torch.randn(8), torch.zeros(4)]  # a zero tensor: trust ratio 1
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.clone()) for t in start]
+    kwargs = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay, clamp_value=clamp)
+    mine, reference = Lamb(ours, **kwargs), torch_optimizer.Lamb(theirs, debias=True, **kwargs)
+    for _ in range(30):
+        grads = [torch.randn_like(t) for t in start]
+        for params, opt in ((ours, mine), (theirs, reference)):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, before in zip(ours, theirs, start, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(a, before)  # it moved
+    assert mine.state_dict()["state"].keys() == reference.state_dict()["state"].keys()
+    for key in ("step", "exp_avg", "exp_avg_sq", "weight_norm", "adam_norm", "trust_ratio"):
+        assert key in mine.state[ours[0]]
+    # a state saved by one loads into the other (checkpoints carry over)
+    Lamb(theirs, **kwargs).load_state_dict(reference.state_dict())
+
+
+def test_lamb_refuses_bad_settings():
+    from cotrain.optim import Lamb
+
+    param = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="betas"):
+        Lamb(param, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="lr"):
+        Lamb(param, lr=-1.0)

@@ -80,21 +80,23 @@ def test_a_peer_still_at_the_previous_epoch_counts_in_the_median():
 
 
 def test_every_round_of_the_trainers_averagers_passes_the_watch():
-    # cotrain.swarm.liveness: WatchedRounds sees a round only when it sits right before DecentralizedAverager
-    # and hivemind begins both kinds of round through super().step (a guard against a change upstream)
+    # cotrain.swarm.liveness: WatchedRounds sees a round only when it sits after every hivemind averager class
+    # above DecentralizedAverager (only the hook base between) and hivemind begins both kinds of round through
+    # super().step (a guard against a change upstream)
     import inspect
 
     from hivemind.averaging import DecentralizedAverager
     from hivemind.optim.grad_averager import GradientAverager
-    from hivemind.optim.state_averager import TrainingStateAverager
 
     from cotrain.swarm.averaging import SwarmGradientAverager
+    from cotrain.swarm.internals.hooks import Averager
+    from cotrain.swarm.internals.manifest import source_of
     from cotrain.swarm.lineage import OuterAverager
     from cotrain.swarm.liveness import WatchedRounds
     from cotrain.swarm.statecheck import CheckedTrainingStateAverager
 
     for cls in (SwarmGradientAverager, CheckedTrainingStateAverager, OuterAverager):
         mro = cls.__mro__
-        assert mro[mro.index(DecentralizedAverager) - 1] is WatchedRounds, mro
+        assert mro[mro.index(DecentralizedAverager) - 2 :][:2] == (WatchedRounds, Averager), mro
     assert "super().step(" in inspect.getsource(GradientAverager.schedule_step)
-    assert "super().step(" in inspect.getsource(TrainingStateAverager._do)
+    assert "super().step(" in source_of("hivemind.optim.state_averager.TrainingStateAverager._do")

@@ -56,9 +56,9 @@ def take_all(budget: StateBudget, messages: list) -> None:
 @pytest.mark.parametrize("compression", [NoCompression(), Float16Compression(), Uniform8BitQuantization()])
 @pytest.mark.parametrize("optimizer", ["adam-amsgrad", "lamb"])
 def test_an_honest_state_fits_the_bound_of_its_model(compression, optimizer):
-    import torch_optimizer
+    from cotrain.optim import Lamb
 
-    make = torch_optimizer.Lamb if optimizer == "lamb" else None  # LAMB: five tensors a parameter
+    make = Lamb if optimizer == "lamb" else None  # LAMB: five tensors a parameter
     metadata, tensors, bound = held_state(optimizer=make)
     budget = StateBudget(*bound)
     take_all(budget, served(metadata, tensors, compression))

@@ -58,7 +58,7 @@ def _start_time(pid: int) -> str:
     return stat.rsplit(")", 1)[-1].split()[19]
 
 
-def _alive(pid: int, started: str) -> bool:
+def _process_alive(pid: int, started: str) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -103,7 +103,7 @@ class PeerRegistry:
                 started = entry.read_text().strip()
             except OSError:
                 continue
-            if _alive(pid, started):
+            if _process_alive(pid, started):
                 pids.append(pid)
             else:
                 entry.unlink(missing_ok=True)

@@ -5,6 +5,11 @@ imports no transformers (about 20 MB more in its process). The schedules are tra
 ``get_linear_schedule_with_warmup`` and ``get_cosine_schedule_with_warmup``: the same ``LambdaLR`` with the
 same factors (tests/test_optim.py compares them step by step), so that a schedule's state is the same wherever
 it was made: in a checkpoint, in a trainer, in a monitor.
+
+LAMB (the seed recipe's optimizer) is cotrain's own ``Lamb``: the algorithm of ``torch_optimizer.Lamb``
+(You et al., "Large Batch Optimization for Deep Learning", with Adam's bias correction), the same updates and
+the same state entries, so that checkpoints and the swarm's averaged optimizer state carry over
+(tests/test_optim.py compares the two step by step where torch-optimizer is installed).
 """
 
 from __future__ import annotations
@@ -65,6 +70,61 @@ def cosine_schedule(
 SCHEDULES = {"linear": linear_schedule, "cosine": cosine_schedule}
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB: Adam's step, with weight decay added to it, scaled per tensor by the trust ratio
+    ||w|| / ||step|| (||w|| clamped at ``clamp_value``; 1 where either norm is 0). Adam's bias correction is
+    applied to the learning rate."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        clamp_value: float = 10.0,
+    ) -> None:
+        if not lr >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0 or not clamp_value >= 0.0:
+            raise ValueError(f"LAMB: lr, eps, weight_decay and clamp_value must be >= 0 ({lr}, {eps}, ...)")
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"LAMB: betas must lie in [0, 1), got {betas}")
+        self.clamp_value = clamp_value
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("LAMB does not support sparse gradients")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                state["step"] += 1
+                exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                step_size = group["lr"] * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
+                weight_norm = torch.norm(p).clamp(0, self.clamp_value)
+                adam_step = exp_avg / exp_avg_sq.sqrt().add(group["eps"])
+                if group["weight_decay"] != 0:
+                    adam_step.add_(p, alpha=group["weight_decay"])
+                adam_norm = torch.norm(adam_step)
+                trust_ratio = 1 if weight_norm == 0 or adam_norm == 0 else weight_norm / adam_norm
+                state.update(weight_norm=weight_norm, adam_norm=adam_norm, trust_ratio=trust_ratio)
+                p.add_(adam_step, alpha=-step_size * trust_ratio)
+        return loss
+
+
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on everything but biases and normalization weights, as in the seed recipe."""
     decay, no_decay = [], []
@@ -76,7 +136,6 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def optimizer_factory(run: RunConfig) -> Callable[[Iterable], torch.optim.Optimizer]:
     """A function params -> optimizer, as hivemind.Optimizer wants it: LAMB (the seed recipe's) or AdamW."""
     if run.optimizer == "lamb":
-        from torch_optimizer import Lamb
 
         def make(params):
             return Lamb(
@@ -86,7 +145,6 @@ def optimizer_factory(run: RunConfig) -> Callable[[Iterable], torch.optim.Optimi
                 eps=run.adam_epsilon,
                 weight_decay=run.weight_decay,
                 clamp_value=run.clamp_value,
-                debias=True,
             )
 
         return make

@@ -15,13 +15,13 @@ import logging
 import time
 
 from hivemind.proto.auth_pb2 import AccessToken
-from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from cotrain.access.control import AccessControl
 from cotrain.access.tokens import MALFORMED, REVOKED
 from cotrain.access.wire import CHECK_HANDLE, messages
+from cotrain.swarm.internals.hooks import Authorizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ REVOCATIONS_TTL = 3600.0  # seconds a published revocation list lives in the DHT
 REPUBLISH = 30.0  # seconds between the monitor's publications when nothing changed
 
 
-class SwarmAuthorizer(TokenAuthorizerBase):
+class SwarmAuthorizer(Authorizer):
     """hivemind's token protocol for DHT requests and responses, with cotrain's tokens."""
 
     def __init__(self, access: AccessControl) -> None:
@@ -40,7 +40,7 @@ class SwarmAuthorizer(TokenAuthorizerBase):
 
     async def get_token(self) -> AccessToken:
         own = self.access.own()
-        self._local_private_key, self._local_public_key = own.key, own.key.get_public_key()
+        self.set_local_key(own.key)
         return own.proto
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
@@ -51,13 +51,6 @@ class SwarmAuthorizer(TokenAuthorizerBase):
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         return access_token is not self.access.own().proto
-
-    async def refresh_token_if_needed(self) -> None:
-        # hivemind asserts that its own token is valid; an expired or revoked one is reported by the peer's
-        # AccessWatcher instead of failing every request of this process with an AssertionError
-        if self._local_access_token is None or self.does_token_need_refreshing(self._local_access_token):
-            async with self._refresh_lock:
-                self._local_access_token = await self.get_token()
 
     def _log_refusal(self, reason: str) -> None:
         now = time.monotonic()

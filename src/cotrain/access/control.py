@@ -66,7 +66,7 @@ class AccessControl:
         self._own_checked = 0.0
         # signature -> (token bytes, expiry, fingerprints) of the valid tokens seen
         self._checked: dict[bytes, tuple[bytes, float, frozenset[str]]] = {}
-        self._lock = threading.Lock()
+        self._state_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -75,7 +75,7 @@ class AccessControl:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._state_lock = threading.Lock()
 
     @classmethod
     def for_token(cls, run_id: str, path: str) -> AccessControl:
@@ -154,7 +154,7 @@ class AccessControl:
         """This peer's credential: re-read when its token file is replaced (a renewed token needs no
         restart); the monitor signs its own, renewing it a while before it expires."""
         now = time.time()
-        with self._lock:
+        with self._state_lock:
             if self.authority is not None:
                 if self._own is None or self._own.expiration - now < 3600:
                     key = self._own.key if self._own is not None else None

@@ -35,7 +35,7 @@ CLIENT_PROOF_TTL = 20.0  # seconds a peer trusts a handshake it made before maki
 SERVER_PROOF_TTL = 40.0  # seconds a peer admits another's requests after its handshake
 
 
-def _namespace(handle_name: str) -> str | None:
+def _namespace_of(handle_name: str) -> str | None:
     return handle_name.split("::", 1)[0] if "::" in handle_name else None
 
 
@@ -83,7 +83,7 @@ class GuardedP2P(P2P):
     async def add_protobuf_handler(
         self, name, handler, input_protobuf_type, *, stream_input=False, stream_output=False, balanced=False
     ) -> None:
-        namespace = _namespace(name)
+        namespace = _namespace_of(name)
         if namespace is None:
             return await super().add_protobuf_handler(
                 name,
@@ -223,7 +223,7 @@ class GuardedP2P(P2P):
         return await super().iterate_protobuf_handler(peer_id, name, input, output_protobuf_type)
 
     async def _prove_access(self, peer: PeerID, handle_name: str) -> None:
-        namespace = _namespace(handle_name)
+        namespace = _namespace_of(handle_name)
         if namespace is None or handle_name.endswith(HANDSHAKE):
             return
         key = (namespace, peer)

@@ -22,6 +22,7 @@ from cotrain.access.authority import verify_revocations
 from cotrain.access.control import AccessControl
 from cotrain.access.tokens import FOREIGN, NO_TOKEN, REVOKED, fingerprints, iso
 from cotrain.access.wire import CHECK_HANDLE, messages
+from cotrain.swarm.internals.hooks import p2p_client
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,8 @@ def probe_refusal(initial_peers: list[str], access: AccessControl | None, timeou
                 peer = peer_ids([maddr])[0]
                 try:
                     address = Multiaddr(maddr.split("/p2p/")[0])
-                    await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), [address]), timeout)
+                    dial = p2p_client(p2p).connect(PeerID.from_base58(peer), [address])
+                    await asyncio.wait_for(dial, timeout)
                 except Exception:
                     continue
                 try:

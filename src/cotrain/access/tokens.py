@@ -21,7 +21,7 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -50,7 +50,7 @@ MAX_TOKEN_FILE = 64 * 1024  # bytes
 
 
 def iso(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def token_payload(name: str, public_key: bytes, expiration_time: str) -> bytes:

@@ -135,7 +135,7 @@ class Voters:
         self._closed = threading.Event()
         self._published = 0.0
         self._tick()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="voters")
+        self._thread = threading.Thread(target=self._refresh_loop, daemon=True, name="voters")
         self._thread.start()
 
     @classmethod
@@ -184,7 +184,7 @@ class Voters:
         except Exception as e:
             logger.debug(f"publishing this process's voter record failed: {e!r}")
 
-    def _run(self) -> None:
+    def _refresh_loop(self) -> None:
         while not self._closed.wait(VOTERS_REFRESH):
             self._tick()
 

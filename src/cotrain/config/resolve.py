@@ -9,12 +9,11 @@ import hashlib
 import json
 import os
 import tempfile
+import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from cotrain.config.data import PrepareConfig
 from cotrain.config.demo import DemoConfig

@@ -24,7 +24,7 @@ class SwarmView:
         strategy: str = "sync",
         local_steps: int = 1,
     ):
-        self._lock = threading.Lock()
+        self._view_lock = threading.Lock()
         self.run_id = run_id
         self.join_command = join_command
         self.target_batch_size = target_batch_size
@@ -39,24 +39,24 @@ class SwarmView:
         self.started = time.time()
 
     def add_step(self, row: dict) -> None:
-        with self._lock:
+        with self._view_lock:
             self.steps.append(dict(row))
 
     def add_evaluation(self, row: dict) -> None:
         """An evaluation peer's record (cotrain.roles.monitor.eval_row): the latest is shown, all charted."""
-        with self._lock:
+        with self._view_lock:
             self.evaluations.append(dict(row))
             if self.evaluation is None or row["step"] >= self.evaluation["step"]:
                 self.evaluation = {k: v for k, v in row.items() if k != "kind"}
 
     def record_checkpoint(self, step: int, path: str) -> None:
         """The monitor kept a checkpoint of global step ``step`` in ``path``: the newest one is shown."""
-        with self._lock:
+        with self._view_lock:
             if self.checkpoint is None or step > self.checkpoint["step"]:
                 self.checkpoint = {"step": int(step), "path": str(path), "time": time.time()}
 
     def update(self, state: dict) -> None:
-        with self._lock:
+        with self._view_lock:
             self.state = dict(state)
             point = (round(state.get("time", time.time()), 2), int(state.get("num_peers", 0)))
             a = self.alive
@@ -66,7 +66,7 @@ class SwarmView:
                 a.append(point)
 
     def to_json(self) -> dict:
-        with self._lock:
+        with self._view_lock:
             return {
                 "run_id": self.run_id,
                 "join_command": self.join_command,

@@ -102,7 +102,7 @@ class ExampleStream:
         self.remote = is_url(self.source)
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._ready: dict[int, Path] = {}
+        self._fetched: dict[int, Path] = {}
         self._errors: dict[int, DataError] = {}
         self._position = 0
         self._verified: set[int] = set()
@@ -134,7 +134,7 @@ class ExampleStream:
                 path = inside(root, entry["path"])
                 if not path.is_file():
                     raise DataError(f"{root} lacks shard {entry['path']}: it is incomplete; prepare it again")
-                self._ready[i] = path
+                self._fetched[i] = path
 
     @property
     def num_examples(self) -> int:
@@ -200,7 +200,7 @@ class ExampleStream:
                 result = DataError(f"cannot download {self.base}{entry['path']} ({type(e).__name__}: {e})")
             with self._cond:
                 if isinstance(result, Path):
-                    self._ready[index] = result
+                    self._fetched[index] = result
                     self._verified.add(index)
                 else:
                     self._errors[index] = result
@@ -209,7 +209,7 @@ class ExampleStream:
     def _wait_for(self, index: int) -> Path:
         started, warned = time.monotonic(), False
         with self._cond:
-            while index not in self._ready:
+            while index not in self._fetched:
                 if index in self._errors:
                     raise self._errors[index]
                 if self._stop.is_set():
@@ -218,7 +218,7 @@ class ExampleStream:
                     logger.info("waiting for shard %s to download", self.shards[index]["path"])
                     warned = True
                 self._cond.wait(0.5)
-            return self._ready[index]
+            return self._fetched[index]
 
     # --- examples --------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from cotrain.config import PeerConfig, RunConfig
+from cotrain.swarm.internals.hooks import load_local_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class SyncStrategy(Strategy):
         opt, averager = self.opt, self.opt.state_averager
         averager.local_epoch = int(step)
         if not averager.reuse_tensors:
-            averager._load_local_tensors_into_averager_()
+            load_local_tensors(averager)
         opt.tracker.report_local_progress(local_epoch=opt.local_epoch, samples_accumulated=0)
         if not opt.client_mode:
             averager.state_sharing_priority = opt.local_epoch

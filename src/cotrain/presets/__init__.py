@@ -1,1 +1,3 @@
 """Shipped TOML run configs (read with importlib.resources)."""
+
+__all__: list[str] = []

@@ -1,1 +1,4 @@
-"""The peers a swarm is made of: trainer, monitor. Each is a class with run() and close()."""
+"""The peers a swarm is made of: trainer, monitor, evaluator (each a class with run() and close()), and the
+state keeper the monitor and the evaluator share."""
+
+__all__ = ["evaluator", "keeper", "monitor", "trainer"]

@@ -33,7 +33,8 @@ from cotrain.engine.strategy import strategy_class
 from cotrain.errors import UserError
 from cotrain.layout import LayoutModel
 from cotrain.nocompile import keep_dynamo_out
-from cotrain.swarm import fixes
+from cotrain.swarm import internals
+from cotrain.swarm.internals.hooks import load_local_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class StateKeeper:
         (cotrain.layout.SavedTokenizer)."""
         run, peer = config.run, config.peer
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
-        fixes.apply()
+        internals.install()
         if isinstance(model, LayoutModel):  # the monitor computes nothing: no torch.compile tracer either
             keep_dynamo_out()
         self.model = model
@@ -102,7 +103,7 @@ class StateKeeper:
             )
             averager.local_epoch = int(meta["step"])
         if not averager.reuse_tensors:
-            averager._load_local_tensors_into_averager_()
+            load_local_tensors(averager)
         self.saved_step = int(meta["step"])
         self._serve()
         logger.info(f"Resumed from checkpoint {path} (global step {self.saved_step}); serving it to peers")
@@ -111,7 +112,7 @@ class StateKeeper:
     # --- the worker -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="state-keeper")
+        self._thread = threading.Thread(target=self._keep, daemon=True, name="state-keeper")
         self._thread.start()
 
     def notice_step(self, step: int) -> None:
@@ -136,7 +137,7 @@ class StateKeeper:
             return True
         return self.global_step > 0 and self.global_step >= max(self.saved_step, 0) + every
 
-    def _loop(self) -> None:
+    def _keep(self) -> None:
         while not self.stop.is_set():
             self._wake.wait(1.0)
             self._wake.clear()

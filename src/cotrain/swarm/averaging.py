@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from hivemind.optim.grad_averager import GradientAverager
 
-from cotrain.swarm.hosting import ServedInThread
+from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.robust import Aggregation, RobustAveraging
 

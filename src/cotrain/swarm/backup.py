@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from cotrain.swarm.internals.hooks import load_local_tensors
+
 logger = logging.getLogger(__name__)
 
 
@@ -93,7 +95,7 @@ class BackupGuard:
                         offloaded.copy_(saved)
                 averager.optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
             if not averager.reuse_tensors:
-                averager._load_local_tensors_into_averager_()
+                load_local_tensors(averager)
             logger.warning(f"{reason}: restored the backup of global step {self.step}")
         self.restores += 1
         if opt.use_gradient_averaging:

@@ -20,8 +20,9 @@ from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
 from cotrain.errors import UserError
-from cotrain.swarm.hosting import ServedInThread
-from cotrain.swarm.requestpipe import RequestReceiver, RequestSender
+from cotrain.swarm.internals.hooks import DHT
+from cotrain.swarm.internals.hosting import ServedInThread
+from cotrain.swarm.internals.requestpipe import RequestReceiver, RequestSender
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ class _TolerantRequests:
     """The DHT process's end of its request pipe, dropping requests whose sender has exited.
 
     Each request carries a reply pipe (in full the first time a process sends one, see
-    cotrain.swarm.requestpipe) that the receiving process fetches from the sender. When the sender (a
-    trainer shutting down, an averager process ending) is gone before that happens, the plain pipe
+    cotrain.swarm.internals.requestpipe) that the receiving process fetches from the sender. When the sender
+    (a trainer shutting down, an averager process ending) is gone before that happens, the plain pipe
     raises EOFError, which kills hivemind's DHT loop with a traceback. Nobody waits for such a request,
     so it is dropped instead."""
 
@@ -139,9 +140,10 @@ class RememberedVerdicts(RecordValidatorBase):
         self._verdicts.clear()
 
 
-class SwarmDHT(ServedInThread, hivemind.DHT):
+class SwarmDHT(ServedInThread, DHT):
     """hivemind's DHT whose serving process survives requests from peers' processes that have exited; with
-    ``in_thread`` (cotrain's default) it serves from a thread of this process (cotrain.swarm.hosting).
+    ``in_thread`` (cotrain's default) it serves from a thread of this process
+    (cotrain.swarm.internals.hosting).
 
     In a private swarm it carries the peer's access control (set before its process starts), and averager
     processes get a P2P that checks access tokens from ``replicate_p2p`` (see cotrain.access)."""
@@ -150,20 +152,20 @@ class SwarmDHT(ServedInThread, hivemind.DHT):
         self.access, self.in_thread = access, in_thread
         self._replicas: dict[tuple[int, asyncio.AbstractEventLoop], P2P] = {}
         super().__init__(*args, **kwargs)
-        self._outer_pipe = RequestSender(self._outer_pipe)
+        self.wrap_request_pipe(RequestSender)
 
     def run(self) -> None:
-        self._inner_pipe = _TolerantRequests(self._inner_pipe)
-        self._record_validator = RememberedVerdicts(self._record_validator)
+        self.wrap_served_requests(_TolerantRequests)
+        self.wrap_record_validator(RememberedVerdicts)
         super().run()
 
     async def replicate_p2p(self):
         """A replica of the DHT's P2P for the calling event loop: hivemind keeps one per process, but each
-        averager served from a thread (cotrain.swarm.hosting) runs its own loop, which a replica's streams
-        belong to. In a private swarm the replica checks access tokens (cotrain.access)."""
+        averager served from a thread (cotrain.swarm.internals.hosting) runs its own loop, which a replica's
+        streams belong to. In a private swarm the replica checks access tokens (cotrain.access)."""
         key = (os.getpid(), asyncio.get_running_loop())
         if key not in self._replicas:
-            daemon_listen_maddr = self.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
+            daemon_listen_maddr = self.daemon_listen_maddr()
             if self.access is None:
                 replica = await P2P.replicate(daemon_listen_maddr)
             else:
@@ -245,7 +247,7 @@ def create_dht(
 
     ``access`` (cotrain's AccessControl) makes it a peer of a private swarm: its requests carry its token and
     it refuses those without a valid one. ``in_thread``: the node, and the averagers that use it, serve from
-    threads of this process, not processes of their own (cotrain.swarm.hosting)."""
+    threads of this process, not processes of their own (cotrain.swarm.internals.hosting)."""
     lean_p2pd()
     initial_peers = parse_maddrs(list(initial_peers), "initial peer")
     host_maddrs = parse_maddrs(list(host_maddrs), "listen")

@@ -46,12 +46,13 @@ from hivemind.compression import (
 from hivemind.utils import get_dht_time
 
 from cotrain.faults import Attack
-from cotrain.swarm import fixes
+from cotrain.swarm import internals
 from cotrain.swarm.diloco_state import (
     DiLoCoStateAverager,
     outer_optimizer_factory,
     set_schedule,
 )
+from cotrain.swarm.internals.hooks import apply_optimizer_parameters
 from cotrain.swarm.keys import outer_averager_prefix, progress_key, state_averager_prefix
 from cotrain.swarm.lineage import (
     OuterAverager,
@@ -102,7 +103,7 @@ class DiLoCoOptimizer:
         performance_ema_alpha: float = 0.1,
         verbose: bool = False,
     ) -> None:
-        fixes.apply()
+        internals.install()
         self.dht, self.run_id, self.client_mode = dht, run_id, bool(dht.client_mode)
         self.local_steps, self.overlap = local_steps, overlap
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
@@ -291,7 +292,7 @@ class DiLoCoOptimizer:
             else:
                 averaged, base, self.last_group_size = self._average(own, self.samples)
                 self._outer_step(averaged, base)
-                self.state_averager._apply_optimizer_parameters_()  # the peer trains from the new global
+                apply_optimizer_parameters(self.state_averager)  # the peer trains from the new global
             self._next_round()
 
     @torch.no_grad()
@@ -480,7 +481,7 @@ class DiLoCoOptimizer:
         self.cancel_rounds()
         load_state_bounded(self, self.load_state_timeout, self.should_stop)
 
-    def _tag_along_with_zero_weight(self, control: Any) -> None:
+    def tag_along_with_zero_weight(self, control: Any) -> None:
         if not control.done():
             control.cancel()
 
@@ -499,7 +500,7 @@ class DiLoCoOptimizer:
         sa = self.state_averager
         sa.local_epoch = int(round_)
         sa.inner_steps = sa.local_epoch * self.local_steps
-        sa._apply_optimizer_parameters_()
+        apply_optimizer_parameters(sa)
         self._after_download()
         self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
         if not self.client_mode:

@@ -19,7 +19,8 @@ from hivemind.optim.state_averager import (
     load_optimizer_state,
 )
 
-from cotrain.swarm.hosting import ServedInThread
+from cotrain.swarm.internals.hooks import Averager, apply_optimizer_parameters
+from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.statecheck import CheckedStateDownloads
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def set_schedule(scheduler: Any, inner_steps: int) -> None:
         scheduler.step()
 
 
-class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAverager):
+class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAverager, Averager):
     """A DiLoCo peer's state as hivemind serves and downloads it: the global parameters (the offloaded outer
     optimizer's parameters), the outer optimizer's momentum and the round (``local_epoch``), with the inner
     optimizer's statistics and its step riding along. The model's own parameters are the local ones. A
@@ -153,7 +154,7 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
             steps = metadata.get("inner_steps")
             self.inner_steps = steps if isinstance(steps, int) and steps >= 0 else epoch * self.local_steps
             set_schedule(self.inner_scheduler, self.inner_steps)
-        self._apply_optimizer_parameters_()
+        apply_optimizer_parameters(self)
         self.local_epoch = epoch
         self.on_loaded()
         return True

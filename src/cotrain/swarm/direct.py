@@ -305,7 +305,7 @@ class DirectServer:
             accepted = time.monotonic()
             try:
                 ticket = await asyncio.wait_for(_receive(connection, TICKET_BYTES), TICKET_TIMEOUT)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return self._refuse(host, "no ticket in time")
             except (ConnectionError, OSError):
                 return self._refuse(host, "closed before its ticket")
@@ -464,7 +464,7 @@ class DirectClient:
                     reader, writer = await asyncio.wait_for(
                         asyncio.open_connection(host, port, limit=self.max_frame), CONNECT_TIMEOUT
                     )
-                except (OSError, asyncio.TimeoutError) as e:
+                except (TimeoutError, OSError) as e:
                     last = e
                     continue
                 _fast(writer)
@@ -527,13 +527,13 @@ class _DirectStub:
     goes to the libp2p stub as it is."""
 
     def __init__(self, stub, client: DirectClient, peer: PeerID) -> None:
-        self._stub, self._client, self._peer = stub, client, peer
+        self._libp2p_stub, self._direct_client, self._remote = stub, client, peer
 
     def __getattr__(self, name: str):
-        return getattr(self._stub, name)
+        return getattr(self._libp2p_stub, name)
 
     async def rpc_aggregate_part(self, inputs):
-        return await self._client.open(self._stub, self._peer, inputs)
+        return await self._direct_client.open(self._libp2p_stub, self._remote, inputs)
 
 
 class DirectTransport:
@@ -556,29 +556,29 @@ class DirectTransport:
         if not self.direct:
             return DirectOffer(refusal="direct all-reduce is off")
         if getattr(self, "_direct_server", None) is None:
-            self._direct_server = DirectServer(self._p2p, self.rpc_aggregate_part, self._part_size_bytes())
+            self._direct_server = DirectServer(self.p2p, self.rpc_aggregate_part, self._part_size_bytes())
         return await self._direct_server.offer(context.remote_id)
 
     def _direct_ready(self) -> None:
         """Before an all-reduce: this process's streams go through a DirectClient (when ``direct``)."""
-        if self.direct and self._p2p not in _CLIENTS:
-            _CLIENTS[self._p2p] = DirectClient(self._p2p, self._part_size_bytes())
+        if self.direct and self.p2p not in _CLIENTS:
+            _CLIENTS[self.p2p] = DirectClient(self.p2p, self._part_size_bytes())
 
     def _part_size_bytes(self) -> int:
         return getattr(self, "allreduce_kwargs", {}).get("part_size_bytes", DEFAULT_PART_SIZE_BYTES)
 
-    async def _run_allreduce_inplace_(self, *args, **kwargs):
+    async def run_allreduce(self, *args, **kwargs):
         self._direct_ready()
-        return await super()._run_allreduce_inplace_(*args, **kwargs)
+        return await super().run_allreduce(*args, **kwargs)
 
     def transport_counts(self) -> dict:
         """All-reduce streams this averager opened directly and over libp2p, and served directly."""
         future = MPFuture()
-        self._outer_pipe.send(("_transport_counts", [], dict(future=future)))
+        self.ask_serving_loop("_transport_counts", future=future)
         return future.result()
 
     async def _transport_counts(self, future: MPFuture) -> None:
-        client, server = _CLIENTS.get(self._p2p), getattr(self, "_direct_server", None)
+        client, server = _CLIENTS.get(self.p2p), getattr(self, "_direct_server", None)
         future.set_result(
             {
                 "direct": client.direct if client else 0,
@@ -591,7 +591,7 @@ class DirectTransport:
         """Offers and connections this averager's direct server refused, by reason, and the longest it
         waited for an accepted connection's ticket (``slowest_ticket``, seconds)."""
         future = MPFuture()
-        self._outer_pipe.send(("_direct_refusals", [], dict(future=future)))
+        self.ask_serving_loop("_direct_refusals", future=future)
         return future.result()
 
     async def _direct_refusals(self, future: MPFuture) -> None:

@@ -34,7 +34,8 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from cotrain.swarm.hosting import join_at_exit
+from cotrain.swarm.internals.hooks import p2p_client
+from cotrain.swarm.internals.hosting import join_at_exit
 
 if TYPE_CHECKING:
     from cotrain.swarm.optimizer import SwarmOptimizer
@@ -84,7 +85,7 @@ async def rejoin(dht: hivemind.DHT, node, initial_peers: list[str], known: list[
             return False
         if maddrs:
             try:
-                await asyncio.wait_for(node.p2p._client.connect(peer_id, maddrs), timeout)
+                await asyncio.wait_for(p2p_client(node.p2p).connect(peer_id, maddrs), timeout)
             except Exception as e:  # the ping below still tries the addresses libp2p remembers
                 logger.debug(f"dialing {peer_b58} failed: {e!r}")
         try:
@@ -232,7 +233,7 @@ def adopt_swarm_state(opt: SwarmOptimizer, run_id: str, timeout: float, should_s
         averager.allow_state_sharing = not opt.client_mode  # as hivemind.Optimizer sets it
         return False
     if opt.scheduled_grads is not None and not opt.scheduled_grads.done():
-        opt._tag_along_with_zero_weight(opt.scheduled_grads)  # as hivemind does: others' round goes on
+        opt.tag_along_with_zero_weight(opt.scheduled_grads)  # as hivemind does: others' round goes on
         opt.scheduled_grads = None
     averager.step(wait_for_delayed_updates=True)
     own_epoch = opt.local_epoch

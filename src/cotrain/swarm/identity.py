@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cotrain.errors import UserError
+from cotrain.swarm.internals.hooks import p2p_client
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,10 @@ async def _is_online(peer_id, initial_peers: list[str], startup_timeout: float =
             await asyncio.sleep(0.2)
         for attempt in range(TAKEN_CHECK_ATTEMPTS):
             try:
-                await asyncio.wait_for(probe._client.connect(peer_id, []), max(0.1, deadline - loop.time()))
+                dial = p2p_client(probe).connect(peer_id, [])
+                await asyncio.wait_for(dial, max(0.1, deadline - loop.time()))
                 return True
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
             except ControlFailure:
                 if attempt + 1 == TAKEN_CHECK_ATTEMPTS or loop.time() + 0.5 >= deadline:

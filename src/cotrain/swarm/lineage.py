@@ -27,7 +27,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils.asyncio import enter_asynchronously
 
-from cotrain.swarm.hosting import ServedInThread
+from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.robust import Aggregation, RobustAveraging
 
@@ -88,7 +88,7 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
         self.changes, self.aggregation = changes, aggregation
         super().__init__(tensors, dht, **kwargs)
 
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+    async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         try:
             loaded = map(self.serializer.loads, group_info.gathered)
             bandwidths, mode_ids, user_bytes = zip(*loaded, strict=True)
@@ -104,14 +104,14 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
                 fractions = await asyncio.get_event_loop().run_in_executor(
                     None, load_balance_peers, sum(t.numel() for t in tensors), download, min_vector_size
                 )
-                await self._run_allreduce_inplace_(
+                await self.run_allreduce(
                     tensors,
                     group_info,
                     peer_fractions=fractions,
                     tensor_infos=None if infos is None else list(infos[:count]),
                     **kwargs,
                 )
-            runner = self._running_groups[group_info.group_id].result()
+            runner = self.running_groups[group_info.group_id].result()
             partial = bool(runner.banned_senders) or runner.tensor_part_container.failed_size > 0
             partial = partial or getattr(runner, "bounded_by", 0.0) > 0  # a result bounded here
             return gathered, partial

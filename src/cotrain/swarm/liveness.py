@@ -24,10 +24,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_dht_time
 
+from cotrain.swarm.internals.hooks import Averager
 from cotrain.swarm.progress import PING_TIMEOUT, SwarmProgressTracker, forget_gone_peers
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ GRACE = 1.0  # seconds past a matchmaking time before a round that found nobody 
 _rounds_lock = threading.Lock()
 
 
-class WatchedRounds(DecentralizedAverager):
+class WatchedRounds(Averager):
     """An averager that remembers the rounds it begins (see the module's doc)."""
 
     def step(self, *args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,8 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 
-from cotrain.swarm import fixes
+from cotrain.swarm import internals
+from cotrain.swarm.internals.hooks import Optimizer
 from cotrain.swarm.liveness import RoundWatch, WatchedRounds
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 GROUPED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)  # a round that found its group
 
 
-class SwarmOptimizer(hivemind.Optimizer):
+class SwarmOptimizer(Optimizer):
     """hivemind.Optimizer that remembers how many peers its last gradient-averaging round had."""
 
     last_group_size: int = 1
@@ -34,8 +35,8 @@ class SwarmOptimizer(hivemind.Optimizer):
     _reloaded_behind: tuple[int, int] | None = None  # (own, swarm's) steps of the last download for a step
 
     def __init__(self, *, robust_progress: bool = False, **kwargs) -> None:
-        fixes.apply()
-        self.robust_progress = robust_progress  # read by _make_progress_tracker, within hivemind's __init__
+        internals.install()
+        self.robust_progress = robust_progress  # read by make_progress_tracker, within hivemind's __init__
         super().__init__(**kwargs)
         # hivemind runs the optimizer step in a helper thread, where torch would start a second OpenMP team.
         # With more OpenMP threads than cores, libgomp stops spin-waiting in every team, so each barrier of
@@ -61,7 +62,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             watch.close()
         super().shutdown()
 
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs):
+    def make_progress_tracker(self, target_batch_size: int, **kwargs):
         """hivemind's tracker, or with ``robust_progress`` the one that caps what peers claim
         (cotrain.swarm.progress)."""
         from cotrain.swarm.progress import tracker_class
@@ -76,7 +77,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
-    def _make_state_averager(self, **kwargs):
+    def make_state_averager(self, **kwargs):
         """hivemind's state averager (with the arguments hivemind.Optimizer gives it), its downloads checked
         against the fingerprints that peers publish of their state (cotrain.swarm.statecheck)."""
         from cotrain.swarm.keys import progress_key, state_averager_prefix
@@ -99,8 +100,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
-    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
-        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+    def average_gradients(self, maybe_step_control) -> None:
+        super().average_gradients(maybe_step_control)
         size = 1
         if maybe_step_control is not None:
             try:
@@ -115,23 +116,23 @@ class SwarmOptimizer(hivemind.Optimizer):
                 forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT)
         self.last_group_size = max(1, size)
 
-    def _maybe_schedule_gradient_averaging(self) -> None:
+    def maybe_schedule_gradient_averaging(self) -> None:
         """Pre-schedule a gradient-averaging round only while the tracker sees other peers. Alone, hivemind
         would still run matchmaking before every global step (its averager polling the DHT in a tight loop,
         about 0.7 of a core with the DHT process) for a round it then cancels: there is nobody to average
         with. With other peers this is hivemind's own method, unchanged."""
         if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_gradient_averaging()
+            super().maybe_schedule_gradient_averaging()
 
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind retries forever when no peer can serve state; this gives up after load_state_timeout."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         load_state_bounded(self, self.load_state_timeout, self.should_stop)
 
-    def _update_global_epoch(self, grad_scaler) -> None:
+    def update_global_epoch(self, grad_scaler) -> None:
         """hivemind's global step, except for a peer the swarm left behind with a gradient of a few samples:
         it loads the swarm's state instead of stepping alone on them (see left_behind)."""
         if self.left_behind():
@@ -145,7 +146,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.load_state_from_peers()
             return
         self.last_group_size = 1  # a step without a round averaged with nobody (a round sets its own size)
-        super()._update_global_epoch(grad_scaler)
+        super().update_global_epoch(grad_scaler)
 
     def left_behind(self) -> bool:
         """The swarm stepped past this peer's step without it, and this peer holds fewer samples than its

@@ -46,6 +46,8 @@ from hivemind.optim.progress_tracker import (
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from cotrain.swarm.internals.hooks import Tracker
+
 logger = logging.getLogger(__name__)
 
 PROGRESS_CAP = 2.0  # a peer's reported samples (and samples/s) count at most this many times the median's
@@ -86,7 +88,7 @@ def capped(values: list[float], cap: float = PROGRESS_CAP, among: list[float] | 
     return [min(v, limit) for v in values]
 
 
-class SwarmProgressTracker(ProgressTracker):
+class SwarmProgressTracker(Tracker):
     """hivemind's ProgressTracker that leaves out the peers found gone (``leave_out``) until they report
     again."""
 
@@ -112,7 +114,7 @@ class SwarmProgressTracker(ProgressTracker):
             self._gone.update(peers)
         if self._last_metadata is not None:  # one assignment, as the fetching thread makes (the caller may
             # hold the tracker's lock already: a global step pauses its updates)
-            self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
+            self.global_progress = self.parse_swarm_progress(self._last_metadata)
 
     def _live(self, metadata: Any) -> Any:
         """``metadata`` without the records of peers found gone whose record has not changed since; in a
@@ -137,8 +139,8 @@ class SwarmProgressTracker(ProgressTracker):
                 if _peer_of(item) is None or self._gone.get(_peer_of(item)) != entries.get(_peer_of(item))
             }
 
-    def _parse_swarm_progress_data(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
-        return super()._parse_swarm_progress_data(self._live(metadata))
+    def parse_swarm_progress(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
+        return super().parse_swarm_progress(self._live(metadata))
 
 
 def _record_time(item: Any) -> float:
@@ -202,10 +204,10 @@ def forget_gone_peers(tracker: ProgressTracker, dht: hivemind.DHT, timeout: floa
 class RobustProgressTracker(SwarmProgressTracker):
     """hivemind's ProgressTracker counting the swarm's progress as the module's doc says."""
 
-    def _parse_swarm_progress_data(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
+    def parse_swarm_progress(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
         metadata = self._live(metadata)
         if not isinstance(metadata, dict) or len(metadata) == 0:
-            return ProgressTracker._parse_swarm_progress_data(self, metadata)
+            return Tracker.parse_swarm_progress(self, metadata)
         current_time = get_dht_time()
         entries = [
             LocalTrainingProgress.parse_obj(peer_state.value)

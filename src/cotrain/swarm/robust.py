@@ -37,16 +37,16 @@ from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises typing's, not collections.abc's)
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from cotrain.faults import silent_allreduce
 from cotrain.swarm.direct import DirectTransport
+from cotrain.swarm.internals.hooks import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class RobustPartReducer(TensorPartReducer):
         return [a + b for a, b in zip(self.outliers, self.refused, strict=True)]
 
 
-class RobustAllReduceRunner(AllReduceRunner):
+class RobustAllReduceRunner(Runner):
     """hivemind's AllReduceRunner whose reducer is a RobustPartReducer."""
 
     def __init__(self, *args, aggregation: Aggregation, excluded: Collection = (), **kwargs) -> None:
@@ -252,21 +252,21 @@ class RobustAllReduceRunner(AllReduceRunner):
         bound = sum(t for t in (self.sender_timeout, self.reducer_timeout) if t is not None) or None
         try:
             await asyncio.wait_for(reducer.finished.wait(), bound)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.debug(f"{self} - its reducer did not finish within {bound} s after this peer's results")
 
-    async def _communicate_with_peer(self, peer_id) -> None:
+    async def communicate_with_peer(self, peer_id) -> None:
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            return await super().communicate_with_peer(peer_id)
         try:
-            await super()._communicate_with_peer(peer_id)
+            await super().communicate_with_peer(peer_id)
         except AllreduceException:
             if not self.tensor_part_reducer.refused[self.sender_peer_ids.index(self.peer_id)]:
                 raise  # a round failing for another reason fails as in hivemind
             # this peer's own part was refused (NaN, Inf): as for a remote sender, its reducer goes on without
             # it, and its own parts stay as they were (hivemind leaves the local path without this, and the
             # all-reduce then waits forever for the outputs of this peer's own part)
-            await self._ban_sender(self.peer_id)
+            await self.ban_sender(self.peer_id)
             self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(self.peer_id))
             raise
 
@@ -309,15 +309,16 @@ class RobustAveraging(DirectTransport):
         async for response in super().rpc_join_group(request, context):
             yield response
 
-    async def _run_allreduce_inplace_(
+    async def run_allreduce(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ) -> None:
-        # hivemind's DecentralizedAverager._run_allreduce_inplace_ with the runner above
+        # hivemind's DecentralizedAverager._run_allreduce_inplace_ with the runner above (a copy: see
+        # cotrain.swarm.internals.manifest)
         self._direct_ready()
         group_id = group_info.group_id if group_id is None else group_id
-        await silent_allreduce(self._running_groups.get(group_id), self._allreduce_timeout)  # fault injection
+        await silent_allreduce(self.running_groups.get(group_id), self.allreduce_timeout)  # fault injection
         runner = RobustAllReduceRunner(
-            p2p=self._p2p,
+            p2p=self.p2p,
             servicer_type=type(self),
             prefix=self.prefix,
             tensors=tensors,
@@ -327,8 +328,8 @@ class RobustAveraging(DirectTransport):
             excluded=self.excluded_peers(),
             **kwargs,
         )
-        assert group_id in self._running_groups, f"Group id {group_id} was not registered"
-        self._running_groups[group_id].set_result(runner)
+        assert group_id in self.running_groups, f"Group id {group_id} was not registered"
+        self.running_groups[group_id].set_result(runner)
         try:
             if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
                 async for _ in runner:
@@ -337,9 +338,8 @@ class RobustAveraging(DirectTransport):
                 await self._apply_bounded(tensors, runner)
             else:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
-                    tensor.add_(update, alpha=self._averaging_alpha)
-                    self.last_updated = get_dht_time()
-                    self._state_updated.set()
+                    tensor.add_(update, alpha=self.averaging_alpha)
+                    self.mark_updated()
         finally:
             self._note_suspicion(runner)
 
@@ -354,9 +354,8 @@ class RobustAveraging(DirectTransport):
             runner.bounded_by = moved / (RECEIVED_BOUND * own)
             logger.debug(f"All-reduce: the result lay {moved / own:.3g} x this peer's own norm away; bounded")
         for tensor, update in zip(tensors, updates, strict=True):
-            tensor.add_(update, alpha=self._averaging_alpha * scale)
-        self.last_updated = get_dht_time()
-        self._state_updated.set()
+            tensor.add_(update, alpha=self.averaging_alpha * scale)
+        self.mark_updated()
 
     def _note_suspicion(self, runner: RobustAllReduceRunner) -> None:
         reducer = runner.tensor_part_reducer

@@ -106,7 +106,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     verdict,
     weigh_trusted,
 )
-from cotrain.swarm.hosting import ServedInThread, join_at_exit
+from cotrain.swarm.internals.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
 from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.progress import witnessed_epoch
@@ -323,7 +323,7 @@ class CheckedStateDownloads:
 
     # (in the averager's process)
 
-    async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
+    async def download_state(self, future: Any, timeout: float | None = None) -> None:
         """hivemind's download (DecentralizedAverager._load_state_from_peers), with each donor's state checked
         against the published fingerprints before it is handed to ``load_state_from_peers``."""
         from hivemind.p2p import PeerID
@@ -335,7 +335,7 @@ class CheckedStateDownloads:
         if timeout is not None:
             chunk_timeout = self.next_chunk_timeout or self.request_timeout
         try:
-            served = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True)
+            served = self.dht.get(f"{self.group_key_prefix}.all_averagers", latest=True)
             priorities = {
                 PeerID(peer): float(info.value)
                 for peer, info in (served.value.items() if served is not None else ())
@@ -371,7 +371,7 @@ class CheckedStateDownloads:
                 if fallback is not None and not worth:
                     break
                 remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
-                loaded = await self._download_state(PeerID.from_base58(donor), chunk_timeout, remaining)
+                loaded = await self._download_bounded(PeerID.from_base58(donor), chunk_timeout, remaining)
                 if loaded is None:
                     continue
                 found = self._judge(donor, loaded, records, anchors, own)
@@ -486,7 +486,7 @@ class CheckedStateDownloads:
     def _fingerprinted_count(self) -> int:
         return sum(len(g["params"]) for g in self.optimizer.param_groups) + len(self.extra_tensors)
 
-    async def _download_state(self, peer: Any, chunk_timeout: float | None, timeout: float | None):
+    async def _download_bounded(self, peer: Any, chunk_timeout: float | None, timeout: float | None):
         """One donor's (metadata, tensors), or None when it sent none (hivemind's download loop, for one
         peer)."""
         try:
@@ -508,7 +508,7 @@ class CheckedStateDownloads:
 
         started = time.monotonic()
         logger.info(f"Downloading the state from peer {peer}")
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stub = self.get_stub(self.p2p, peer, namespace=self.prefix)
         budget = StateBudget(*self.state_bound())
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
@@ -536,11 +536,9 @@ class CheckedTrainingStateAverager(
     checked downloads and published fingerprints; its all-reduces of the parameters send their parts over
     direct connections where they can (cotrain.swarm.direct)."""
 
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        """The protocol names of hivemind's TrainingStateAverager (hivemind names them after the class), so
-        that peers, their access guard and their stubs see the same averager as before."""
-        return TrainingStateAverager._get_handle_name(namespace, method_name)
+    # the protocol names of hivemind's TrainingStateAverager, so that peers, their access guard and their
+    # stubs see the same averager as before
+    handler_class = TrainingStateAverager
 
 
 def donor_order(

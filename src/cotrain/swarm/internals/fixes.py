@@ -63,7 +63,7 @@ async def _remove_p2p_handlers(self: ServicerBase, p2p: P2P, *, namespace: str |
         await asyncio.wait_for(
             _hivemind_remove_handlers(self, p2p, namespace=namespace), HANDLER_REMOVAL_TIMEOUT
         )
-    except (asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, OSError) as e:
         logger.debug(f"{type(self).__name__}'s handlers were not removed (has p2pd ended?): {e!r}")
 
 
@@ -129,7 +129,7 @@ async def _declare_for_download_periodically(self: DecentralizedAverager) -> Non
                 await asyncio.wait_for(
                     self._state_updated.wait(), timeout=max(0.0, expiration_time - get_dht_time())
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             if _declared(self) != declared:
                 break
