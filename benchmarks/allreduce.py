@@ -274,11 +274,11 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group, aggregat
     """cotrain's gradient averager, built with the arguments hivemind.Optimizer._make_gradient_averager passes
     (run_id "bench<dtype>", "bench<dtype>_clip" with centered-clip, "bench<dtype>_libp2p" without the direct
     path)."""
+    from cotrain.swarm.aggregation import build
     from cotrain.swarm.averaging import gradient_averager_factory
-    from cotrain.swarm.robust import Aggregation
 
     opts: dict = {"bandwidth": args.bandwidth} if args.bandwidth > 0 else {}
-    opts["aggregation"], opts["direct"] = Aggregation(aggregation), direct
+    opts["aggregation"], opts["direct"] = build(aggregation), direct
     if args.part_size > 0:
         opts["part_size_bytes"] = int(args.part_size * 1024)
     if args.read_ahead > 0:

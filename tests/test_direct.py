@@ -16,6 +16,7 @@ from hivemind.compression import CompressionInfo, Uniform8BitQuantization
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from cotrain.swarm.aggregation import build
 from cotrain.swarm.direct import (
     DATA,
     END,
@@ -35,7 +36,6 @@ from cotrain.swarm.direct import (
     frame_limit,
     parse_endpoint,
 )
-from cotrain.swarm.robust import Aggregation
 from test_robust import averagers
 
 
@@ -339,7 +339,7 @@ def run_round(tensors: list[list[torch.Tensor]], direct: list[bool]):
 def _run_round(tensors, direct):
     made, dhts = averagers(
         tensors,
-        Aggregation("mean"),
+        build("mean"),
         direct,
         prefix="direct-test",
         min_matchmaking_time=4.0,
@@ -508,7 +508,7 @@ def test_an_honest_round_averages_while_a_flood_hits_a_reducers_endpoint_and_its
 
     tensors = peers_tensors(2)
     made, dhts = averagers(
-        tensors, Aggregation("mean"), [True, True], prefix="direct-flood", min_matchmaking_time=4.0,
+        tensors, build("mean"), [True, True], prefix="direct-flood", min_matchmaking_time=4.0,
         next_chunk_timeout=10.0,
     )  # fmt: skip
     flood, samples, sampling = Flood(made[0], dhts[0]), [], threading.Event()

@@ -18,9 +18,10 @@ import uvloop
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.mpfuture import MPFuture
 
+from cotrain.swarm.aggregation import build
 from cotrain.swarm.internals import hosting
 from cotrain.swarm.internals.hosting import ServedInThread
-from cotrain.swarm.robust import Aggregation, RobustAveraging
+from cotrain.swarm.robust import RobustAveraging
 
 
 @pytest.mark.parametrize("setstate", ["cotrain", "hivemind"])
@@ -117,7 +118,7 @@ def test_a_serving_loop_keeps_a_task_that_nothing_else_refers_to_until_it_is_don
 
 class Averager(ServedInThread, RobustAveraging, DecentralizedAverager):
     def __init__(self, *args, **kwargs) -> None:
-        self.aggregation = Aggregation("mean")
+        self.aggregation = build("mean")
         super().__init__(*args, **kwargs)
 
 

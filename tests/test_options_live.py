@@ -124,7 +124,7 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
             lambda: False,
         )
         made.append((strategy, connection))
-        return model, strategy.hivemind_optimizer, connection
+        return model, strategy.opt, connection
 
     try:
         _, server, dht = peer_optimizer([], 0)

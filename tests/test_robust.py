@@ -10,17 +10,19 @@ import pytest
 import torch
 from hivemind.averaging.partition import AllreduceException
 
+from cotrain import registry
 from cotrain.config import RunConfig
-from cotrain.config import run as run_config
 from cotrain.engine.strategy import aggregation_of
 from cotrain.swarm import robust
-from cotrain.swarm.robust import (
+from cotrain.swarm.aggregation import (
     Aggregation,
-    RobustPartReducer,
+    CenteredClip,
+    build,
     capped_weights,
     centered_clip,
     parse_tau,
 )
+from cotrain.swarm.robust import RobustPartReducer
 
 # --- CenteredClip on known inputs ------------------------------------------------------------------------
 
@@ -66,19 +68,17 @@ def test_the_aggregation_settings_are_checked():
     assert parse_tau("auto") is None and parse_tau("0.5") == 0.5 and parse_tau(2) == 2.0
     with pytest.raises(ValueError, match="positive"):
         parse_tau("-1")
-    with pytest.raises(ValueError, match="aggregation must be one of"):
-        Aggregation("median")
+    with pytest.raises(ValueError, match="unknown aggregation 'median'; choose one of: mean, centered-clip"):
+        build("median")
     with pytest.raises(ValueError, match="iterations"):
-        Aggregation("centered-clip", iterations=0)
+        build("centered-clip", iterations=0)
     run = RunConfig(aggregation="trimmed", clip_tau="zero", clip_iterations=0)
     text = " ".join(run.problems())
     assert "aggregation must be one of mean, centered-clip" in text
     assert "clip_tau must be auto or a positive number" in text
     assert "clip_iterations" in text
-    assert aggregation_of(RunConfig(aggregation="centered-clip", clip_tau="3")) == Aggregation(
-        "centered-clip", 3.0, 5
-    )
-    assert robust.AGGREGATIONS == run_config.AGGREGATIONS  # the settings name what the reducers do
+    assert aggregation_of(RunConfig(aggregation="centered-clip", clip_tau="3")) == CenteredClip(3.0, 5)
+    assert list(registry.AGGREGATIONS) == ["mean", "centered-clip"]  # the settings name what reducers do
 
 
 # --- the reducer -----------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def reduce(aggregation: Aggregation, contributions: list[tuple[torch.Tensor, flo
 
 def test_the_reducer_averages_like_hivemind_with_mean():
     parts = [(torch.tensor([1.0, 2.0, 3.0, 4.0]), 1.0), (torch.tensor([3.0, 2.0, 1.0, 0.0]), 3.0)]
-    results, _ = reduce(Aggregation("mean"), parts)
+    results, _ = reduce(build("mean"), parts)
     expected = torch.tensor([2.5, 2.0, 1.5, 1.0])
     for r in results:
         torch.testing.assert_close(r, expected)
@@ -119,7 +119,7 @@ def test_a_nan_or_misshaped_part_is_dropped_and_the_others_are_averaged(aggregat
     bad_nan = (torch.tensor([float("nan"), 0.0, 0.0, 0.0]), 1.0)
     bad_inf = (torch.tensor([float("inf"), 0.0, 0.0, 0.0]), 1.0)
     bad_shape = (torch.zeros(7), 1.0)
-    results, reducer = reduce(Aggregation(aggregation, tau=100.0), [*good, bad_nan, bad_inf, bad_shape])
+    results, reducer = reduce(build(aggregation, tau=100.0), [*good, bad_nan, bad_inf, bad_shape])
     for r in results[:2]:
         torch.testing.assert_close(r, torch.full((4,), 2.0))
     assert all(isinstance(r, Exception) for r in results[2:])
@@ -161,11 +161,11 @@ def test_a_late_sender_is_excluded_with_centered_clip_only(name):
     from types import SimpleNamespace
 
     averaging = robust.RobustAveraging()
-    averaging.aggregation, averaging.peer_id = Aggregation(name), "me"
+    averaging.aggregation, averaging.peer_id = build(name), "me"
 
     async def all_reduces() -> None:  # 3 all-reduces in which "slow" sent nothing within the sender timeout
         for _ in range(robust.STRIKES):
-            reducer = RobustPartReducer([torch.Size([4])], 3, Aggregation(name))
+            reducer = RobustPartReducer([torch.Size([4])], 3, build(name))
             peers = ["me", "other", "slow"]
             runner = SimpleNamespace(
                 tensor_part_reducer=reducer,
@@ -192,7 +192,7 @@ def test_in_a_pair_a_result_far_outside_the_bound_is_a_strike_against_the_other(
     from types import SimpleNamespace
 
     averaging = robust.RobustAveraging()
-    averaging.aggregation, averaging.peer_id = Aggregation("centered-clip"), "me"
+    averaging.aggregation, averaging.peer_id = build("centered-clip"), "me"
 
     async def all_reduces() -> None:
         for _ in range(robust.STRIKES):
@@ -213,7 +213,7 @@ def test_in_a_pair_a_result_far_outside_the_bound_is_a_strike_against_the_other(
 def test_the_reducer_counts_contributions_far_outside_tau():
     honest = [(torch.tensor([1.0, 1.0, 1.0, 1.0]) + 0.01 * i, 1.0) for i in range(4)]
     attack = (torch.full((4,), -1000.0), 1.0)
-    results, reducer = reduce(Aggregation("centered-clip"), [*honest, attack])
+    results, reducer = reduce(build("centered-clip"), [*honest, attack])
     assert reducer.suspicion() == [0, 0, 0, 0, 1]
     assert all((r - 1.015).abs().max() < 0.05 for r in results)
 
@@ -331,7 +331,7 @@ def weighted_mean(tensors, weights, members):
 @pytest.mark.timeout(240)
 def test_centered_clip_all_reduce_of_honest_peers_is_their_weighted_mean():
     tensors, weights = honest_tensors(4), [32.0, 16.0, 40.0, 24.0]
-    out, sizes = run_round(tensors, weights, Aggregation("centered-clip"))
+    out, sizes = run_round(tensors, weights, build("centered-clip"))
     assert sizes == [4, 4, 4, 4]
     # the weights count up to their median (24 here): [24, 16, 24, 24]
     expected = weighted_mean(tensors, capped_weights(torch.tensor(weights)).tolist(), range(4))
@@ -346,7 +346,7 @@ def test_a_sign_flipped_peer_is_clipped_and_a_nan_peer_dropped():
     tensors, weights = honest_tensors(4, seed=1), [32.0, 32.0, 32.0, 1e6]
     honest = weighted_mean(tensors, weights, range(3))
     tensors[3] = [-1000 * h for h in honest]  # a sign flip x 1000, claiming a million samples
-    out, sizes = run_round(tensors, weights, Aggregation("centered-clip"))
+    out, sizes = run_round(tensors, weights, build("centered-clip"))
     spread = max((tensors[i][0] - honest[0]).norm().item() for i in range(3))
     for got in out[:3]:
         # the attacker moved the result by a fraction of the honest spread, not by 1000 x the gradient
@@ -359,7 +359,7 @@ def test_a_sign_flipped_peer_is_clipped_and_a_nan_peer_dropped():
     # refusing a part waits for no sender: the honest peers' parts get a sender timeout long enough that a
     # loaded machine (2 cores, the whole suite) does not drop one of them too, which would leave that part
     # partly averaged (hivemind keeps a failed part's local values)
-    out, sizes = run_round(tensors, [1.0] * 4, Aggregation("mean"), suspect=3, next_chunk_timeout=20.0)
+    out, sizes = run_round(tensors, [1.0] * 4, build("mean"), suspect=3, next_chunk_timeout=20.0)
     assert sizes[:3] == [4, 4, 4], sizes  # the NaN peer was in the group, and dropped from the average
     expected = weighted_mean(tensors, [1.0] * 4, range(3))
     for got in out[:3]:
@@ -375,11 +375,11 @@ def test_in_a_pair_a_sign_flipped_peer_can_cancel_the_honest_update_not_reverse_
     honest = honest_tensors(1, seed=3)[0]
     tensors, weights = [honest, [-1000 * h for h in honest]], [32.0, 32.0]
     own = torch.sqrt(sum(h.pow(2).sum() for h in honest))
-    out, sizes = run_round(tensors, weights, Aggregation("mean"))
+    out, sizes = run_round(tensors, weights, build("mean"))
     assert sizes == [2, 2]
     moved = torch.sqrt(sum((g - h).pow(2).sum() for g, h in zip(out[0], honest, strict=True)))
     assert moved > 100 * own  # with the mean the attack is real: about -500 x the honest gradient
-    out, sizes = run_round(tensors, weights, Aggregation("centered-clip"))
+    out, sizes = run_round(tensors, weights, build("centered-clip"))
     assert sizes == [2, 2]
     got = out[0]
     moved = torch.sqrt(sum((g - h).pow(2).sum() for g, h in zip(got, honest, strict=True)))

@@ -54,6 +54,11 @@ class Faults:
         self.nan_at = _step_of(NAN_AT_STEP)
         self.corrupt_at = _step_of(CORRUPT_PARAMS_AT_STEP)
 
+    @property
+    def active(self) -> bool:
+        """Whether a hook is still to fire."""
+        return self.nan_at is not None or self.corrupt_at is not None
+
     def poison_gradients(self, params: Iterable[torch.Tensor], step: int) -> None:
         """NAN_AT_STEP: one NaN in the first gradient once this peer is at global step N."""
         if self.nan_at is None or step < self.nan_at:

@@ -7,11 +7,10 @@ from typing import ClassVar
 
 from cotrain.config.fields import ROLES_ALL, finite_problems, not_positive, opt
 from cotrain.families import family_problems
+from cotrain.registry import AGGREGATIONS, STRATEGIES
 
 # settings that were swarm-wide once and are each peer's own now: a [run] table (an older file or preset)
 # may still name them, and they are then read as [peer] settings
-STRATEGY_NAMES = ("sync", "diloco")  # cotrain.engine.strategy.STRATEGIES holds their classes
-AGGREGATIONS = ("mean", "centered-clip")  # what cotrain.swarm.robust can do
 MOVED_TO_PEER = ("matchmaking_time", "averaging_timeout", "grad_compression")
 
 
@@ -147,14 +146,14 @@ class RunConfig:
             problems.append(f"mlm_probability must be between 0 and 1, got {self.mlm_probability}")
         if self.optimizer not in ("lamb", "adamw"):
             problems.append(f"optimizer must be lamb or adamw, got {self.optimizer!r}")
-        if self.strategy not in STRATEGY_NAMES:
-            problems.append(f"strategy must be one of {', '.join(STRATEGY_NAMES)}, got {self.strategy!r}")
+        if self.strategy not in STRATEGIES:
+            problems.append(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         problems += not_positive(self, "local_steps")
         if self.outer_lr <= 0:
             problems.append(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             problems.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.aggregation not in AGGREGATIONS:
+        if self.aggregation not in AGGREGATIONS:  # cotrain.registry: the parts every peer knows
             problems.append(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         if not _tau_ok(self.clip_tau):
             problems.append(f"clip_tau must be auto or a positive number, got {self.clip_tau!r}")

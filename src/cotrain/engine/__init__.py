@@ -1,7 +1,9 @@
 """The engine: one swarm peer (``SwarmPeer``) that every face of cotrain builds on.
 
 - ``join``: joining a swarm (validators, access control, the DHT, config agreement) for every role;
-- ``strategy``: how local gradients become the swarm's steps (``sync`` today), a part of the peer;
+- ``strategy``: how local gradients become the swarm's steps (the ``Strategy`` interface; ``sync``,
+  ``diloco``);
+- ``parts``: core sharing, healing, the NaN guard and fault injection, called at named points of a step;
 - ``peer``: ``SwarmPeer``: catch up, step, report, heal, back up, checkpoint, shut down;
 - ``compute``: a trainer's micro-steps (forward, backward, mixed precision) and its batches.
 """
@@ -9,10 +11,11 @@
 from cotrain.engine.compute import accumulate_gradients, batches, gradient_norm
 from cotrain.engine.join import SwarmConnection, take_swarm_run, take_swarm_settings
 from cotrain.engine.peer import SwarmPeer
-from cotrain.engine.strategy import STRATEGIES, SyncStrategy
+from cotrain.engine.strategy import DiLoCoStrategy, Strategy, SyncStrategy
 
 __all__ = [
-    "STRATEGIES",
+    "DiLoCoStrategy",
+    "Strategy",
     "accumulate_gradients",
     "batches",
     "SwarmConnection",

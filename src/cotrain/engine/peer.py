@@ -39,6 +39,7 @@ import torch
 from cotrain.config import PeerConfig, RunConfig
 from cotrain.config.averaging import GRAD_COMPRESSIONS
 from cotrain.engine.compute import flat_tensors, gradient_norm
+from cotrain.engine.parts import Part
 from cotrain.engine.shutdown import leave_in_order, shutdown_in_order
 from cotrain.errors import UserError
 
@@ -96,8 +97,8 @@ class SwarmPeer:
         optimizer: Callable[[Iterable], torch.optim.Optimizer],
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         *,
-        run_id: str,
-        target_batch_size: int,
+        run_id: str | None = None,
+        target_batch_size: int | None = None,
         initial_peers: Sequence[str] = (),
         host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
         announce_maddrs: Sequence[str] = (),
@@ -126,10 +127,14 @@ class SwarmPeer:
         aggregation: str = "mean",
         clip_tau: str | float = "auto",
         clip_iterations: int = 5,
+        config: tuple[RunConfig, PeerConfig] | None = None,
+        connection: Any = None,
+        stop: threading.Event | None = None,
+        grad_scaler: Any = None,
+        events: Callable[[str, dict], None] | None = None,
+        start: bool = True,
         **settings: Any,
     ) -> None:
-        import dataclasses
-
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(
                 "optimizer must be a function params -> torch.optim.Optimizer, "
@@ -137,108 +142,68 @@ class SwarmPeer:
             )
         if scheduler is not None and not callable(scheduler):
             raise UserError("scheduler must be a function optimizer -> LR scheduler (or None)")
-        run = RunConfig(
-            run_id=run_id,
-            target_batch_size=target_batch_size,
-            strategy=strategy,
-            local_steps=local_steps,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            outer_overlap=outer_overlap,
-            aggregation=aggregation,
-            clip_tau=str(clip_tau),
-            clip_iterations=clip_iterations,
-        )
-        problems = [p for p in run.problems() if p.split()[0] in RUN_SETTINGS]
-        if batch_size_per_step is not None and batch_size_per_step <= 0:
-            problems.append(f"batch_size_per_step must be positive, got {batch_size_per_step}")
-        if grad_compression not in GRAD_COMPRESSIONS:
-            problems.append(
-                f"grad_compression must be one of {', '.join(GRAD_COMPRESSIONS)}, got {grad_compression!r}"
+        if config is not None:
+            if run_id is not None or target_batch_size is not None or settings:
+                raise UserError("give either config=(run, peer) or the settings as arguments, not both")
+            run, peer = config
+            max_grad_norm = run.max_grad_norm
+        else:
+            if run_id is None or target_batch_size is None:
+                raise UserError("run_id and target_batch_size are required (or config=(run, peer))")
+            run, peer = _configs_of(
+                dict(
+                    run_id=run_id,
+                    target_batch_size=target_batch_size,
+                    strategy=strategy,
+                    local_steps=local_steps,
+                    outer_lr=outer_lr,
+                    outer_momentum=outer_momentum,
+                    outer_overlap=outer_overlap,
+                    aggregation=aggregation,
+                    clip_tau=str(clip_tau),
+                    clip_iterations=clip_iterations,
+                ),
+                dict(
+                    initial_peers=list(initial_peers),
+                    host_maddrs=list(host_maddrs),
+                    announce_maddrs=list(announce_maddrs),
+                    client_mode=client_mode,
+                    identity_path=identity_path,
+                    nat_port_map=nat_port_map,
+                    use_ipfs=use_ipfs,
+                    matchmaking_time=matchmaking_time,
+                    averaging_timeout=averaging_timeout,
+                    grad_compression=grad_compression,
+                    load_state_timeout=load_state_timeout,
+                    statistics_expiration=statistics_expiration,
+                    startup_timeout=startup_timeout,
+                    bandwidth=bandwidth,
+                    batch_size_lead=batch_size_lead,
+                    verbose=verbose,
+                    **settings,
+                ),
+                batch_size_per_step,
             )
-        if matchmaking_time <= 0 or averaging_timeout <= 0 or load_state_timeout <= 0:
-            problems.append("matchmaking_time, averaging_timeout and load_state_timeout must be positive")
-        known = {f.name for f in dataclasses.fields(PeerConfig)}
-        for name in sorted(set(settings) - known):
-            problems.append(f"unknown setting {name!r} (see cotrain.config.PeerConfig)")
-        if problems:
-            raise UserError("; ".join(problems))
-        settings.setdefault("backup_every_steps", 0)
-        peer = PeerConfig(
-            initial_peers=list(initial_peers),
-            host_maddrs=list(host_maddrs),
-            announce_maddrs=list(announce_maddrs),
-            client_mode=client_mode,
-            identity_path=identity_path,
-            nat_port_map=nat_port_map,
-            use_ipfs=use_ipfs,
-            matchmaking_time=matchmaking_time,
-            averaging_timeout=averaging_timeout,
-            grad_compression=grad_compression,
-            load_state_timeout=load_state_timeout,
-            statistics_expiration=statistics_expiration,
-            startup_timeout=startup_timeout,
-            bandwidth=bandwidth,
-            batch_size_lead=batch_size_lead,
-            verbose=verbose,
-            **settings,
-        )
-        if not verbose:  # hivemind's expected network failures (a peer left, no group) as one line each
-            from cotrain.swarm.logs import one_line_errors
+            if not verbose:  # hivemind's expected network failures (a peer left, no group) as one line each
+                from cotrain.swarm.logs import one_line_errors
 
-            one_line_errors()
+                one_line_errors()
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
-        self._open(
-            model, run, peer, params, optimizer, scheduler, batch_size_per_step, None, None, max_grad_norm
-        )
+        self._open(model, run, peer, params, optimizer, scheduler, batch_size_per_step, connection, stop)
+        self.max_grad_norm, self.grad_scaler = max_grad_norm, grad_scaler
+        if events is not None:
+            self.events = events
+        if not start:  # the caller resumes from a checkpoint (optional), then calls catch_up and start
+            return
         try:
-            logger.info(f"Peer {self.peer_id} joined run {run_id!r}; others join with {self.maddrs}")
+            logger.info(f"Peer {self.peer_id} joined run {run.run_id!r}; others join with {self.maddrs}")
             if load_state:
                 self.catch_up()
             self.start()
         except BaseException:
             self.shutdown()
             raise
-
-    @classmethod
-    def from_config(
-        cls,
-        run: RunConfig,
-        peer: PeerConfig,
-        model: torch.nn.Module,
-        *,
-        connection: Any,
-        params: Iterable,
-        optimizer: Callable,
-        scheduler: Callable | None,
-        batch_size_per_step: int | None,
-        stop: threading.Event | None = None,
-        grad_scaler: Any = None,
-        events: Callable[[str, dict], None] | None = None,
-    ) -> SwarmPeer:
-        """A peer of ``cotrain train``: settings from its resolved config, on an already joined ``connection``
-        (which it owns from now on). It has not caught up yet: call ``resume`` (optional), ``catch_up``, then
-        ``start``. ``grad_scaler``: fp16's loss scaler (an overflow then drops the step quietly); ``events``:
-        called with each event's name and fields (started, adopted, dropped, leaving), e.g. to write them as
-        JSON lines."""
-        self = cls.__new__(cls)
-        self._open(
-            model,
-            run,
-            peer,
-            params,
-            optimizer,
-            scheduler,
-            batch_size_per_step,
-            connection,
-            stop,
-            run.max_grad_norm,
-            grad_scaler,
-        )
-        if events is not None:
-            self.events = events
-        return self
 
     def _open(
         self,
@@ -251,36 +216,31 @@ class SwarmPeer:
         batch_size_per_step: int | None,
         connection: Any,
         stop: threading.Event | None,
-        max_grad_norm: float,
-        grad_scaler: Any = None,
     ) -> None:
         from cotrain.engine.join import SwarmConnection
-        from cotrain.engine.strategy import strategy_class
-        from cotrain.faults import Attack, Faults
+        from cotrain.engine.parts import CoreSharing, FaultInjection
+        from cotrain.registry import strategy_class
 
         self.model, self.run, self.peer_config = model, run, peer
-        self.max_grad_norm, self.grad_scaler = max_grad_norm, grad_scaler
+        self.max_grad_norm, self.grad_scaler = 0.0, None
         self._stop = stop if stop is not None else threading.Event()
         self._closed = False
         self.connection = connection
         self.strategy: Any = None
-        self.healer: Any = None
-        self.guard: Any = None
-        self.faults = Faults()
-        self.attack = Attack.from_env(run.strategy)  # COTRAIN_ATTACK: a malicious peer, for benchmarks
-        self.cores: Any = None  # this peer's share of the machine's cores, when it has no --torch-threads
+        self.parts: list[Part] = []  # called at the named points of a step (cotrain.engine.parts)
+        self.healing: Any = None
         self.events: Callable[[str, dict], None] = lambda name, fields: None
         self.last_report: dict | None = None
         self.reports = 0
         self._loss_sum, self._mini_steps, self._contribution = 0.0, 0, 0
         params = list(params)
-        self._params = flat_tensors(params)
+        self.trained_tensors = flat_tensors(params)  # what step() checks and the fault hooks reach
+        self.cores: Any = None  # this peer's share of the machine's cores, when it has no --torch-threads
         if peer.torch_threads:
             torch.set_num_threads(peer.torch_threads)
         else:  # several peers on one machine share its cores instead of oversubscribing them
-            from cotrain.cores import CoreShare
-
-            self.cores = CoreShare().start()
+            self.cores = CoreSharing()
+            self.parts.append(self.cores)
         try:
             if self.connection is None:
                 self.connection = SwarmConnection(run.run_id, peer, role="api", stop=self._stop)
@@ -298,6 +258,9 @@ class SwarmPeer:
             shutdown_in_order(self.strategy, self.connection, self.cores)
             self._closed = True
             raise
+        faults = FaultInjection.from_env(run.strategy)  # fault injection of the tests and benchmarks only
+        if faults is not None:
+            self.parts.append(faults)
         # a peer left running at exit still stops its averagers and DHT processes in order
         self._finalizer = leave_in_order(self, self._stop, self.strategy, self.connection, self.cores)
         self._last_epoch = self.strategy.global_step
@@ -351,15 +314,18 @@ class SwarmPeer:
         catch_up(self)
 
     def start(self) -> None:
-        """Start healing (re-joining after a partition) and the NaN guard's first backup."""
-        from cotrain.swarm.backup import BackupGuard
-        from cotrain.swarm.healing import SwarmHealer
+        """Start healing (re-joining after a partition) and, with ``backup_every_steps``, the NaN guard's
+        first backup."""
+        from cotrain.engine.parts import FaultInjection, Healing, NanGuard
 
-        opt = self.strategy.hivemind_optimizer
-        self.healer = SwarmHealer(self.dht, self.peer_config.initial_peers, self._stop, opt)
-        self.healer.start()
-        self.guard = BackupGuard(opt, self.peer_config.backup_every_steps)
-        self.guard.after_global_step()  # the first backup: the state this peer starts from
+        self.healing = Healing(self.dht, self.peer_config.initial_peers, self._stop, self.strategy)
+        parts = [self.healing]
+        if self.peer_config.backup_every_steps > 0:
+            parts.append(NanGuard(self.strategy, self.peer_config.backup_every_steps))
+        # healing first (a peer back from a partition adopts the swarm's state before anything else), the
+        # fault hooks last (the guard sees what they did at the next step's checks)
+        faults = [p for p in self.parts if isinstance(p, FaultInjection)]
+        self.parts = [p for p in self.parts if p not in faults] + parts + faults
         self._last_epoch = self.global_step
 
     # --- what a loop calls ----------------------------------------------------------------------
@@ -372,51 +338,57 @@ class SwarmPeer:
         gradients or loss are dropped, never sent. When the swarm has accumulated ``target_batch_size``
         samples, this call averages gradients with peers and steps the optimizer. Gradients are zeroed
         afterwards unless ``zero_grad=False``. Returns True when a global step happened."""
+        samples = self._samples(batch_size)
+        for part in self.parts:
+            part.before_step(self)
+        grad_norm = gradient_norm(self.trained_tensors, self.max_grad_norm)
+        loss_ok = loss is None or math.isfinite(loss)
+        if loss_ok and math.isfinite(grad_norm):
+            sent = samples
+            for part in self.parts:
+                sent = part.outgoing(self, sent)
+            self.strategy.step(sent)
+            self._count(samples, loss)
+            if zero_grad:
+                self.strategy.zero_grad()
+        else:
+            self._drop(loss, grad_norm)
+        if self.global_step == self._last_epoch:
+            return False
+        self._last_epoch = self.global_step
+        for part in self.parts:
+            part.after_global_step(self)
+        self.publish_metrics()
+        return True
+
+    def _samples(self, batch_size: int | None) -> int:
         if self._closed:
             raise UserError("this SwarmPeer was shut down")
         if batch_size is None and self.strategy.batch_size_per_step is None:
             raise UserError("give step(batch_size=...) or SwarmPeer(batch_size_per_step=...)")
-        samples = batch_size if batch_size is not None else self.strategy.batch_size_per_step
-        if self.cores is not None:
-            self.cores.apply()  # another peer of this machine started or left: follow the new share
-        if self.healer is not None and self.healer.resync.is_set():
-            self._adopt_swarm_state()
-        self.faults.poison_gradients(self._params, self.global_step)
-        grad_norm = gradient_norm(self._params, self.max_grad_norm)
+        return batch_size if batch_size is not None else self.strategy.batch_size_per_step
+
+    def _count(self, samples: int, loss: float | None) -> None:
+        self._contribution += samples
+        if loss is not None:
+            self._loss_sum += float(loss)
+            self._mini_steps += 1
+
+    def _drop(self, loss: float | None, grad_norm: float) -> None:
+        """A micro-batch with a non-finite loss or gradients: its gradients never reach the swarm."""
+        self.strategy.zero_grad()
         loss_ok = loss is None or math.isfinite(loss)
-        if loss_ok and math.isfinite(grad_norm):
-            # fault injection (COTRAIN_ATTACK): an attacker's gradient goes on the wire past its own checks
-            self.strategy.step(self.attack.before_step(self._params, samples))
-            self._contribution += samples
-            if loss is not None:
-                self._loss_sum += float(loss)
-                self._mini_steps += 1
-            if zero_grad:
-                self.strategy.zero_grad()
-        else:
-            self.strategy.zero_grad()
-            if loss_ok and self.grad_scaler is not None:
-                logger.debug(f"fp16 gradients overflowed; loss scale now {self.grad_scaler.get_scale():g}")
-            else:
-                self.events("dropped", {"step": self.global_step, "loss": loss, "grad_norm": grad_norm})
-                shown = f"{loss:.4g}" if loss is not None else "-"
-                logger.warning(
-                    f"Non-finite loss or gradients on this micro-batch (loss {shown}, gradient norm "
-                    f"{grad_norm:.4g}): its gradients are dropped, not sent to the swarm"
-                )
-                if not loss_ok and self.guard is not None:
-                    self.guard.after_bad_loss()  # restores the backup when the parameters are the cause
-        if self.global_step == self._last_epoch:
-            return False
-        self._last_epoch = self.global_step
-        if self.guard is not None:
-            with self.strategy.training_state() as (optimizer, _, params):
-                self.faults.corrupt_parameters(
-                    [params[0], optimizer.param_groups[0]["params"][0]], self._last_epoch
-                )
-            self.guard.after_global_step()  # non-finite parameters: restore the backup; else back up when due
-        self.publish_metrics()
-        return True
+        if loss_ok and self.grad_scaler is not None:
+            logger.debug(f"fp16 gradients overflowed; loss scale now {self.grad_scaler.get_scale():g}")
+            return
+        self.events("dropped", {"step": self.global_step, "loss": loss, "grad_norm": grad_norm})
+        shown = f"{loss:.4g}" if loss is not None else "-"
+        logger.warning(
+            f"Non-finite loss or gradients on this micro-batch (loss {shown}, gradient norm "
+            f"{grad_norm:.4g}): its gradients are dropped, not sent to the swarm"
+        )
+        for part in self.parts:
+            part.dropped(self, loss_ok)
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
@@ -470,7 +442,7 @@ class SwarmPeer:
             "contribution": record.samples_accumulated,
             "rounds_averaged": averaged,
             "rounds_failed": failed,
-            "rejoins": self.healer.rejoins if self.healer is not None else 0,
+            "rejoins": self.healing.rejoins if self.healing is not None else 0,
             "peer_id": record.peer_id,
             "time": record.time,
             "strategy": strategy.name,
@@ -488,11 +460,11 @@ class SwarmPeer:
         self._last_epoch = self.global_step
         return self.global_step > before
 
-    def _adopt_swarm_state(self) -> None:
-        """Back from being cut off: the swarm's state wins over what this peer did alone."""
-        self.healer.resync.clear()
+    def adopt_swarm_state(self, floor: int = 0) -> None:
+        """Back from being cut off: the swarm's state wins over what this peer did alone (not a state older
+        than ``floor``, the step at which it was cut off)."""
         logger.info("Loading the swarm's current state after being cut off")
-        adopted = self.strategy.adopt_swarm_state(self._stop.is_set, self.healer.epoch_when_isolated)
+        adopted = self.strategy.adopt_swarm_state(self._stop.is_set, floor)
         if adopted:
             logger.info(f"Adopted the swarm's state at global step {self.global_step}")
         self.events("adopted", {"step": self.global_step, "loaded": adopted})
@@ -548,8 +520,9 @@ class SwarmPeer:
             return
         self._closed = True
         self._stop.set()
-        if self.healer is not None:
-            self.healer.close()
+        for part in self.parts:
+            if part is not self.cores:  # the cores go last, after the strategy and the DHT
+                part.close()
         self._finalizer()
 
     def __enter__(self) -> SwarmPeer:
@@ -557,3 +530,27 @@ class SwarmPeer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _configs_of(run_settings: dict, peer_settings: dict, batch_size_per_step: int | None) -> tuple:
+    """The (RunConfig, PeerConfig) of a peer built from arguments, every problem in one error."""
+    import dataclasses
+
+    run = RunConfig(**run_settings)
+    problems = [p for p in run.problems() if p.split()[0] in RUN_SETTINGS]
+    if batch_size_per_step is not None and batch_size_per_step <= 0:
+        problems.append(f"batch_size_per_step must be positive, got {batch_size_per_step}")
+    compression = peer_settings["grad_compression"]
+    if compression not in GRAD_COMPRESSIONS:
+        choices = ", ".join(GRAD_COMPRESSIONS)
+        problems.append(f"grad_compression must be one of {choices}, got {compression!r}")
+    timeouts = ("matchmaking_time", "averaging_timeout", "load_state_timeout")
+    if any(peer_settings[name] <= 0 for name in timeouts):
+        problems.append("matchmaking_time, averaging_timeout and load_state_timeout must be positive")
+    known = {f.name for f in dataclasses.fields(PeerConfig)}
+    for name in sorted(set(peer_settings) - known):
+        problems.append(f"unknown setting {name!r} (see cotrain.config.PeerConfig)")
+    if problems:
+        raise UserError("; ".join(problems))
+    peer_settings.setdefault("backup_every_steps", 0)
+    return run, PeerConfig(**peer_settings)

@@ -5,19 +5,20 @@ it and never reaches into hivemind itself. ``sync`` is the seed recipe's large-b
 ``hivemind.Optimizer`` accumulates the swarm's samples until ``target_batch_size``, averages gradients in
 groups, and every peer takes the same optimizer step. ``diloco`` (cotrain.swarm.diloco) takes ``local_steps``
 steps of the inner optimizer alone, then averages the parameters' change over the round and takes one outer
-Nesterov step. A strategy is a class with the methods of ``Strategy``, registered in ``STRATEGIES``; its
+Nesterov step. A strategy is a subclass of ``Strategy``, registered in ``cotrain.registry.STRATEGIES``; its
 ``state_holder`` builds the averager through which the monitor and the evaluation peer download, keep and
 serve the swarm's state.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,16 +40,157 @@ class CheckpointParts:
     inner: tuple[torch.optim.Optimizer, Any] | None = None
 
 
-class Strategy:
-    """What the engine reads and calls of a strategy; ``self.opt`` is its hivemind-style optimizer (with
-    ``local_epoch``, ``tracker``, ``state_averager``, ``last_group_size``, ``rounds_averaged/failed``)."""
+class Strategy(abc.ABC):
+    """A training strategy, as the engine (``SwarmPeer``), the healer and the NaN guard see it: its progress,
+    a step, the state it trains and serves, and its end. Nothing here names hivemind: a strategy built on
+    other machinery implements the same methods. A new one is a subclass in a module of its own and a line in
+    ``cotrain.registry.STRATEGIES`` (or ``register_strategy``).
 
-    name = ""
+    Its constructor takes ``(dht, run, peer, params, optimizer, scheduler, batch_size_per_step,
+    should_stop)``: the swarm's DHT, the run's and the peer's settings (cotrain.config), the parameters (or
+    groups) to train, a function params -> torch optimizer, an optional function optimizer -> LR scheduler,
+    the default samples per ``step`` and a function that says when the peer is stopping."""
+
+    name: ClassVar[str] = ""
+
+    # --- progress ------------------------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def global_step(self) -> int:
+        """The swarm's global step this peer is at (diloco: outer rounds)."""
+
+    @property
+    @abc.abstractmethod
+    def swarm_step(self) -> int:
+        """The swarm's global step as this peer last saw it."""
+
+    @property
+    @abc.abstractmethod
+    def swarm_samples(self) -> int:
+        """Samples the swarm has accumulated toward its next global step, as last seen."""
+
+    @property
+    @abc.abstractmethod
+    def num_peers(self) -> int:
+        """Peers training in the run, this one included, as last seen."""
+
+    @property
+    @abc.abstractmethod
+    def last_group_size(self) -> int:
+        """Peers in this peer's last averaging group, itself included (1: it stepped alone)."""
+
+    @property
+    @abc.abstractmethod
+    def rounds(self) -> tuple[int, int]:
+        """Averaging rounds that succeeded and that failed so far."""
+
+    @property
+    @abc.abstractmethod
+    def samples_per_second(self) -> float:
+        """This peer's training throughput, as it reports it to the swarm."""
+
+    @property
+    @abc.abstractmethod
+    def batch_size_per_step(self) -> int | None:
+        """Samples behind one ``step`` when the caller gives none."""
+
+    @property
+    @abc.abstractmethod
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps the model's parameters."""
+
+    @property
+    @abc.abstractmethod
+    def client_mode(self) -> bool:
+        """Whether this peer only sends (it serves nothing, neither its state nor all-reduce parts)."""
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner optimizer steps (diloco; 0 where there are none)."""
+        return 0
+
+    @property
+    def round_bytes(self) -> int:
+        """Payload this peer sent in its last round (diloco; 0 where it is not measured)."""
+        return 0
+
+    @property
+    def inner(self) -> tuple[torch.optim.Optimizer, Any] | None:
+        """An inner (optimizer, scheduler) that a checkpoint also holds (diloco; None otherwise)."""
+        return None
+
+    # --- a step --------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def step(self, samples: int) -> None:
+        """The gradients in the parameters' ``.grad`` come from ``samples`` samples: take them into the
+        swarm's training (accumulate, average, step when the swarm has enough)."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    # --- the state it trains and serves ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def training_state(self) -> contextlib.AbstractContextManager:
+        """(optimizer, scheduler, parameters) of the state the swarm averages, locked while in use: what a
+        checkpoint saves, a resume and the NaN guard load into (the parameters in the optimizer's order)."""
+
+    @contextlib.contextmanager
+    def checkpoint_state(self) -> Iterator[CheckpointParts]:
+        """What a checkpoint saves (by default: ``training_state()``)."""
+        with self.training_state() as (optimizer, scheduler, params):
+            yield CheckpointParts(optimizer, scheduler, params)
+
+    @abc.abstractmethod
+    def state_replaced(self) -> None:
+        """``training_state()`` was written from outside (a checkpoint, the NaN guard's backup): the
+        copies the strategy keeps follow it, gradients accumulated since are dropped, its progress is
+        reported anew."""
+
+    @abc.abstractmethod
+    def resumed_at(self, step: int) -> None:
+        """After a checkpoint was loaded into ``training_state()``: continue from its global step."""
+
+    @abc.abstractmethod
+    def load_state_from_peers(self) -> None:
+        """Download the swarm's current state (bounded by the peer's load_state_timeout)."""
+
+    @abc.abstractmethod
+    def adopt_swarm_state(self, should_stop: Callable[[], bool], floor: int = 0) -> bool:
+        """Back from being cut off: load the swarm's state even when its step is lower than this peer's (not
+        lower than ``floor``). Returns whether it was loaded."""
+
+    @abc.abstractmethod
+    def share_state(self, on: bool) -> None:
+        """Serve this peer's state to newcomers, or stop serving it (its state diverged from the swarm's)."""
+
+    # --- the end -------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def cancel_rounds(self) -> None:
+        """Cancel pending averaging rounds, so that a blocked step returns and shutdown proceeds in order."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    # --- the monitor's and the evaluation peer's copy --------------------------------------------------
+
+    @staticmethod
+    @abc.abstractmethod
+    def state_holder(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:
+        """An averager that downloads, keeps and serves the swarm's state of this strategy for a monitor or an
+        evaluation peer (``model`` holds its parameters)."""
+
+
+class HivemindStrategy(Strategy):
+    """The parts of ``sync`` and ``diloco`` that work the same on their hivemind-style optimizer ``self.opt``
+    (``local_epoch``, ``tracker``, ``state_averager``, ``last_group_size``, ``rounds_averaged/failed``)."""
+
     opt: Any
     run_id: str
     load_state_timeout: float
-
-    # --- what the engine reads ---------------------------------------------------------------------
 
     @property
     def global_step(self) -> int:
@@ -56,12 +198,10 @@ class Strategy:
 
     @property
     def swarm_step(self) -> int:
-        """The swarm's global step as the progress tracker last saw it."""
         return int(self.opt.tracker.global_epoch)
 
     @property
     def swarm_samples(self) -> int:
-        """Samples the swarm has accumulated toward its next global step, as last seen."""
         return int(self.opt.tracker.global_progress.samples_accumulated)
 
     @property
@@ -74,7 +214,6 @@ class Strategy:
 
     @property
     def rounds(self) -> tuple[int, int]:
-        """Averaging rounds that succeeded and that failed so far."""
         return self.opt.rounds_averaged, self.opt.rounds_failed
 
     @property
@@ -87,26 +226,8 @@ class Strategy:
         return self.opt.batch_size_per_step
 
     @property
-    def hivemind_optimizer(self) -> Any:
-        """The underlying optimizer (for the healer and the NaN guard, which work on it)."""
-        return self.opt
-
-    @property
-    def inner_steps(self) -> int:
-        """Inner optimizer steps (diloco; 0 for sync)."""
-        return 0
-
-    @property
-    def round_bytes(self) -> int:
-        """Payload this peer sent in its last outer all-reduce (diloco; 0 for sync)."""
-        return 0
-
-    @property
-    def inner(self) -> tuple[torch.optim.Optimizer, Any] | None:
-        """DiLoCo's inner (optimizer, scheduler), which a checkpoint also holds; None for sync."""
-        return None
-
-    # --- what the engine calls ----------------------------------------------------------------------
+    def client_mode(self) -> bool:
+        return bool(self.opt.client_mode)
 
     def step(self, samples: int) -> None:
         self.opt.step(batch_size=samples)
@@ -115,13 +236,23 @@ class Strategy:
         self.opt.zero_grad()
 
     def load_state_from_peers(self) -> None:
-        """Download the swarm's current state, bounded by load_state_timeout."""
         self.opt.load_state_from_peers()
 
     def adopt_swarm_state(self, should_stop: Callable[[], bool], floor: int = 0) -> bool:
         from cotrain.swarm.healing import adopt_swarm_state
 
         return adopt_swarm_state(self.opt, self.run_id, self.load_state_timeout, should_stop, floor)
+
+    def share_state(self, on: bool) -> None:
+        self.opt.state_averager.allow_state_sharing = bool(on) and not self.client_mode
+
+    def state_replaced(self) -> None:
+        opt, averager = self.opt, self.opt.state_averager
+        if not averager.reuse_tensors:
+            load_local_tensors(averager)
+        if opt.use_gradient_averaging:
+            opt.grad_averager.reset_accumulated_grads_()
+        opt.tracker.report_local_progress(local_epoch=opt.local_epoch, samples_accumulated=0)
 
     def shutdown(self) -> None:
         self.cancel_rounds()
@@ -130,20 +261,8 @@ class Strategy:
         except Exception as e:
             logger.debug(f"optimizer shutdown: {e!r}")
 
-    def cancel_rounds(self) -> None:
-        raise NotImplementedError
 
-    def training_state(self) -> contextlib.AbstractContextManager:
-        raise NotImplementedError
-
-    def checkpoint_state(self) -> contextlib.AbstractContextManager[CheckpointParts]:
-        raise NotImplementedError
-
-    def resumed_at(self, step: int) -> None:
-        raise NotImplementedError
-
-
-class SyncStrategy(Strategy):
+class SyncStrategy(HivemindStrategy):
     """Synchronous large-batch training with ``hivemind.Optimizer`` (cotrain's ``SwarmOptimizer``)."""
 
     name = "sync"
@@ -228,19 +347,11 @@ class SyncStrategy(Strategy):
             yield averager.optimizer, averager.scheduler, averager.main_parameters
 
     def resumed_at(self, step: int) -> None:
-        """After a checkpoint was loaded into training_state(): continue from its global step."""
-        opt, averager = self.opt, self.opt.state_averager
+        averager = self.opt.state_averager
         averager.local_epoch = int(step)
-        if not averager.reuse_tensors:
-            load_local_tensors(averager)
-        opt.tracker.report_local_progress(local_epoch=opt.local_epoch, samples_accumulated=0)
-        if not opt.client_mode:
-            averager.state_sharing_priority = opt.local_epoch
-
-    @contextlib.contextmanager
-    def checkpoint_state(self) -> Iterator[CheckpointParts]:
-        with self.training_state() as (optimizer, scheduler, params):
-            yield CheckpointParts(optimizer, scheduler, params)
+        self.state_replaced()
+        if not self.client_mode:
+            averager.state_sharing_priority = self.opt.local_epoch
 
     @staticmethod
     def state_holder(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:
@@ -273,7 +384,7 @@ class SyncStrategy(Strategy):
         )
 
 
-class DiLoCoStrategy(Strategy):
+class DiLoCoStrategy(HivemindStrategy):
     """DiLoCo (cotrain.swarm.diloco): ``run.local_steps`` inner steps of the preset's optimizer and schedule,
     then an outer Nesterov step on the swarm's averaged change; a round is ``local_steps x
     target_batch_size`` samples of the swarm."""
@@ -408,10 +519,10 @@ class DiLoCoStrategy(Strategy):
 
 
 def aggregation_of(run: RunConfig) -> Any:
-    """The aggregation (cotrain.swarm.robust.Aggregation) that a RunConfig asks for."""
-    from cotrain.swarm.robust import Aggregation, parse_tau
+    """The aggregation part (cotrain.swarm.aggregation) that a RunConfig names, with its settings."""
+    from cotrain.swarm.aggregation import build, parse_tau
 
-    return Aggregation(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations)
+    return build(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations)
 
 
 def _averager_options(peer: PeerConfig) -> dict:
@@ -440,11 +551,3 @@ def _tracker_settings(peer: PeerConfig) -> dict:
     }
 
 
-STRATEGIES: dict[str, type[Strategy]] = {"sync": SyncStrategy, "diloco": DiLoCoStrategy}
-
-
-def strategy_class(name: str) -> type:
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}") from None

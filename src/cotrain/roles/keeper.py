@@ -29,10 +29,10 @@ import torch
 
 from cotrain import checkpoints as ck
 from cotrain.config import Config
-from cotrain.engine.strategy import strategy_class
 from cotrain.errors import UserError
 from cotrain.layout import LayoutModel
 from cotrain.nocompile import keep_dynamo_out
+from cotrain.registry import strategy_class
 from cotrain.swarm import internals
 from cotrain.swarm.internals.hooks import load_local_tensors
 

@@ -85,18 +85,18 @@ class Trainer:
             self._choose_micro_batch(model, data, collator, devices[0], precision)
         micro = peer.per_device_train_batch_size * len(devices)
         step_samples = micro * peer.gradient_accumulation_steps
-        self.peer = swarm = SwarmPeer.from_config(
-            run,
-            peer,
+        self.peer = swarm = SwarmPeer(
             model,
+            optimizer_factory(run),
+            scheduler_factory(run),
+            config=(run, peer),
             connection=self.connection,
             params=parameter_groups(model, run.weight_decay),
-            optimizer=optimizer_factory(run),
-            scheduler=scheduler_factory(run),
             batch_size_per_step=step_samples,
             stop=self.stop,
             grad_scaler=precision.scaler,
             events=self._event,
+            start=False,  # it resumes from its own checkpoint first, then catches up
         )
         logger.info(
             f"Trainer {swarm.peer_id} joined run {run.run_id!r}: "

@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 from hivemind.optim.grad_averager import GradientAverager
 
+from cotrain.swarm.aggregation import Aggregation, Mean
 from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.liveness import WatchedRounds
-from cotrain.swarm.robust import Aggregation, RobustAveraging
+from cotrain.swarm.robust import RobustAveraging
 
 # Parts of its tensors that an all-reduce reads ahead from each stream. A reducer returns a part's average
 # only once every sender's copy of it has arrived, and reads a sender's next part only after that; reading
@@ -37,7 +38,7 @@ class SwarmGradientAverager(ServedInThread, RobustAveraging, GradientAverager, W
         self,
         *args,
         read_ahead: int = READ_AHEAD_PARTS,
-        aggregation: Aggregation = Aggregation(),
+        aggregation: Aggregation = Mean(),
         start: bool = False,
         **kwargs,
     ) -> None:

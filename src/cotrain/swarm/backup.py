@@ -3,9 +3,10 @@
 Every ``--backup-every-steps`` global steps the trainer keeps a host-memory copy of the parameters and the
 optimizer's state (LAMB/Adam moments). When a micro-batch's loss is NaN/inf and the parameters turn out to be
 non-finite, or the parameters are non-finite right after a global step, the guard copies the backup back
-(into the model, hivemind's offloaded optimizer and its averaging buffers), drops the gradients accumulated
-since, and then, when other peers are training, loads the swarm's current state from them. The trainer keeps
-training either way; it never sends non-finite gradients to the swarm (see the trainer loop).
+(into the model, the optimizer's copy of the parameters and the strategy's averaging buffers), drops the
+gradients accumulated since, and then, when other peers are training, loads the swarm's current state from
+them. The trainer keeps training either way; it never sends non-finite gradients to the swarm (see the
+trainer loop).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import logging
 
 import torch
 
-from cotrain.swarm.internals.hooks import load_local_tensors
-
 logger = logging.getLogger(__name__)
 
 
@@ -24,15 +23,17 @@ def tensors_finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def _optimizer_parameters(averager) -> list[torch.Tensor]:
-    return [p for group in averager.optimizer.param_groups for p in group["params"]]
+def _optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 class BackupGuard:
-    """Backs up and restores the training state of one hivemind.Optimizer (see the module's doc)."""
+    """Backs up and restores the training state of one training strategy (cotrain.engine.strategy.Strategy:
+    its ``training_state()``, ``state_replaced()``, ``global_step``, ``num_peers`` and
+    ``load_state_from_peers()``; see the module's doc)."""
 
-    def __init__(self, opt, every: int):
-        self.opt, self.every = opt, every
+    def __init__(self, strategy, every: int):
+        self.strategy, self.every = strategy, every
         self.step: int | None = None
         self.params: list[torch.Tensor] = []
         self.optimizer_state: dict | None = None
@@ -43,22 +44,18 @@ class BackupGuard:
         return self.every > 0
 
     def parameters_finite(self) -> bool:
-        averager = self.opt.state_averager
-        with averager.lock_averaged_tensors:
-            return tensors_finite(averager.main_parameters) and tensors_finite(
-                _optimizer_parameters(averager)
-            )
+        with self.strategy.training_state() as (optimizer, _, params):
+            return tensors_finite(params) and tensors_finite(_optimizer_parameters(optimizer))
 
     def backup(self) -> None:
         """Copy the parameters and optimizer state to host memory (only when they are finite)."""
-        averager = self.opt.state_averager
-        with averager.lock_averaged_tensors:
-            params = _optimizer_parameters(averager)
+        with self.strategy.training_state() as (optimizer, _, _params):
+            params = _optimizer_parameters(optimizer)
             if not tensors_finite(params):
                 return
             self.params = [p.detach().to("cpu", copy=True) for p in params]
-            self.optimizer_state = copy.deepcopy(averager.optimizer.state_dict())
-            self.step = self.opt.local_epoch
+            self.optimizer_state = copy.deepcopy(optimizer.state_dict())
+            self.step = self.strategy.global_step
         logger.debug(f"Backed up the training state of global step {self.step}")
 
     def after_global_step(self) -> bool:
@@ -67,9 +64,9 @@ class BackupGuard:
         if not self.enabled:
             return False
         if not self.parameters_finite():
-            self.restore(f"non-finite parameters after global step {self.opt.local_epoch}")
+            self.restore(f"non-finite parameters after global step {self.strategy.global_step}")
             return True
-        if self.step is None or self.opt.local_epoch >= self.step + self.every:
+        if self.step is None or self.strategy.global_step >= self.step + self.every:
             self.backup()
         return False
 
@@ -81,28 +78,21 @@ class BackupGuard:
         return True
 
     def restore(self, reason: str) -> None:
-        opt = self.opt
-        averager = opt.state_averager
+        strategy = self.strategy
         if self.optimizer_state is None:
             logger.warning(f"{reason}: no backup yet; loading the swarm's state instead")
         else:
-            with averager.lock_averaged_tensors, torch.no_grad():
+            with strategy.training_state() as (optimizer, _, main_parameters), torch.no_grad():
                 for saved, main, offloaded in zip(
-                    self.params, averager.main_parameters, _optimizer_parameters(averager), strict=True
+                    self.params, main_parameters, _optimizer_parameters(optimizer), strict=True
                 ):
                     main.copy_(saved)
                     if offloaded is not main:
                         offloaded.copy_(saved)
-                averager.optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
-            if not averager.reuse_tensors:
-                load_local_tensors(averager)
+                optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
             logger.warning(f"{reason}: restored the backup of global step {self.step}")
+        strategy.state_replaced()
         self.restores += 1
-        if opt.use_gradient_averaging:
-            opt.grad_averager.reset_accumulated_grads_()
-        opt.tracker.report_local_progress(local_epoch=opt.local_epoch, samples_accumulated=0)
-        if opt.tracker.global_progress.num_peers > 1:
+        if strategy.num_peers > 1:
             logger.info("Loading the swarm's current state after the restore")
-            opt.load_state_from_peers()
-        if not self.parameters_finite():  # neither the backup nor the swarm: keep what is finite at least
-            logger.error("The parameters are still not finite after restoring; training goes on regardless")
+            strategy.load_state_from_peers()

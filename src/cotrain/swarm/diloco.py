@@ -47,6 +47,7 @@ from hivemind.utils import get_dht_time
 
 from cotrain.faults import Attack
 from cotrain.swarm import internals
+from cotrain.swarm.aggregation import Aggregation, Mean
 from cotrain.swarm.diloco_state import (
     DiLoCoStateAverager,
     outer_optimizer_factory,
@@ -63,7 +64,6 @@ from cotrain.swarm.lineage import (
 from cotrain.swarm.liveness import RoundWatch
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, tracker_class
-from cotrain.swarm.robust import Aggregation
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class DiLoCoOptimizer:
         compression: CompressionBase,
         batch_size_per_step: int | None = None,
         averager_opts: dict | None = None,
-        aggregation: Aggregation = Aggregation(),
+        aggregation: Aggregation = Mean(),
         tracker_opts: dict | None = None,
         performance_ema_alpha: float = 0.1,
         verbose: bool = False,

@@ -28,7 +28,7 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -111,14 +111,15 @@ class SwarmHealer(threading.Thread):
         dht: hivemind.DHT,
         initial_peers: list[str],
         stop: threading.Event,
-        opt: SwarmOptimizer | None = None,
+        strategy: Any = None,
         *,
         check_period: float = CHECK_PERIOD,
         isolated_after: float = ISOLATED_AFTER,
         timeout: float = CALL_TIMEOUT,
     ):
         super().__init__(daemon=True, name="swarm-healer")
-        self.dht, self.initial_peers, self.opt = dht, list(initial_peers), opt
+        # the peer's training strategy (cotrain.engine.strategy.Strategy): None when nothing trains here
+        self.dht, self.initial_peers, self.strategy = dht, list(initial_peers), strategy
         self.check_period, self.isolated_after, self.timeout = check_period, isolated_after, timeout
         self.stop = stop
         self._closed = threading.Event()
@@ -188,9 +189,9 @@ class SwarmHealer(threading.Thread):
     def _cut_off(self, now: float, table_size: int) -> None:
         self.isolated_since = now
         self.isolations += 1
-        self.epoch_when_isolated = self.opt.local_epoch if self.opt is not None else 0
-        if self.opt is not None and not self.opt.client_mode:
-            self.opt.state_averager.allow_state_sharing = False  # its state is diverging from the swarm's
+        self.epoch_when_isolated = self.strategy.global_step if self.strategy is not None else 0
+        if self.strategy is not None:
+            self.strategy.share_state(False)  # its state is diverging from the swarm's
         logger.warning(
             f"No other peer has answered for {now - self.last_contact:.0f} s ({table_size} in the routing "
             f"table): this peer is cut off from the swarm. Contacting its {len(self.initial_peers)} initial "
@@ -201,12 +202,13 @@ class SwarmHealer(threading.Thread):
         alone = now - (self.isolated_since or now)
         self.isolated_since = None
         self.rejoins += 1
-        steps_alone = (self.opt.local_epoch - self.epoch_when_isolated) if self.opt is not None else 0
+        strategy = self.strategy
+        steps_alone = (strategy.global_step - self.epoch_when_isolated) if strategy is not None else 0
         logger.info(
             f"Back in the swarm after {alone:.0f} s cut off: {answered} peers answered"
             + (f"; {steps_alone} global steps were taken alone meanwhile" if steps_alone > 0 else "")
         )
-        if self.opt is not None:
+        if self.strategy is not None:
             self.resync.set()  # the training loop adopts the swarm's state, then shares its own again
 
 

@@ -27,9 +27,10 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils.asyncio import enter_asynchronously
 
+from cotrain.swarm.aggregation import Aggregation, Mean
 from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.liveness import WatchedRounds
-from cotrain.swarm.robust import Aggregation, RobustAveraging
+from cotrain.swarm.robust import RobustAveraging
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
         dht: hivemind.DHT,
         *,
         changes: int,
-        aggregation: Aggregation = Aggregation(),
+        aggregation: Aggregation = Mean(),
         **kwargs,
     ):
         self.changes, self.aggregation = changes, aggregation

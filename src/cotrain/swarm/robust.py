@@ -33,7 +33,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises typing's, not collections.abc's)
 
 import torch
@@ -45,88 +44,18 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 
 from cotrain.faults import silent_allreduce
+from cotrain.swarm.aggregation import FAR_OUTSIDE, Aggregation, Mean
 from cotrain.swarm.direct import DirectTransport
 from cotrain.swarm.internals.hooks import Runner
 
 logger = logging.getLogger(__name__)
 
-AGGREGATIONS = ("mean", "centered-clip")  # the same names as RunConfig's (cotrain.config.run)
-AUTO_TAU_FACTOR = 2.0  # auto tau: this many times the median distance of the contributions from the median
-# centered-clip: a contribution weighs at most the median weight. A higher cap lets one peer that claims
-# many samples outweigh the honest ones in a small group (at 4 x the median, one of 4 peers holds 57%).
-WEIGHT_CAP = 1.0
-FAR_OUTSIDE = 2.0  # a contribution this many times tau from the result counts as an outlier
 # centered-clip: the group's result is applied moved at most this many times the norm of this peer's own
 # contribution away from it (honest gradients differ by their noise, less than their norm; in a pair with an
 # attacker, or where the attacker is the reducer, the attacker can cancel this peer's update, not reverse it)
 RECEIVED_BOUND = 1.0
 STRIKES = 3  # all-reduces in which a peer was caught before it is excluded
 EXCLUSION_SECONDS = 600.0
-
-
-@dataclass(frozen=True)
-class Aggregation:
-    """How reducers combine the contributions to a part: ``name`` in AGGREGATIONS; for centered-clip ``tau``
-    (absolute, > 0) or None for auto, and the number of ``iterations``."""
-
-    name: str = "mean"
-    tau: float | None = None
-    iterations: int = 5
-
-    def __post_init__(self) -> None:
-        if self.name not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.name!r}")
-        if self.tau is not None and not self.tau > 0:
-            raise ValueError(f"clip tau must be positive (or auto), got {self.tau}")
-        if self.iterations < 1:
-            raise ValueError(f"clip iterations must be at least 1, got {self.iterations}")
-
-    @property
-    def robust(self) -> bool:
-        return self.name == "centered-clip"
-
-
-def parse_tau(value: str | float | None) -> float | None:
-    """``--clip-tau``: "auto" (None) or a positive number."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    tau = float(value)
-    if not tau > 0:
-        raise ValueError(f"clip tau must be positive or auto, got {value!r}")
-    return tau
-
-
-def capped_weights(weights: torch.Tensor, cap: float = WEIGHT_CAP) -> torch.Tensor:
-    """Weights capped at ``cap`` times their median (a minority cannot move the median)."""
-    if len(weights) == 0:
-        return weights
-    limit = cap * weights.median()
-    return torch.minimum(weights, limit) if limit > 0 else weights
-
-
-@torch.no_grad()
-def centered_clip(
-    parts: torch.Tensor, weights: torch.Tensor, tau: float | None, iterations: int
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """CenteredClip of ``parts`` (n x d) with ``weights`` (n). Returns (the result, each contribution's
-    distance from it in units of tau, the tau used)."""
-    parts = parts.float()
-    weights = weights.float()
-    total = weights.sum()
-    if total <= 0:
-        weights, total = torch.ones_like(weights), torch.tensor(float(len(weights)))
-    center = parts.median(dim=0).values if len(parts) > 2 else parts.mean(dim=0)
-    if tau is None:
-        distances = (parts - center).norm(dim=1)
-        tau = AUTO_TAU_FACTOR * distances.median().item()
-        if not tau > 0:  # most contributions equal: any that differs is clipped to nothing
-            tau = torch.finfo(torch.float32).tiny
-    for _ in range(iterations):
-        diff = parts - center
-        scale = (tau / diff.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0)
-        center = center + (weights * scale) @ diff / total
-    distance = (parts - center).norm(dim=1) / tau
-    return center, distance, tau
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -202,15 +131,10 @@ class RobustPartReducer(TensorPartReducer):
         senders = sorted(self.contributions)
         parts = torch.stack([self.contributions[i][0].reshape(-1).float() for i in senders])
         weights = torch.tensor([self.contributions[i][1] for i in senders])
-        if not self.aggregation.robust:
-            total = weights.sum()
-            weights = weights / total if total > 0 else torch.full_like(weights, 1 / len(weights))
-            return (weights @ parts).reshape(shape)
-        result, distance, _ = centered_clip(
-            parts, capped_weights(weights), self.aggregation.tau, self.aggregation.iterations
-        )
-        for i, far in zip(senders, (distance > FAR_OUTSIDE).tolist(), strict=True):
-            self.outliers[i] += int(far)
+        result, outliers = self.aggregation.combine(parts, weights)
+        if outliers is not None:
+            for i, far in zip(senders, outliers.tolist(), strict=True):
+                self.outliers[i] += int(far)
         return result.reshape(shape)
 
     def suspicion(self) -> list[int]:
@@ -292,7 +216,7 @@ class RobustAveraging(DirectTransport):
     in ``STRIKES`` all-reduces are excluded for a while (see the module's doc); parts travel over direct
     connections where they can (cotrain.swarm.direct). Runs in the averager's process."""
 
-    aggregation: Aggregation = Aggregation()
+    aggregation: Aggregation = Mean()
 
     def excluded_peers(self) -> set:
         now = time.monotonic()

@@ -1,0 +1,147 @@
+"""Strategies and aggregations are parts: one written in a module of its own (tests/toy_parts.py) plugs in
+through the registries and trains a live swarm, the engine unchanged; the registries refuse what they cannot
+hold and the run's config reads its choices from them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cotrain_env, wait_until
+from cotrain import registry
+from cotrain.config import RunConfig
+from cotrain.engine.strategy import Strategy
+from cotrain.swarm.aggregation import Aggregation, build
+
+TESTS = Path(__file__).resolve().parent
+
+PEER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import toy_parts  # registers the model-averaging strategy and the trimmed-mean aggregation
+import cotrain
+
+seed, rounds = int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(seed)
+true_w = torch.arange(1.0, 9.0)[:, None] / 8
+model = torch.nn.Linear(8, 1)
+peer = cotrain.SwarmPeer(
+    model, optimizer=lambda params: torch.optim.SGD(params, lr=0.05), run_id="toy-parts",
+    target_batch_size=32,
+    strategy="model-averaging", aggregation="trimmed-mean", local_steps=4, initial_peers=sys.argv[4:],
+    host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, averaging_timeout=15.0,
+)
+print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
+losses = []
+while peer.global_step < rounds:
+    x = torch.randn(16, 8)
+    loss = torch.nn.functional.mse_loss(model(x), x @ true_w + 0.01 * torch.randn(16, 1))
+    loss.backward()
+    losses.append(loss.item())
+    if peer.step(batch_size=16, loss=losses[-1]):
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        print(json.dumps({"event": "round", "step": peer.global_step, "loss": sum(losses) / len(losses),
+                          "group": peer.last_group_size, "params": flat.tolist()}), flush=True)
+        losses.clear()
+print(json.dumps({"event": "done", "combined": toy_parts.TrimmedMean.combined,
+                  "strategy": type(peer.strategy).__name__}), flush=True)
+peer.shutdown()
+"""
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
+    rounds, procs, outs = 8, [], []
+
+    def start(seed: int, initial: list[str]) -> Path:
+        out = tmp_path / f"peer{seed}.log"
+        with open(out, "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", PEER, str(TESTS), str(seed), str(rounds), *initial],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=cotrain_env(),
+                )
+            )
+        outs.append(out)
+        return out
+
+    try:
+        first = start(0, [])
+        ready = wait_until(lambda: next((e for e in _events(first) if e["event"] == "ready"), None), 120)
+        start(1, [m for m in ready["maddrs"] if "/127.0.0.1/" in m])
+        for proc, out in zip(procs, outs, strict=True):
+            proc.wait(timeout=180)
+            assert proc.returncode == 0, out.read_text()[-3000:]
+        runs = [_events(out) for out in outs]
+        for events in runs:
+            done = events[-1]
+            assert done["event"] == "done" and done["strategy"] == "ModelAveraging", events[-1]
+            assert done["combined"] > 0  # this process's reducer combined parts with the toy aggregation
+            steps = [e for e in events if e["event"] == "round"]
+            assert [e["step"] for e in steps] == list(range(1, rounds + 1))
+            assert steps[-1]["loss"] < 0.5 * steps[0]["loss"], steps
+        together = [
+            (a, b)
+            for a in runs[0]
+            for b in runs[1]
+            if a["event"] == b["event"] == "round" and a["step"] == b["step"]
+            and a["group"] == b["group"] == 2
+        ]
+        assert together, "the two peers never averaged together"
+        for a, b in together:  # after a round together both hold the group's average
+            assert torch.allclose(torch.tensor(a["params"]), torch.tensor(b["params"]), atol=1e-5), (a, b)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+class _Trimmed(Aggregation):
+    name = "trimmed-mean-again"
+
+
+def test_the_registries_name_the_parts_and_refuse_what_they_cannot_hold():
+    assert list(registry.STRATEGIES)[:2] == ["sync", "diloco"]
+    assert issubclass(registry.strategy_class("sync"), Strategy)
+    assert issubclass(registry.strategy_class("diloco"), Strategy)
+    with pytest.raises(ValueError, match="unknown strategy 'nope'; choose one of: sync, diloco"):
+        registry.strategy_class("nope")
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register_aggregation("mean", _Trimmed)
+    with pytest.raises(ValueError, match="without dots"):
+        registry.register_strategy("a.b", Strategy)
+    assert "strategy must be one of sync, diloco" in " ".join(RunConfig(strategy="nope").problems())
+    # a part registered by name is a choice of the run's config at once, and builds with the run's settings
+    try:
+        registry.register_aggregation("trimmed-mean-again", _Trimmed)
+        assert RunConfig(aggregation="trimmed-mean-again").problems() == []
+        assert build("trimmed-mean-again", tau=2.0) == _Trimmed(tau=2.0)
+    finally:
+        registry.AGGREGATIONS.pop("trimmed-mean-again", None)
+    # the interface is abstract: a strategy that leaves a method out cannot be built
+    with pytest.raises(TypeError, match="abstract"):
+        type("Half", (Strategy,), {})()
+
+
+def test_the_mean_and_centered_clip_parts_combine_as_their_names_say():
+    parts = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [100.0, -100.0]])
+    weights = torch.tensor([1.0, 1.0, 2.0, 1.0])
+    mean, judged = build("mean").combine(parts, weights)
+    torch.testing.assert_close(mean, (weights @ parts) / weights.sum())
+    assert judged is None
+    clipped, far = build("centered-clip").combine(parts, weights)
+    assert far.tolist() == [False, False, False, True]  # the outlier, and only it
+    assert (clipped - parts[:3].mean(0)).norm() < (mean - parts[:3].mean(0)).norm()

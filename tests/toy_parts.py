@@ -1,0 +1,200 @@
+"""A third training strategy and a third aggregation, written as a new module of cotrain's would be: each a
+class on cotrain's interfaces (cotrain.engine.strategy.Strategy, cotrain.swarm.aggregation.Aggregation) and
+one registry line. Nothing in the engine, the healer or the NaN guard knows them.
+
+- ``model-averaging``: local SGD. Every peer steps its own optimizer on every micro-batch; every
+  ``local_steps`` of its own steps it averages its parameters with the peers it is matched with (one
+  all-reduce of the parameters themselves, combined by the run's aggregation). A global step is a round.
+- ``trimmed-mean``: per coordinate, the mean of the contributions left once the lowest and highest quarter
+  are dropped (all of them below four senders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from hivemind.optim.progress_tracker import ProgressTracker
+
+from cotrain.engine.strategy import Strategy, aggregation_of
+from cotrain.registry import register_aggregation, register_strategy
+from cotrain.swarm.aggregation import Aggregation
+from cotrain.swarm.internals.hooks import Averager
+from cotrain.swarm.internals.hosting import ServedInThread
+from cotrain.swarm.robust import RobustAveraging
+
+
+class TrimmedMean(Aggregation):
+    name = "trimmed-mean"
+    combined = 0  # parts combined in this process (the test reads it)
+
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        TrimmedMean.combined += 1
+        cut = len(parts) // 4
+        kept = parts.sort(dim=0).values[cut : len(parts) - cut]
+        return kept.mean(dim=0), None
+
+
+class ParameterAverager(ServedInThread, RobustAveraging, Averager):
+    """An averager of the model's parameters whose reducers use the run's aggregation; it serves its
+    tensors and the round they belong to."""
+
+    def __init__(self, tensors: list[torch.Tensor], dht: Any, *, aggregation: Aggregation, **kwargs: Any):
+        self.aggregation, self.round = aggregation, 0
+        super().__init__(tensors, dht, **kwargs)
+
+    def get_current_state(self):
+        _, tensors, infos = super().get_current_state()
+        return {"round": self.round}, tensors, infos
+
+
+class ModelAveraging(Strategy):
+    name = "model-averaging"
+
+    def __init__(self, dht, run, peer, params, optimizer, scheduler, batch_size_per_step, should_stop):
+        self.params = [
+            p for group in params for p in (group["params"] if isinstance(group, dict) else [group])
+        ]
+        self._optimizer = optimizer(params)
+        self._scheduler = scheduler(self._optimizer) if scheduler is not None else None
+        self.local_steps, self.timeout = run.local_steps, peer.averaging_timeout
+        self._batch, self._client = batch_size_per_step, bool(dht.client_mode)
+        self._lock = threading.Lock()
+        self.averager = ParameterAverager(
+            [p.detach().clone() for p in self.params],
+            dht,
+            aggregation=aggregation_of(run),
+            prefix=f"{run.run_id}_params",
+            target_group_size=peer.target_group_size,
+            min_matchmaking_time=peer.matchmaking_time,
+            request_timeout=max(1.0, peer.matchmaking_time / 2),
+            client_mode=self._client,
+            start=True,
+        )
+        self.tracker = ProgressTracker(dht, f"{run.run_id}_toy", run.target_batch_size, start=True)
+        self.steps, self.samples, self.started = 0, 0, time.monotonic()
+        self.group, self.averaged, self.failed = 1, 0, 0
+
+    # progress
+    @property
+    def global_step(self) -> int:
+        return self.averager.round
+
+    @property
+    def swarm_step(self) -> int:
+        return max(self.global_step, int(self.tracker.global_epoch))
+
+    @property
+    def swarm_samples(self) -> int:
+        return int(self.tracker.global_progress.samples_accumulated)
+
+    @property
+    def num_peers(self) -> int:
+        return int(self.tracker.global_progress.num_peers)
+
+    @property
+    def last_group_size(self) -> int:
+        return self.group
+
+    @property
+    def rounds(self) -> tuple[int, int]:
+        return self.averaged, self.failed
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / max(time.monotonic() - self.started, 1e-3)
+
+    @property
+    def batch_size_per_step(self) -> int | None:
+        return self._batch
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client
+
+    # a step
+    def step(self, samples: int) -> None:
+        with self._lock:
+            self._optimizer.step()
+            if self._scheduler is not None:
+                self._scheduler.step()
+        self.steps, self.samples = self.steps + 1, self.samples + samples
+        self.tracker.report_local_progress(self.global_step, self.samples)
+        if self.steps % self.local_steps == 0:
+            self._average(samples)
+
+    def _average(self, weight: int) -> None:
+        with self.averager.get_tensors() as tensors, torch.no_grad():
+            for tensor, param in zip(tensors, self.params, strict=True):
+                tensor.copy_(param)
+        try:
+            group = self.averager.step(weight=float(weight), timeout=self.timeout)
+        except Exception:
+            group = None
+        self.group = len(group) if group else 1
+        if group:
+            self.averaged += 1
+            with self.averager.get_tensors() as tensors, torch.no_grad(), self._lock:
+                for tensor, param in zip(tensors, self.params, strict=True):
+                    param.copy_(tensor)
+        else:
+            self.failed += 1
+        self.averager.round += 1
+
+    def zero_grad(self) -> None:
+        self._optimizer.zero_grad()
+
+    # the state
+    @contextlib.contextmanager
+    def training_state(self) -> Iterator[tuple[torch.optim.Optimizer, Any, list[torch.Tensor]]]:
+        with self._lock:
+            yield self._optimizer, self._scheduler, self.params
+
+    def state_replaced(self) -> None:
+        self.tracker.report_local_progress(self.global_step, 0)
+
+    def resumed_at(self, step: int) -> None:
+        self.averager.round = int(step)
+        self.state_replaced()
+
+    def load_state_from_peers(self) -> None:
+        loaded = self.averager.load_state_from_peers(timeout=self.timeout)
+        if loaded is None:
+            return
+        metadata, tensors = loaded
+        with torch.no_grad(), self._lock:
+            for param, tensor in zip(self.params, tensors, strict=True):
+                param.copy_(tensor)
+        self.averager.round = int(metadata["round"])
+
+    def adopt_swarm_state(self, should_stop, floor: int = 0) -> bool:
+        before = self.global_step
+        self.load_state_from_peers()
+        return self.global_step != before
+
+    def share_state(self, on: bool) -> None:
+        self.averager.allow_state_sharing = bool(on) and not self._client
+
+    # the end
+    def cancel_rounds(self) -> None:
+        pass  # each round is awaited within its step
+
+    def shutdown(self) -> None:
+        self.tracker.shutdown()
+        self.averager.shutdown()
+
+    @staticmethod
+    def state_holder(dht, run, peer, model):
+        raise NotImplementedError("model-averaging keeps no monitor copy of the swarm's state")
+
+
+register_strategy("model-averaging", ModelAveraging)
+register_aggregation("trimmed-mean", TrimmedMean)
