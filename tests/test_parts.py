@@ -91,7 +91,8 @@ def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
             assert done["event"] == "done" and done["strategy"] == "ModelAveraging", events[-1]
             assert done["combined"] > 0  # this process's reducer combined parts with the toy aggregation
             steps = [e for e in events if e["event"] == "round"]
-            assert [e["step"] for e in steps] == list(range(1, rounds + 1))
+            # a peer that joined after the first round catches up with the swarm's round (it downloads it)
+            assert [e["step"] for e in steps] == list(range(steps[0]["step"], rounds + 1)) and len(steps) >= 5
             assert steps[-1]["loss"] < 0.5 * steps[0]["loss"], steps
         together = [
             (a, b)

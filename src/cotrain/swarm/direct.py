@@ -63,6 +63,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
+from cotrain.swarm.internals.hooks import Averager
+
 logger = logging.getLogger(__name__)
 
 TICKET_BYTES = 16
@@ -536,7 +538,7 @@ class _DirectStub:
         return await self._direct_client.open(self._libp2p_stub, self._remote, inputs)
 
 
-class DirectTransport:
+class DirectTransport(Averager):
     """For a hivemind DecentralizedAverager subclass (put it first among the bases): its all-reduce streams to
     other reducers go over direct connections where they can (``direct``, on by default), and it answers other
     peers' offer requests. Runs in the averager's process."""

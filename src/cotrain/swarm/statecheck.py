@@ -106,6 +106,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     verdict,
     weigh_trusted,
 )
+from cotrain.swarm.internals.hooks import Averager
 from cotrain.swarm.internals.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
 from cotrain.swarm.liveness import WatchedRounds
@@ -251,7 +252,7 @@ class FingerprintPublisher(threading.Thread):
 # --- the holders ----------------------------------------------------------------------------------------
 
 
-class CheckedStateDownloads:
+class CheckedStateDownloads(Averager):
     """A mixin for hivemind's ``TrainingStateAverager`` (and cotrain's ``DiLoCoStateAverager``): publishes
     the fingerprint of the state it holds, and downloads a state only from a donor whose state matches the
     fingerprints others published (see the module's doc). The first tensors of the served state, the
