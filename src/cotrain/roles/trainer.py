@@ -132,8 +132,8 @@ class Trainer:
         seen = 0  # samples of this peer's data consumed, for --num-train-epochs
         # samples the swarm accumulates per global step (diloco: per outer round)
         bar = StepProgress(run.target_batch_size * (run.local_steps if run.strategy == "diloco" else 1))
-        while not self.stop.is_set():  # the loop of examples/custom_loop.py, with the trainer's data and
-        limits
+        # the loop of examples/custom_loop.py, with the trainer's data and limits
+        while not self.stop.is_set():
             loss = accumulate_gradients(  # forward and backward over the step's micro-batches
                 train_model, stream, peer.gradient_accumulation_steps, devices[0], precision, forward_loss
             )
