@@ -297,7 +297,7 @@ def tcp_connects(
 def remove_shared_memory(pids: list[int]) -> None:
     """Delete the torch shared-memory files (``/dev/shm/torch_<pid>_*``) of these processes once they are
     gone: a process killed together with its ``torch_shm_manager`` leaves them behind, holding RAM."""
-    from cotrain.shm import remove_leftovers
+    from cotrain.host.shm import remove_leftovers
 
     remove_leftovers(pids)
 

@@ -121,7 +121,7 @@ class Swarm:
         self.tree: set[int] = set()
 
     def start(self, name: str, args: list[str], threads: int) -> None:
-        # malloc's arenas as cotrain sets them for its workers (cotrain.procs.worker_env)
+        # malloc's arenas as cotrain sets them for its workers (cotrain.host.procs.worker_env)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         with open(self.out / f"{name}.log", "w") as log:
             self.procs[name] = subprocess.Popen(

@@ -3,7 +3,7 @@
 Each role is a tree of processes: the supervisor the user started, its worker, the worker's forked children
 (hivemind's DHT, with its libp2p daemon ``p2pd``; the averagers: a trainer's gradient and state averagers, the
 monitor's state keeper), and, where tensors are shared through files in /dev/shm (hivemind's default, which
-cotrain's peers replace by file descriptors: cotrain.shm), torch's ``torch_shm_manager``. Every
+cotrain's peers replace by file descriptors: cotrain.host.shm), torch's ``torch_shm_manager``. Every
 ``--interval`` seconds each process's RSS, PSS and USS are sampled (psutil, from
 /proc/PID/smaps): PSS counts a page shared by k processes as 1/k in each, so the PSS of a role's tree is
 what it adds to the machine's memory beside the other peers; USS is what only that process holds (freed when

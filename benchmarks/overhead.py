@@ -209,7 +209,7 @@ def plain_worker(args: argparse.Namespace) -> None:
 
     from cotrain.data import AlbertCollator, ExampleStream
     from cotrain.engine import accumulate_gradients, batches, gradient_norm
-    from cotrain.hardware import Precision
+    from cotrain.host.hardware import Precision
     from cotrain.models import build_model, forward_loss
     from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 

@@ -15,7 +15,7 @@ Arms, in this order: one trainer alone, the trainers together oversubscribed, th
 one trainer alone again (the baseline is the lone run that other programs disturbed least). The
 oversubscribed arm passes ``--torch-threads CORES`` (what torch takes by default); the shared arm passes
 ``--torch-threads cores // trainers`` explicitly, or with --auto ``--torch-threads 0`` (every arm then
-relies on the trainer's own sharing, cotrain.cores.CoreShare). The machine may be shared: before each arm
+relies on the trainer's own sharing, cotrain.host.cores.CoreShare). The machine may be shared: before each arm
 the driver waits (at most --idle-wait s) for other programs to go quiet, and it reports the cores they used
 during each window ("other load"). Goal: together (shared) >= 0.8x alone.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 import psutil
 
 from chaos import prepare_data, read_rows  # the demo corpus at 128 tokens, JSON lines
-from cotrain.cores import machine_cores, share_of
+from cotrain.host.cores import machine_cores, share_of
 
 LOCALHOST = "/ip4/127.0.0.1/tcp/0"
 FIRST_STEP_TIMEOUT = 120.0

@@ -130,18 +130,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         host_maddrs=args.host_maddrs,
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
+        max_grad_norm=1.0,  # each step's gradients clipped to this norm before they go to the swarm
     ) as peer:
         say(event="ready", peer_id=peer.peer_id, maddrs=peer.maddrs, step=peer.global_step)
         losses: list[float] = []
         started = time.monotonic()
         model.train()
-        while peer.global_step < args.steps:
+        while peer.global_step < args.steps:  # the loop of cotrain's own trainer (cotrain.roles.trainer)
             batch = collate([next(texts) for _ in range(args.batch_size)])
-            loss = model(**batch).loss
+            loss = model(**batch).loss  # forward and backward over the micro-batch
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             losses.append(loss.item())
-            if peer.step(batch_size=args.batch_size, loss=losses[-1]):
+            if peer.step(batch_size=args.batch_size, loss=losses[-1]):  # a global step of the swarm happened
                 say(
                     event="step",
                     step=peer.global_step,

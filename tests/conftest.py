@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cotrain.shm import remove_leftovers
+from cotrain.host.shm import remove_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -119,7 +119,7 @@ SESSION_STARTED = time.time()
 @pytest.fixture(autouse=True, scope="module")
 def shared_memory_cleanup():
     """After each test file (its peers are gone by then), the shared-memory files its killed peers left:
-    without this, a full run leaves about 1 GB in RAM (cotrain.shm)."""
+    without this, a full run leaves about 1 GB in RAM (cotrain.host.shm)."""
     yield
     remove_leftovers(since=SESSION_STARTED)
 

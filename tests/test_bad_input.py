@@ -252,8 +252,8 @@ def shown_lines(text: str) -> list[str]:
 def call(argv: list[str]) -> tuple[int, str]:
     """`cotrain ARGV` through its entry function, in this process. An input that passes every check would
     start the role's processes: that fails the row at once instead."""
-    from cotrain import procs
     from cotrain.cli import main
+    from cotrain.host import procs
 
     def accepted(argv: list[str]) -> int:
         raise AssertionError(f"the input was accepted: cotrain {' '.join(argv)} would start")

@@ -238,7 +238,7 @@ def test_a_supervised_worker_gets_the_resolved_config_as_a_private_file(monkeypa
     import os
     import stat
 
-    from cotrain import procs
+    from cotrain.host import procs
 
     _, c = cli.parse(["train", "--preset", "albert-tiny", "--run-id", "handed", "--weight-decay", "0.25"])
     seen = {}
@@ -278,7 +278,7 @@ def test_a_trainers_supervisor_checks_its_dataset_without_the_heavy_libraries(tm
         "import sys; from cotrain import cli; "
         f"ns, c = cli.parse(['train', '--preset', 'albert-tiny', '--dataset-path', {str(data)!r}, "
         f"'--output-dir', {str(tmp_path / 'out')!r}]); cli.check_local_paths('train', c); "
-        "import cotrain.procs; "
+        "import cotrain.host.procs; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & "
         "{'torch', 'hivemind', 'transformers', 'pyarrow', 'datasets', 'tokenizers', 'numpy', 'pandas'}))"
     )

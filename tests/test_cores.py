@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cotrain.cores import CoreShare, PeerRegistry, share_of
+from cotrain.host.cores import CoreShare, PeerRegistry, share_of
 
 
 def test_each_peer_gets_an_equal_share_and_at_least_one_thread():

@@ -184,7 +184,7 @@ def test_export_of_a_decoder_checkpoint_loads_with_the_auto_class_and_generates(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the micro-batch probe measures a GPU's memory")
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_the_micro_batch_probe_sizes_a_full_decoder_on_a_gpu(name):
-    from cotrain.hardware import Precision, auto_micro_batch, gpu_probe
+    from cotrain.host.hardware import Precision, auto_micro_batch, gpu_probe
     from cotrain.models import build_model, enable_gradient_checkpointing, forward_loss
 
     run = cfg.resolve(name).run

@@ -1,4 +1,4 @@
-"""cotrain.deferred: hivemind's scipy.optimize is imported only when an all-reduce needs it."""
+"""cotrain.host.deferred: hivemind's scipy.optimize is imported only when an all-reduce needs it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import types
 
 import pytest
 
-from cotrain import deferred
+from cotrain.host import deferred
 
 IN_A_FRESH_PROCESS = """
 import json, sys, threading
 from cotrain._worker import main  # noqa: F401  (what a role process imports first)
-from cotrain.deferred import StandIn, defer_all
+from cotrain.host.deferred import StandIn, defer_all
 deferred = defer_all()
 import hivemind
 from hivemind.averaging.load_balancing import load_balance_peers
@@ -85,7 +85,7 @@ def test_a_stand_in_imports_the_real_module_at_its_first_attribute(monkeypatch):
 MODEL_CODE_IN_A_FRESH_PROCESS = """
 import json, sys
 from cotrain._worker import main  # noqa: F401
-from cotrain.deferred import StandIn, defer_all
+from cotrain.host.deferred import StandIn, defer_all
 defer_all()
 import transformers.loss.loss_utils  # what transformers' model classes import: its detection losses
 from cotrain import config

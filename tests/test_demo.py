@@ -95,7 +95,8 @@ def test_ctrl_c_or_sigterm_stops_the_whole_demo_within_15_seconds(tmp_path, how)
         with contextlib.suppress(psutil.Error):
             commands[pid] = " ".join(psutil.Process(pid).cmdline()[-3:]) or psutil.Process(pid).name()
     assert not any("torch_shm_manager" in c for c in commands.values()), commands  # shared by descriptors
-    # each role's worker has two malloc arenas (cotrain.procs.worker_env), as the user's environment had none
+    # each role's worker has two malloc arenas (cotrain.host.procs.worker_env), as the user's environment had
+    # none
     arenas = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):

@@ -1,4 +1,4 @@
-"""A model's layout without its code (cotrain.layout): the monitor's state holder."""
+"""A model's layout without its code (cotrain.host.layout): the monitor's state holder."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from cotrain import checkpoints as ck
 from cotrain.config import resolve
 from cotrain.errors import UserError
-from cotrain.layout import LayoutModel, SavedTokenizer, describe, run_state_layout
+from cotrain.host.layout import LayoutModel, SavedTokenizer, describe, run_state_layout
 from cotrain.models import build_model
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
@@ -72,11 +72,11 @@ def test_a_checkpoint_of_a_layout_model_loads_into_the_model_and_back(tmp_path):
 MONITOR_STATE = """
 import json, sys, threading
 from pathlib import Path
-from cotrain.deferred import defer_all
+from cotrain.host.deferred import defer_all
 defer_all()  # as cotrain._worker does
 from cotrain import checkpoints as ck
 from cotrain.config import resolve
-from cotrain.layout import run_state_layout
+from cotrain.host.layout import run_state_layout
 from cotrain.roles.keeper import StateKeeper
 from cotrain.swarm.dht import create_dht
 out = Path(sys.argv[1])

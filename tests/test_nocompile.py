@@ -1,4 +1,4 @@
-"""torch.compile's tracer kept out of a process that never compiles (cotrain.nocompile)."""
+"""torch.compile's tracer kept out of a process that never compiles (cotrain.host.nocompile)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ STEPS = """
 import sys
 import torch
 from cotrain.optim import Lamb
-from cotrain.nocompile import keep_dynamo_out
+from cotrain.host.nocompile import keep_dynamo_out
 marked = keep_dynamo_out() if sys.argv[1] == "keep-out" else 0
 param = torch.nn.Parameter(torch.zeros(3))
 optimizer = Lamb([param], lr=0.1)  # the ALBERT and BERT presets'

@@ -279,7 +279,7 @@ def test_auto_micro_batch_parses_from_the_command_line_and_toml(tmp_path):
 
 
 def test_largest_fitting_micro_batch_under_a_memory_budget():
-    from cotrain.hardware import largest_fitting
+    from cotrain.host.hardware import largest_fitting
 
     def budget(total_mb: float, per_sample_mb: float, fixed_mb: float):
         tried = []
@@ -299,7 +299,7 @@ def test_largest_fitting_micro_batch_under_a_memory_budget():
 
 
 def test_auto_on_a_cpu_takes_the_documented_default_and_accumulates_the_rest():
-    from cotrain.hardware import CPU_MICRO_BATCH, accumulation_for, auto_micro_batch
+    from cotrain.host.hardware import CPU_MICRO_BATCH, accumulation_for, auto_micro_batch
 
     cpu = torch.device("cpu")
     assert CPU_MICRO_BATCH == 4
@@ -312,7 +312,7 @@ def test_auto_on_a_cpu_takes_the_documented_default_and_accumulates_the_rest():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the memory probe needs a GPU")
 def test_the_gpu_probe_finds_a_micro_batch_that_really_fits():
-    from cotrain.hardware import Precision, gpu_probe, largest_fitting
+    from cotrain.host.hardware import Precision, gpu_probe, largest_fitting
     from cotrain.models import build_model, forward_loss
 
     run = cfg.resolve("albert-tiny").run
@@ -335,7 +335,7 @@ def test_the_gpu_probe_finds_a_micro_batch_that_really_fits():
 
 
 def test_pad_batch_makes_the_worst_case_micro_batch():
-    from cotrain.hardware import pad_batch
+    from cotrain.host.hardware import pad_batch
 
     batch = {
         "input_ids": torch.tensor([[2, 7, 3]]),
@@ -351,7 +351,7 @@ def test_pad_batch_makes_the_worst_case_micro_batch():
 
 
 def test_devices_on_a_machine_without_gpus():
-    from cotrain.hardware import resolve_devices
+    from cotrain.host.hardware import resolve_devices
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only answers")
@@ -385,7 +385,7 @@ def _tiny_albert_batch():
 
 
 def test_bf16_autocast_on_the_cpu_computes_in_bfloat16_and_keeps_fp32_gradients():
-    from cotrain.hardware import Precision
+    from cotrain.host.hardware import Precision
 
     model, batch = _tiny_albert_batch()
     precision = Precision(torch.device("cpu"), bf16=True)
@@ -407,7 +407,7 @@ def test_bf16_autocast_on_the_cpu_computes_in_bfloat16_and_keeps_fp32_gradients(
 def test_fp16_scales_the_loss_and_hands_true_gradients_on():
     """float16 on the CPU as far as it goes: the loss is scaled for backward, the gradients are unscaled
     before anyone sees them (close to the fp32 ones), and an overflow lowers the scale."""
-    from cotrain.hardware import Precision
+    from cotrain.host.hardware import Precision
 
     model, batch = _tiny_albert_batch()
     reference = model(**batch).loss

@@ -13,14 +13,14 @@ import time
 import pytest
 
 from conftest import alive
-from cotrain.procs import SUPERVISOR_ENV, worker_env
+from cotrain.host.procs import SUPERVISOR_ENV, worker_env
 
 # a worker: a child in its process group (as hivemind's DHT, averagers and p2pd are), a graceful stop when its
 # supervisor is gone, then the exit that cotrain's worker makes
 WORKER = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from cotrain.procs import exit_worker, supervisor_pid
+    from cotrain.host.procs import exit_worker, supervisor_pid
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     print(os.getpid(), child.pid, flush=True)
     while os.getppid() == supervisor_pid():

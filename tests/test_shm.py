@@ -1,6 +1,6 @@
-"""torch's shared-memory files left by killed peers (cotrain.shm): removed once their process is gone, kept
-while another process maps them (torch aborts a process that frees a storage whose file is gone); a peer's
-processes share tensors by file descriptors instead, with no manager process and no files."""
+"""torch's shared-memory files left by killed peers (cotrain.host.shm): removed once their process is gone,
+kept while another process maps them (torch aborts a process that frees a storage whose file is gone); a
+peer's processes share tensors by file descriptors instead, with no manager process and no files."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from cotrain.shm import SHM, remove_leftovers
+from cotrain.host.shm import SHM, remove_leftovers
 
 CODE = r"""
 import gc, glob, os, sys, time
 import torch, torch.multiprocessing as mp
-from cotrain.shm import remove_leftovers
+from cotrain.host.shm import remove_leftovers
 
 def child(q):
     q.put(torch.zeros(1000).share_memory_())
@@ -57,7 +57,7 @@ DESCRIPTORS = r"""
 import glob, os, resource
 import psutil, torch, torch.multiprocessing as mp
 import cotrain.swarm.dht  # imports hivemind, which asks for files in /dev/shm
-from cotrain.shm import share_by_descriptors
+from cotrain.host.shm import share_by_descriptors
 
 def child(shared, q, received):
     shared += 1  # the parent sees it
@@ -103,7 +103,7 @@ def test_a_peers_processes_share_tensors_with_no_manager_and_no_files(users_choi
 def test_too_few_open_files_keep_hivemind_files():
     code = (
         "import resource, torch.multiprocessing as mp, cotrain.swarm.dht\n"
-        "from cotrain.shm import share_by_descriptors\n"
+        "from cotrain.host.shm import share_by_descriptors\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))\n"
         "print(share_by_descriptors(), mp.get_sharing_strategy())"
     )

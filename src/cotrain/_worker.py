@@ -1,4 +1,4 @@
-"""The worker half of a supervised role (see cotrain.procs):
+"""The worker half of a supervised role (see cotrain.host.procs):
 ``python -m cotrain._worker ROLE --resolved-config FILE``, FILE holding the resolved config as JSON."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 from cotrain.cli import fail
 from cotrain.config import Config, load_resolved, write_toml
-from cotrain.deferred import defer_all
 from cotrain.errors import UserError
-from cotrain.procs import StopSignals, exit_worker, supervisor_pid
+from cotrain.host.deferred import defer_all
+from cotrain.host.procs import StopSignals, exit_worker, supervisor_pid
 from cotrain.swarm.logs import quiet_while_stopping
 
 ROLES = ("train", "monitor", "eval")

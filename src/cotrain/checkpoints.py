@@ -296,7 +296,7 @@ def latest_good(root: str | Path) -> tuple[Path, dict] | None:
 
 def content_hash(tokenizer: Any) -> str:
     """The hash a checkpoint records of its tokenizer (cotrain.data.tokenizer.tokenizer_hash); a tokenizer
-    held as its saved files (cotrain.layout.SavedTokenizer, the monitor's) carries it."""
+    held as its saved files (cotrain.host.layout.SavedTokenizer, the monitor's) carries it."""
     known = getattr(tokenizer, "content_hash", None)
     if known is not None:
         return known

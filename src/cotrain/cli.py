@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "token":
             return cmd_token(ns)
         if ns.command in ("train", "monitor", "eval"):
-            from cotrain.procs import supervise
+            from cotrain.host.procs import supervise
 
             if ns.command in ("train", "monitor"):
                 check_local_paths(ns.command, config)

@@ -41,7 +41,7 @@ def accumulate_gradients(
     loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor],
 ) -> float:
     """Forward and backward passes over ``accumulation`` micro-batches of ``stream`` under ``precision``
-    (cotrain.hardware.Precision): the gradients of their mean loss end up in ``.grad``, unscaled. Returns
+    (cotrain.host.hardware.Precision): the gradients of their mean loss end up in ``.grad``, unscaled. Returns
     that mean loss (NaN/inf when a micro-batch's loss was)."""
     step_loss = 0.0
     for _ in range(accumulation):

@@ -45,10 +45,11 @@ class Part:
 
 
 class CoreSharing(Part):
-    """Peers of one machine share its cores (cotrain.cores): before each step, follow the current share."""
+    """Peers of one machine share its cores (cotrain.host.cores): before each step, follow the current
+    share."""
 
     def __init__(self) -> None:
-        from cotrain.cores import CoreShare
+        from cotrain.host.cores import CoreShare
 
         self.share = CoreShare().start()
 

@@ -10,10 +10,10 @@ global step (trainers that are further along are asked first). The averager is c
 (hivemind requires it); downloads and saves run in a worker thread of their own, so a slow download never
 stalls the monitor's metrics loop or its dashboard. A failed download is logged and retried later.
 
-The monitor holds the state in the run model's parameters without the model's code (``cotrain.layout``: it
-never computes, and transformers' model code would cost its process about 100 MB), and the run's tokenizer as
-its saved files (``cotrain.layout.SavedTokenizer``); the evaluation peer, which computes with it, passes its
-model. Nor does the monitor import torch.compile's tracer (cotrain.nocompile).
+The monitor holds the state in the run model's parameters without the model's code (``cotrain.host.layout``:
+it never computes, and transformers' model code would cost its process about 100 MB), and the run's tokenizer
+as its saved files (``cotrain.host.layout.SavedTokenizer``); the evaluation peer, which computes with it,
+passes its model. Nor does the monitor import torch.compile's tracer (cotrain.host.nocompile).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 from cotrain import checkpoints as ck
 from cotrain.config import Config
 from cotrain.errors import UserError
-from cotrain.layout import LayoutModel
-from cotrain.nocompile import keep_dynamo_out
+from cotrain.host.layout import LayoutModel
+from cotrain.host.nocompile import keep_dynamo_out
 from cotrain.registry import strategy_class
 from cotrain.swarm import internals
 from cotrain.swarm.internals.hooks import load_local_tensors
@@ -61,9 +61,9 @@ class StateKeeper:
         model: torch.nn.Module,
     ) -> None:
         """``model``: the model to hold the state in: the run model's parameters without its code for the
-        monitor, which never computes (a cotrain.layout.LayoutModel, from run_state_layout), the real model
-        for the evaluation peer, which computes with it. ``tokenizer``: a loaded tokenizer, or its saved files
-        (cotrain.layout.SavedTokenizer)."""
+        monitor, which never computes (a cotrain.host.layout.LayoutModel, from run_state_layout), the real
+        model for the evaluation peer, which computes with it. ``tokenizer``: a loaded tokenizer, or its
+        saved files (cotrain.host.layout.SavedTokenizer)."""
         run, peer = config.run, config.peer
         self.config, self.tokenizer, self.root, self.stop = config, tokenizer, Path(root), stop
         internals.install()

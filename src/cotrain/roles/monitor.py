@@ -227,7 +227,7 @@ class Monitor:
         if not saving and not peer.resume:
             logger.info("Checkpoints are off (--save-every 0 or --no-store-checkpoints)")
             return
-        from cotrain.layout import run_state_layout
+        from cotrain.host.layout import run_state_layout
 
         # the run's tokenizer (it gives the model's shapes), saved among the checkpoints that carry it
         found = run_state_layout(self.config, root, root / "tokenizer")

@@ -17,7 +17,7 @@ from cotrain import faults
 from cotrain.config import AUTO, Config, load_preset
 from cotrain.engine import SwarmConnection, SwarmPeer, accumulate_gradients, batches, take_swarm_settings
 from cotrain.errors import UserError
-from cotrain.hardware import Precision, auto_micro_batch, gpu_probe, pad_batch, parallel, resolve_devices
+from cotrain.host.hardware import Precision, auto_micro_batch, gpu_probe, pad_batch, parallel, resolve_devices
 from cotrain.models import (
     check_positions,
     collator_for_run,
@@ -132,33 +132,38 @@ class Trainer:
         seen = 0  # samples of this peer's data consumed, for --num-train-epochs
         # samples the swarm accumulates per global step (diloco: per outer round)
         bar = StepProgress(run.target_batch_size * (run.local_steps if run.strategy == "diloco" else 1))
+        # the loop of examples/custom_loop.py, with the trainer's data and limits
         while not self.stop.is_set():
-            loss = accumulate_gradients(
+            loss = accumulate_gradients(  # forward and backward over the step's micro-batches
                 train_model, stream, peer.gradient_accumulation_steps, devices[0], precision, forward_loss
             )
             seen += step_samples
-            stepped = swarm.step(batch_size=step_samples, loss=loss)
+            if swarm.step(batch_size=step_samples, loss=loss):  # a global step of the swarm happened
+                self._write_report(swarm.last_report)
+                if peer.save_steps and swarm.global_step >= saved_step + peer.save_steps:
+                    self._save_local(tokenizer)
+                    saved_step = swarm.global_step
             bar.update(swarm.global_step, swarm.strategy.swarm_samples, swarm.num_peers)
-            if max_samples and seen >= max_samples:
-                logger.info(f"Done {peer.num_train_epochs:g} passes over this peer's data; stopping")
-                self._event("stopping", {"step": swarm.global_step, "reason": "num_train_epochs"})
-                swarm.leave_final_state()
-                break
-            if not stepped:
-                continue
-            self._write_report(swarm.last_report)
-            if peer.save_steps and swarm.global_step >= saved_step + peer.save_steps:
-                self._save_local(tokenizer)
-                saved_step = swarm.global_step
-            if peer.max_steps and swarm.global_step >= peer.max_steps:
-                logger.info(f"Reached --max-steps {peer.max_steps}; stopping")
-                self._event("stopping", {"step": swarm.global_step, "reason": "max_steps"})
+            reason = self._done(swarm.global_step, seen, max_samples)
+            if reason:
+                self._event("stopping", {"step": swarm.global_step, "reason": reason})
                 swarm.leave_final_state()
                 break
         bar.close()
         if swarm.refusal:
             raise UserError(swarm.refusal)
         return 0
+
+    def _done(self, step: int, seen: int, max_samples: int) -> str | None:
+        """Why this trainer stops now (--num-train-epochs, --max-steps), or None."""
+        peer = self.config.peer
+        if max_samples and seen >= max_samples:
+            logger.info(f"Done {peer.num_train_epochs:g} passes over this peer's data; stopping")
+            return "num_train_epochs"
+        if peer.max_steps and step >= peer.max_steps:
+            logger.info(f"Reached --max-steps {peer.max_steps}; stopping")
+            return "max_steps"
+        return None
 
     def _open_dataset(self):
         """This peer's training examples, checked against the run's objective and sequence length."""

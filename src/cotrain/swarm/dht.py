@@ -270,7 +270,7 @@ def create_dht(
     if access is not None:
         record_validators = [*record_validators, *access.validators()]
         private = {"access": access, "authorizer": access.authorizer()}
-    from cotrain.shm import share_by_descriptors
+    from cotrain.host.shm import share_by_descriptors
 
     share_by_descriptors()  # before the DHT's process, the averagers' and their tensors
     options = dict(

@@ -8,8 +8,8 @@ parameters under the same names, in the same order, tied the same way. Its ``sta
 keys and shapes, so its checkpoints load into the real model and back, and hivemind's state averager sees the
 same tensors in the same order as the trainers' do.
 
-The layout is read in a short-lived child process (``python -m cotrain.layout``) that builds the model on the
-meta device (from ``--init-from``'s folder, on the CPU) and prints ``describe(model)`` as JSON.
+The layout is read in a short-lived child process (``python -m cotrain.host.layout``) that builds the model
+on the meta device (from ``--init-from``'s folder, on the CPU) and prints ``describe(model)`` as JSON.
 
 The monitor holds the run's tokenizer the same way: its checkpoints carry the tokenizer's files and content
 hash, and loading a tokenizer imports transformers (with the data layer's pyarrow, 44 MiB of the monitor's
@@ -87,10 +87,10 @@ class LayoutModel(torch.nn.Module):
 
 
 def _ask_child(request: dict) -> Any:
-    """Run ``python -m cotrain.layout`` on ``request``; its answer, or its error as one UserError."""
+    """Run ``python -m cotrain.host.layout`` on ``request``; its answer, or its error as one UserError."""
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "cotrain.layout"],
+            [sys.executable, "-m", "cotrain.host.layout"],
             input=json.dumps(request),
             capture_output=True,
             text=True,
@@ -197,9 +197,9 @@ def _built_layout(run: RunConfig, **ids: Any) -> list[dict]:
 
 
 def main() -> None:
-    """``python -m cotrain.layout``: a request (JSON on stdin: the run's config, where its checkpoints are,
-    where to save the tokenizer) -> the run's tokenizer saved and the model's layout for it (JSON on stdout;
-    run_state_layout)."""
+    """``python -m cotrain.host.layout``: a request (JSON on stdin: the run's config, where its checkpoints
+    are, where to save the tokenizer) -> the run's tokenizer saved and the model's layout for it (JSON on
+    stdout; run_state_layout)."""
     request = json.loads(sys.stdin.read())
     try:
         answer = _state_layout(request)
