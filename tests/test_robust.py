@@ -164,6 +164,9 @@ class BareAveraging(robust.RobustAveraging):
     def __init__(self, aggregation) -> None:
         self.aggregation = aggregation
 
+    def __del__(self) -> None:  # no serving process to stop
+        pass
+
 
 @pytest.mark.parametrize("name", ["mean", "centered-clip"])
 def test_a_late_sender_is_excluded_with_centered_clip_only(name):
