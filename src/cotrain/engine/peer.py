@@ -319,13 +319,12 @@ class SwarmPeer:
         from cotrain.engine.parts import FaultInjection, Healing, NanGuard
 
         self.healing = Healing(self.dht, self.peer_config.initial_peers, self._stop, self.strategy)
-        parts = [self.healing]
-        if self.peer_config.backup_every_steps > 0:
-            parts.append(NanGuard(self.strategy, self.peer_config.backup_every_steps))
-        # healing first (a peer back from a partition adopts the swarm's state before anything else), the
-        # fault hooks last (the guard sees what they did at the next step's checks)
+        # healing first (a peer back from a partition adopts the swarm's state before anything else), then the
+        # fault hooks, then the guard (it checks the parameters right after a fault corrupted them)
         faults = [p for p in self.parts if isinstance(p, FaultInjection)]
-        self.parts = [p for p in self.parts if p not in faults] + parts + faults
+        self.parts = [p for p in self.parts if p not in faults] + [self.healing] + faults
+        if self.peer_config.backup_every_steps > 0:
+            self.parts.append(NanGuard(self.strategy, self.peer_config.backup_every_steps))
         self._last_epoch = self.global_step
 
     # --- what a loop calls ----------------------------------------------------------------------
