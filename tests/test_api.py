@@ -191,16 +191,25 @@ def test_a_peer_that_left_keeps_no_thread_cancelling_its_rounds(how):
     # a round's future keeps its state in a torch tensor: a thread still cancelling rounds at interpreter
     # exit was ended inside a torch call and aborted the process ("terminate called without an active
     # exception"); left by shutdown() or by its finalizer at exit, the peer ends that thread first
-    for strategy in ("sync", "diloco"):
-        done = subprocess.run(
+    runs = {  # both strategies at once
+        strategy: subprocess.Popen(
             [sys.executable, "-c", LEAVE, strategy, how],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             env=cotrain_env(),
-            timeout=150,
         )
-        assert done.returncode == 0 and "left" in done.stdout, done.stdout + done.stderr[-3000:]
-        assert "terminate called" not in done.stderr
+        for strategy in ("sync", "diloco")
+    }
+    try:
+        for strategy, proc in runs.items():
+            stdout, stderr = proc.communicate(timeout=150)
+            assert proc.returncode == 0 and "left" in stdout, (strategy, stdout + stderr[-3000:])
+            assert "terminate called" not in stderr, strategy
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ def test_the_diloco_demo_averages_outer_rounds_and_reports_its_strategy(tmp_path
             "--strategy",
             "diloco",
             "--steps",
-            "6",
+            "4",
             "--output-dir",
             str(tmp_path),
             "--dashboard-port",
@@ -60,7 +60,7 @@ def test_the_diloco_demo_averages_outer_rounds_and_reports_its_strategy(tmp_path
         [line for line in text.splitlines() if line.startswith('{"event": "demo_summary"')][-1]
     )
     assert role.proc.returncode == 0, text
-    assert summary["strategy"] == "diloco" and summary["peers"] == 2 and summary["global_steps"] >= 6
+    assert summary["strategy"] == "diloco" and summary["peers"] == 2 and summary["global_steps"] >= 4
     assert summary["max_group_size"] >= 2
     assert summary["loss_last"] < summary["loss_first"]
     assert "--local-steps 5 (the demo's" in text and "outer round 1: loss" in text
@@ -152,7 +152,7 @@ def test_demo_trains_a_real_swarm_reports_and_gives_every_peer_its_run_flags(tmp
         [line for line in text.splitlines() if line.startswith('{"event": "demo_summary"')][-1]
     )
     assert summary["strategy"] == "sync"
-    assert summary["peers"] == 2 and summary["global_steps"] >= 6
+    assert summary["peers"] == 2 and summary["global_steps"] >= 4
     assert summary["max_group_size"] >= 2
     assert summary["loss_last"] < summary["loss_first"]
     assert summary["samples"] > 0 and summary["seconds"] > 0
