@@ -817,3 +817,14 @@ def test_revoking_a_running_trainer_stops_it_and_the_swarm_goes_on(private_swarm
     wait_until(lambda: swarm_step(private_swarm) > step, 120, what="alice training on after carol left")
     assert roles["alice"].proc.poll() is None and roles["monitor"].proc.poll() is None
     print(f"revoked trainer stopped {stopped_after:.1f} s after `cotrain token revoke`")
+
+
+def test_an_access_control_leaves_its_lock_behind_when_its_state_is_taken(tmp_path):
+    from cotrain.access.control import AccessControl
+
+    control = AccessControl.for_token(RUN, str(issue(tmp_path, "alice")))
+    state = control.__getstate__()  # what pickling it sends
+    assert not any(isinstance(v, type(control._state_lock)) for v in state.values())
+    copy = AccessControl.__new__(AccessControl)
+    copy.__setstate__(state)
+    assert copy._state_lock is not control._state_lock and copy._state_lock.acquire(blocking=False)

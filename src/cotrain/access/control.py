@@ -70,7 +70,7 @@ class AccessControl:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.pop("_lock")
+        state.pop("_state_lock")
         return state
 
     def __setstate__(self, state: dict) -> None:

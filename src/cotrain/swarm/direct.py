@@ -525,8 +525,7 @@ _CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _DirectStub:
-    """Another peer's averager stub whose all-reduce streams are opened by a DirectClient; every other request
-    goes to the libp2p stub as it is."""
+    """Another peer's averager stub: its all-reduce streams go through a DirectClient, the rest as is."""
 
     def __init__(self, stub, client: DirectClient, peer: PeerID) -> None:
         self._libp2p_stub, self._direct_client, self._remote = stub, client, peer

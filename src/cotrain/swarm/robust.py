@@ -236,7 +236,7 @@ class RobustAveraging(DirectTransport):
     async def run_allreduce(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ) -> None:
-        # hivemind's DecentralizedAverager._run_allreduce_inplace_ with the runner above (a copy: see
+        # hivemind's all-reduce of an averager with the runner above (an adapted copy: its entry in
         # cotrain.swarm.internals.manifest)
         self._direct_ready()
         group_id = group_info.group_id if group_id is None else group_id

@@ -325,8 +325,9 @@ class CheckedStateDownloads(Averager):
     # (in the averager's process)
 
     async def download_state(self, future: Any, timeout: float | None = None) -> None:
-        """hivemind's download (DecentralizedAverager._load_state_from_peers), with each donor's state checked
-        against the published fingerprints before it is handed to ``load_state_from_peers``."""
+        """hivemind's download of the state from peers (an adapted copy: its entry in
+        cotrain.swarm.internals.manifest), with each donor's state checked against the published fingerprints
+        before it is handed to ``load_state_from_peers``."""
         from hivemind.p2p import PeerID
         from hivemind.utils.timed_storage import ValueWithExpiration
 
