@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import warnings
 from math import isfinite
 
@@ -70,7 +71,7 @@ async def _remove_p2p_handlers(self: ServicerBase, p2p: P2P, *, namespace: str |
 async def _update_queue_periodically(self: PotentialLeaders, key_manager: GroupKeyManager) -> None:
     interval = min(MAX_POLL_INTERVAL, POLL_FRACTION * self.min_matchmaking_time)
     while get_dht_time() < self.search_end_time:
-        read_at = get_dht_time()
+        read_at = time.monotonic()  # the pace is kept on the monotonic clock (the host may step wall time)
         new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
         self.max_assured_time = max(
             self.max_assured_time,
@@ -92,7 +93,7 @@ async def _update_queue_periodically(self: PotentialLeaders, key_manager: GroupK
         for task in pending:
             task.cancel()
         self.update_triggered.clear()
-        pause = min(read_at + interval, self.search_end_time) - get_dht_time()
+        pause = min(read_at + interval - time.monotonic(), self.search_end_time - get_dht_time())
         if pause > 0:
             await asyncio.sleep(pause)
 
