@@ -98,7 +98,8 @@ def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
             (a, b)
             for a in runs[0]
             for b in runs[1]
-            if a["event"] == b["event"] == "round" and a["step"] == b["step"]
+            if a["event"] == b["event"] == "round"
+            and a["step"] == b["step"]
             and a["group"] == b["group"] == 2
         ]
         assert together, "the two peers never averaged together"

@@ -549,5 +549,3 @@ def _tracker_settings(peer: PeerConfig) -> dict:
         "expected_drift_rate": peer.expected_drift_rate,
         "metadata_expiration": peer.metadata_expiration,
     }
-
-
