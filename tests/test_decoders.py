@@ -16,7 +16,7 @@ from cotrain import cli
 from cotrain import config as cfg
 from cotrain.errors import UserError
 
-DECODER_TWINS = ("llama-tiny", "qwen-tiny")
+DECODER_TWINS = ("llama-tiny", "llama-1b-tiny", "qwen-tiny")
 
 
 def decoder_parameters(
@@ -44,6 +44,8 @@ SHAPES = {
     "llama-150m": (decoder_parameters(32000, 768, 12, 12, 12, 2560, False, False), 148_261_632, 32000),
     # Qwen2-0.5B: 24 x 896, 14 heads / 2 key-value heads, SwiGLU 4864, 151,936 tied: 494M as published
     "qwen-500m": (decoder_parameters(151936, 896, 24, 14, 2, 4864, True, True), 494_000_000, 151936),
+    # TinyLlama-1.1B: 22 x 2048, 32 heads / 4 key-value heads, SwiGLU 5632, 32k untied: 1,100,048,384
+    "llama-1b": (decoder_parameters(32000, 2048, 22, 32, 4, 5632, False, False), 1_100_048_384, 32000),
 }
 
 
@@ -76,6 +78,23 @@ def test_full_size_decoders_have_the_parameter_count_of_their_shape(name):
         and config.run.warmup_steps > 0
     )
     assert config.run.objective == "clm"
+
+
+def test_the_1b_preset_and_its_twin_share_their_attention_and_mlp_ratios(capsys):
+    """`cotrain config show llama-1b` prints the shape; the CPU twin keeps its grouped-query attention (8
+    query heads per key/value head) and its SwiGLU width ratio, so the code it runs is the 1B's."""
+    import tomllib
+
+    assert cli.main(["config", "show", "llama-1b"]) == 0
+    shown = tomllib.loads(capsys.readouterr().out)
+    assert shown["run"]["preset"] == "llama-1b" and shown["run"]["max_seq_length"] == 2048
+    full, twin = shown["run"]["model"], cfg.resolve("llama-1b-tiny").run.model
+    assert (full["hidden_size"], full["num_hidden_layers"], full["intermediate_size"]) == (2048, 22, 5632)
+    for shape in (full, twin):
+        assert shape["num_attention_heads"] // shape["num_key_value_heads"] == 8
+        assert shape["intermediate_size"] / shape["hidden_size"] == 2.75
+        assert shape["tie_word_embeddings"] is False
+    assert shown["peer"]["per_device_train_batch_size"] == 1
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +178,7 @@ def test_export_of_a_decoder_checkpoint_loads_with_the_auto_class_and_generates(
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(loaded) is type(model)
     assert loaded.config.tie_word_embeddings == (twin == "qwen-tiny")
+    assert loaded.config.num_key_value_heads == config.run.model["num_key_value_heads"]
     checkpoint_model, _ = ck.build_from_checkpoint(saved, ck.verify(saved))
     model.eval()
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}

@@ -31,6 +31,7 @@ TWINS = {
     "gpt2-small": "gpt2-tiny",
     "llama-150m": "llama-tiny",
     "qwen-500m": "qwen-tiny",
+    "llama-1b": "llama-1b-tiny",
 }
 # published sizes (millions of parameters) with each family's standard vocabulary
 KNOWN_SIZES = {
@@ -43,6 +44,7 @@ KNOWN_SIZES = {
     # computed from the shapes in tests/test_decoders.py (llama-150m has no published checkpoint)
     "llama-150m": (148.26, 32000),
     "qwen-500m": (494.0, 151936),  # Qwen2-0.5B, tied embeddings counted once
+    "llama-1b": (1100.05, 32000),  # TinyLlama-1.1B
 }
 TOKENIZER_MODEL = {"unigram": "Unigram", "wordpiece": "WordPiece", "bpe": "BPE"}
 
