@@ -5,7 +5,8 @@ Each (preset, strategy) runs in its own process, which builds the preset's model
 127.0.0.1 as ``cotrain train`` does (``SwarmPeer`` with the preset's optimizer, schedule and parameter groups,
 the peer settings' defaults), and trains until the optimizers hold their state: a sync peer two global steps
 (target batch of 2 samples, micro-batches of 1 x ``--seq`` tokens), a DiLoCo peer two outer rounds
-(``local_steps`` 2), then computes one more micro-batch's gradients. It then reports, divided by the model's parameter count N:
+(``local_steps`` 2), then computes one more micro-batch's gradients. It then reports, divided by the
+model's parameter count N:
 
 - ``host``: the PSS of the peer's whole process tree (the Python process, its averagers' and DHT's children,
   the libp2p daemon) minus that tree's PSS right after the imports (torch, transformers, hivemind: what every
@@ -62,6 +63,7 @@ def tensor_bytes_by_role(model) -> dict[str, int]:
 
     gc.collect()
     objects = gc.get_objects()
+
     # a tensor's Python object is not always tracked by gc itself (a gradient's is made on access): the
     # tensors held in tracked containers are collected too
     # (types are compared, not isinstance: an attribute lookup on some lazily importing objects imports)
