@@ -328,6 +328,57 @@ def test_a_newcomer_takes_the_witnessed_step_not_a_lone_peer_far_ahead():
             dht.shutdown()
 
 
+def test_a_donor_that_cannot_be_reached_is_asked_last_for_a_while(capfd):
+    """A donor declared at the highest step whose peer nobody can dial (its daemon is gone) is given up
+    within OPEN_TIMEOUT, the state comes from a donor that answers, and the next download asks it last (it
+    is not tried again while the one that answers serves; the averager's process logs each try)."""
+    import logging
+
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from cotrain.swarm import donors
+
+    run_id = "statecheck-unreachable"
+    dhts, holders = [], []
+    try:
+        holders.append(state_holder(dhts, run_id, 16))
+        gone = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, start=True)
+        gone_id = gone.peer_id
+        gone.shutdown()
+        offered = f"{run_id}_state_averager.all_averagers"
+        assert dhts[0].store(offered, 40.0, get_dht_time() + 120, subkey=gone_id.to_bytes())
+        wait_until(
+            lambda: len((dhts[0].get(offered, latest=True) or [{}])[0]) == 2, 30, what="both donors declared"
+        )
+        # the averager's process (forked next) logs each try to its stderr
+        logger = logging.getLogger(sc.__name__)
+        handler = logging.StreamHandler(sys.stderr)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        newcomer = state_holder(dhts, run_id, None)
+        holders.append(newcomer)
+        tried = []
+        for attempt in range(2):
+            capfd.readouterr()
+            started = time.monotonic()
+            newcomer.load_state_from_peers(timeout=60)
+            took = time.monotonic() - started
+            assert newcomer.local_epoch == 16, attempt
+            assert took < donors.OPEN_TIMEOUT + 10, f"attempt {attempt}: {took:.1f} s"
+            tried.append(f"Could not reach peer {gone_id}" in capfd.readouterr().err)
+            newcomer.local_epoch = 0
+        assert tried == [True, False], tried
+        order = sc.donor_order({"gone": 40.0, "live": 16.0}, {}, {"gone": time.monotonic() + 60})
+        assert [donor for donor, _ in order] == ["live", "gone"]
+    finally:
+        logging.getLogger(sc.__name__).handlers[:] = []
+        for made in holders:
+            made.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
 # --- live swarms ----------------------------------------------------------------------------------------
 
 ATTACK_ENV = {"COTRAIN_ATTACK": "poisoned-state"}

@@ -7,7 +7,10 @@ the metrics records), a fingerprint of the parameters it holds (the model's para
 DiLoCo's global parameters) for each of its last ``HISTORY`` global steps. A downloader computes the same
 fingerprint of the state a donor sent and checks it against the records published for that step before
 loading it; a donor whose state differs is named in one log line, tried last for ``SUSPECT_SECONDS``, and the
-next donor is asked, until the download's timeout.
+next donor is asked, until the download's timeout. A donor that cannot be reached (no connection, or no first
+message, within ``OPEN_TIMEOUT``: a peer behind NAT that announced an address nobody can dial) is tried last
+for ``UNREACHABLE_SECONDS``, so a newcomer's next try goes to a donor it can reach (the monitor keeps the
+state) instead of waiting on the same dial again (cotrain.swarm.donors).
 
 The fingerprint. Honest peers do not hold bit-identical parameters at the same step: the averaged gradients
 (sync) or pseudo-gradients (DiLoCo) and the averaged parameters reach each peer in fp16 with its own rounding,
@@ -73,7 +76,6 @@ import ctypes
 import logging
 import math
 import multiprocessing as mp
-import random
 import threading
 import time
 from collections.abc import Mapping
@@ -89,6 +91,15 @@ from pydantic.v1 import BaseModel, confloat, conint, conlist, constr, root_valid
 
 from cotrain.access.voters import one_vote_each, voters_of
 from cotrain.swarm.direct import DirectTransport
+from cotrain.swarm.donors import (
+    SUSPECT_SECONDS,
+    UNREACHABLE_SECONDS,
+    DonorUnreachable,
+    chained,
+    donor_order,
+    opened,
+    within_witnessed,
+)
 from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     MAX_VOTERS,
     SAMPLES_PER_TENSOR,
@@ -119,7 +130,6 @@ HISTORY = 3  # steps each record keeps: a downloader checks a step its peers hav
 EXPIRATION = 120.0  # seconds a record stays valid
 REPUBLISH = 30.0  # seconds after which an unchanged record is published again
 POLL = 2.0  # seconds between looks at the holder's step and parameters
-SUSPECT_SECONDS = 600.0  # a donor whose state was refuted is asked last for this long
 MAX_RECORD_BYTES = 1 << 20  # per step in a record: ~29,000 tensors
 MAX_STEP = 10**9
 
@@ -268,6 +278,7 @@ class CheckedStateDownloads(Averager):
         self.poisoned = PoisonedState.from_env()  # fault injection: serve a corrupted copy
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key that signs records
         self.suspects: dict[str, float] = {}  # donor -> until when it is asked last (averager's process)
+        self.unreachable: dict[str, float] = {}  # the same, for donors that could not be reached
         self._held = mp.Value(ctypes.c_double, -1.0)  # the step held at the last download, for the averager
         super().__init__(*args, **kwargs)
         self.fingerprints = FingerprintPublisher(self)
@@ -357,6 +368,7 @@ class CheckedStateDownloads(Averager):
             )
             now = time.monotonic()
             self.suspects = {peer: until for peer, until in self.suspects.items() if until > now}
+            self.unreachable = {peer: until for peer, until in self.unreachable.items() if until > now}
             offered = {p.to_base58(): v for p, v in priorities.items()}
             if self.progress_key is not None:
                 offered, beyond = within_witnessed(offered, self._witnessed_epoch())
@@ -365,7 +377,7 @@ class CheckedStateDownloads(Averager):
                         f"Not asking {', '.join(sorted(beyond))} for the state: their steps are beyond "
                         "the one that two other peers reached"
                     )
-            order = donor_order(offered, records, self.suspects, self._held.value)
+            order = donor_order(offered, records, {**self.unreachable, **self.suspects}, self._held.value)
             fallback, refuted = None, 0
             for position, (donor, worth) in enumerate(order):
                 if deadline is not None and time.monotonic() >= deadline:
@@ -498,6 +510,10 @@ class CheckedStateDownloads(Averager):
                 f"Peer {peer} served a state larger than this model's can be ({e}); trying another peer"
             )
             return None
+        except DonorUnreachable as e:
+            self.unreachable[peer.to_base58()] = time.monotonic() + UNREACHABLE_SECONDS
+            logger.info(f"Could not reach peer {peer} for the state ({e}); asking it last for a while")
+            return None
         except Exception as e:
             logger.info(f"Failed to download the state from peer {peer}: {e!r}")
             return None
@@ -512,9 +528,9 @@ class CheckedStateDownloads(Averager):
         logger.info(f"Downloading the state from peer {peer}")
         stub = self.get_stub(self.p2p, peer, namespace=self.prefix)
         budget = StateBudget(*self.state_bound())
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+        stream, first = await opened(stub.rpc_download_state(averaging_pb2.DownloadRequest()))
+        async for message in aiter_with_timeout(chained(first, stream), timeout=chunk_timeout):
             budget.take(message)  # before its tensor is built: raises beyond what a state of this model holds
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
@@ -543,28 +559,6 @@ class CheckedTrainingStateAverager(
     handler_class = TrainingStateAverager
 
 
-def donor_order(
-    priorities: Mapping[str, float],
-    records: Mapping[Any, Published],
-    suspects: Mapping[str, float],
-    held: float = -1,
-) -> list[tuple[str, bool]]:
-    """The donors (peer ids) to ask, in order, each with whether it is worth asking once an unverifiable state
-    is in hand: suspects last; then the donors whose declared step (their priority, rounded down) is ahead of
-    ``held``, the downloader's own step; among those, the ones whose step another peer published a record for
-    (vouched for) first; then by priority (ties in random order, as hivemind breaks them). Where some donor is
-    ahead, a vouched-for donor that is not cannot bring the downloader forward: not worth asking."""
-
-    def vouched(donor: str, priority: float) -> bool:
-        step = math.floor(priority) if math.isfinite(priority) else None
-        return any(step in p.steps for p in records.values() if p.peer_id != donor)
-
-    rows = [(donor, vouched(donor, p), p >= held + 1, p) for donor, p in priorities.items()]  # held: a step
-    some_ahead = any(ahead for _, _, ahead, _ in rows)
-    rows.sort(key=lambda r: (r[0] not in suspects, r[2], r[1], r[3], random.random()), reverse=True)
-    return [(donor, v and (ahead or not some_ahead)) for donor, v, ahead, _ in rows]
-
-
 def served_tensor_count(metadata: Mapping[str, Any], fingerprinted: int) -> int:
     """How many tensors a served state's ``metadata`` names: the ``fingerprinted`` parameters and extras (or
     DiLoCo's ``outer_tensors``) and one per tensor of the optimizer statistics' flat description (hivemind's
@@ -579,20 +573,3 @@ def served_tensor_count(metadata: Mapping[str, Any], fingerprinted: int) -> int:
     if isinstance(outer, int) and not isinstance(outer, bool):  # DiLoCo: outer state, then the inner one's
         return outer + placeholders(metadata.get("inner_metadata"))
     return fingerprinted + placeholders(metadata.get("optimizer_metadata"))
-
-
-def within_witnessed(
-    priorities: Mapping[str, float], witnessed: int | None
-) -> tuple[dict[str, float], list[str]]:
-    """The donors to ask (peer id -> priority, its declared step) and those left out: a donor whose step is
-    beyond ``witnessed + 1`` (``witnessed``: the epoch that two other full peers reached, from their
-    progress records) is left out while some donor within it serves. A lone liar that runs ahead of the
-    swarm (it claims the samples that end its own steps at once) would otherwise be the first donor of every
-    newcomer and of every peer that lags, which would then hold its epoch and be the second witness that the
-    robust progress tracker asks for. One step of slack: honest peers step at slightly different times."""
-    if witnessed is None:
-        return dict(priorities), []
-    within = {d: p for d, p in priorities.items() if math.isfinite(p) and math.floor(p) <= witnessed + 1}
-    if not within:
-        return dict(priorities), []
-    return within, [d for d in priorities if d not in within]
