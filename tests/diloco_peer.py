@@ -27,19 +27,24 @@ def main() -> None:
     p.add_argument("--client-mode", action="store_true")
     p.add_argument("--local-steps", type=int, default=12)
     p.add_argument("--overlap", action="store_true")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=None, help="default: the API's (by compression)")
+    p.add_argument("--outer-momentum", type=float, default=None)
     p.add_argument("--averaging-timeout", type=float, default=15.0)
+    p.add_argument("--outer-compression", default="dense")
+    p.add_argument("--width", type=int, default=0, help="a hidden layer of this width (0: none)")
+    p.add_argument("--lr", type=float, default=0.05, help="the inner AdamW's learning rate")
     args = p.parse_args()
 
     torch.set_num_threads(1)
     torch.manual_seed(INIT_SEED)
     model = torch.nn.Linear(DIM, 1)
+    if args.width:  # enough parameters for chunks of sparse records to leave values out
+        model = torch.nn.Sequential(torch.nn.Linear(DIM, args.width), torch.nn.Linear(args.width, 1))
     task, (emit, close) = Task(args.seed), jsonl(args.out)
 
     peer = cotrain.SwarmPeer(
         model,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.0),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
         run_id=args.run_id,
         target_batch_size=args.target_batch_size,
         initial_peers=args.initial_peers,
@@ -55,17 +60,18 @@ def main() -> None:
         outer_overlap=args.overlap,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        outer_compression=args.outer_compression,
         torch_threads=1,
     )
     opt = peer.strategy.opt
     average, outer_step = opt._average, opt._outer_step
 
-    def recorded_average(own, weight):
+    def recorded_average(own, sent, weight):
         began = time.time()
         with opt.state_averager.lock_averaged_tensors:
             mine = flat(opt.state_averager.global_parameters)
         lineage = opt.lineage.hex()
-        averaged, base, size = average(own, weight)
+        averaged, base, size = average(own, sent, weight)
         row = {"own": flat(own), "weight": weight, "averaged": flat(averaged), "size": size, "global": mine}
         # the lineage sent at matchmaking and the one after; whether the group averaged the outer state too
         row.update(lineage_before=lineage, lineage=opt.lineage.hex(), carried=base is not None)

@@ -9,6 +9,11 @@ from cotrain.config.fields import ROLES_ALL, finite_problems, not_positive, opt
 from cotrain.families import family_problems
 from cotrain.registry import AGGREGATIONS, STRATEGIES
 
+TOPK_BITS = (2, 4, 8)  # bits per value that --outer-compression topk can send
+# the outer step of sparse rounds unless given (SparseLoCo's): error feedback in place of momentum; a live
+# swarm with topk and the dense defaults (lr 0.7, Nesterov 0.9) diverged (docs/diloco.md)
+TOPK_OUTER_STEP = {"outer_lr": 1.0, "outer_momentum": 0.0}
+
 # settings that were swarm-wide once and are each peer's own now: a [run] table (an older file or preset)
 # may still name them, and they are then read as [peer] settings
 MOVED_TO_PEER = ("matchmaking_time", "averaging_timeout", "grad_compression")
@@ -102,13 +107,25 @@ class RunConfig:
         "accumulated local_steps x target_batch_size samples; warmup_steps and total_steps count inner "
         "steps.",
     )
-    outer_lr: float = opt(0.7, "diloco: learning rate of the outer SGD (Nesterov) step.")
-    outer_momentum: float = opt(0.9, "diloco: Nesterov momentum of the outer SGD step.")
+    outer_lr: float = opt(0.7, "diloco: learning rate of the outer SGD (Nesterov) step (topk: 1 by default).")
+    outer_momentum: float = opt(
+        0.9, "diloco: Nesterov momentum of the outer SGD step (topk: 0 by default, error feedback instead)."
+    )
     outer_overlap: bool = opt(
         False,
         "diloco: run a round's all-reduce in the background while the next round's inner steps compute, "
         "and apply its outer step one round late, so compute never waits for the network.",
     )
+    outer_compression: str = opt(
+        "dense",
+        "diloco: how a round's pseudo-gradients travel: dense (as each peer's --grad-compression says) or "
+        "topk (the largest --topk-density of every chunk of 4096 values, in --topk-bits bits, with error "
+        "feedback: 55x fewer bytes than fp16 at the defaults; docs/diloco.md). Swarm-wide.",
+    )
+    topk_density: float = opt(
+        1 / 64, "topk: the share of each chunk's values a peer sends per round (a multiple of 8 per chunk)."
+    )
+    topk_bits: int = opt(2, "topk: bits per value sent (2, 4 or 8), with a scale per chunk.")
     aggregation: str = opt(
         "mean",
         "How the reducer of each part of an all-reduce combines the group's contributions (gradients; "
@@ -155,12 +172,30 @@ class RunConfig:
             problems.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.aggregation not in AGGREGATIONS:  # cotrain.registry: the parts every peer knows
             problems.append(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        problems += _outer_compression_problems(self)
         if not _tau_ok(self.clip_tau):
             problems.append(f"clip_tau must be auto or a positive number, got {self.clip_tau!r}")
         problems += not_positive(self, "clip_iterations")
         if self.lr_scheduler not in ("linear", "cosine"):
             problems.append(f"lr_scheduler must be linear or cosine, got {self.lr_scheduler!r}")
         return problems + family_problems(self.model_family, self.objective)
+
+
+def _outer_compression_problems(run: "RunConfig") -> list[str]:
+    if run.outer_compression not in ("dense", "topk"):
+        return [f"outer_compression must be dense or topk, got {run.outer_compression!r}"]
+    problems = []
+    if not 0 < run.topk_density <= 0.5:
+        problems.append(f"topk_density must be in (0, 0.5], got {run.topk_density}")
+    if run.topk_bits not in TOPK_BITS:
+        problems.append(f"topk_bits must be one of {', '.join(map(str, TOPK_BITS))}, got {run.topk_bits}")
+    if run.outer_compression == "topk" and run.strategy != "diloco":
+        problems.append("outer_compression topk compresses DiLoCo's rounds: it needs --strategy diloco")
+    if run.outer_compression == "topk" and run.aggregation != "mean":
+        problems.append(
+            f"outer_compression topk averages sparse records with the mean only, not {run.aggregation}"
+        )
+    return problems
 
 
 def _tau_ok(value: str) -> bool:

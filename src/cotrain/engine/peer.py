@@ -38,6 +38,7 @@ import torch
 
 from cotrain.config import PeerConfig, RunConfig
 from cotrain.config.averaging import GRAD_COMPRESSIONS
+from cotrain.config.run import TOPK_OUTER_STEP
 from cotrain.engine.compute import flat_tensors, gradient_norm
 from cotrain.engine.parts import Part
 from cotrain.engine.shutdown import leave_in_order, shutdown_in_order
@@ -56,6 +57,9 @@ RUN_SETTINGS = (
     "aggregation",
     "clip_tau",
     "clip_iterations",
+    "outer_compression",
+    "topk_density",
+    "topk_bits",
 )
 
 
@@ -84,8 +88,11 @@ class SwarmPeer:
     ``strategy="diloco"`` trains with DiLoCo instead of synchronous averaging: ``optimizer`` and ``scheduler``
     are then the inner ones, stepped at every ``step``; after ``local_steps`` x ``target_batch_size`` samples
     of the swarm, the peers average their parameters' change and take an outer SGD step with Nesterov
-    momentum (``outer_lr``, ``outer_momentum``); ``outer_overlap=True`` runs that all-reduce in the
-    background and applies it one round late. ``global_step`` then counts outer rounds.
+    momentum (``outer_lr``, ``outer_momentum``: 0.7 and 0.9 by default); ``outer_overlap=True`` runs that
+    all-reduce in the background and applies it one round late. ``global_step`` then counts outer rounds.
+    ``outer_compression="topk"`` sends each round's change as the top ``topk_density`` of every chunk in
+    ``topk_bits`` bits, with error feedback (docs/diloco.md); its outer step is then, by default, SparseLoCo's
+    (``outer_lr`` 1, ``outer_momentum`` 0).
 
     ``aggregation="centered-clip"`` makes every reducer of the all-reduce combine its part with CenteredClip
     (``clip_tau``: "auto" or a radius; ``clip_iterations``) instead of the mean, against malicious peers
@@ -121,9 +128,12 @@ class SwarmPeer:
         max_grad_norm: float = 0.0,
         strategy: str = "sync",
         local_steps: int = 50,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
         outer_overlap: bool = False,
+        outer_compression: str = "dense",
+        topk_density: float = 1 / 64,
+        topk_bits: int = 2,
         aggregation: str = "mean",
         clip_tau: str | float = "auto",
         clip_iterations: int = 5,
@@ -150,6 +160,11 @@ class SwarmPeer:
         else:
             if run_id is None or target_batch_size is None:
                 raise UserError("run_id and target_batch_size are required (or config=(run, peer))")
+            # the outer step: 0.7 with Nesterov 0.9 (dense rounds), 1 without momentum (topk), unless given
+            dense = {"outer_lr": 0.7, "outer_momentum": 0.9}
+            step = TOPK_OUTER_STEP if outer_compression == "topk" else dense
+            outer_lr = step["outer_lr"] if outer_lr is None else outer_lr
+            outer_momentum = step["outer_momentum"] if outer_momentum is None else outer_momentum
             run, peer = _configs_of(
                 dict(
                     run_id=run_id,
@@ -159,6 +174,9 @@ class SwarmPeer:
                     outer_lr=outer_lr,
                     outer_momentum=outer_momentum,
                     outer_overlap=outer_overlap,
+                    outer_compression=outer_compression,
+                    topk_density=topk_density,
+                    topk_bits=topk_bits,
                     aggregation=aggregation,
                     clip_tau=str(clip_tau),
                     clip_iterations=clip_iterations,

@@ -407,6 +407,7 @@ class DiLoCoStrategy(HivemindStrategy):
             gradient_compression,
             tracker_options,
         )
+        from cotrain.swarm.sparse import codec_of
 
         averager_opts = _averager_options(peer)
         self.run_id, self.load_state_timeout = run.run_id, peer.load_state_timeout
@@ -431,6 +432,7 @@ class DiLoCoStrategy(HivemindStrategy):
             tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
             verbose=peer.verbose,
+            codec=codec_of(run.outer_compression, run.topk_density, run.topk_bits),
         )
         self.opt.should_stop = should_stop
         gain = run.outer_lr * (1 + run.outer_momentum)

@@ -38,10 +38,12 @@ def strategy_words(config: Config) -> str:
     if run.strategy != "diloco":
         return "strategy sync"
     overlap = ", overlapped" if run.outer_overlap else ""
+    wire = f"{peer.grad_compression} on the wire"
+    if run.outer_compression == "topk":
+        wire = f"top {run.topk_density:.2%} of each chunk in {run.topk_bits} bits on the wire, error feedback"
     return (
         f"strategy diloco (an outer round every {run.local_steps} x {run.target_batch_size} samples of the "
-        f"swarm, outer lr {run.outer_lr:g}, momentum {run.outer_momentum:g}{overlap}, "
-        f"{peer.grad_compression} on the wire)"
+        f"swarm, outer lr {run.outer_lr:g}, momentum {run.outer_momentum:g}{overlap}, {wire})"
     )
 
 

@@ -22,6 +22,13 @@ hivemind's all-reduce sends their parts to the full peers, which reduce them.
 
 The state a newcomer (or the monitor) downloads is the global parameters, the outer optimizer's momentum,
 the round number, and the serving peer's inner optimizer state and inner step (cotrain.swarm.diloco_state).
+
+With a ``codec`` (``--outer-compression topk``) the round's all-reduce carries the pseudo-gradient plus this
+peer's error-feedback buffer as sparse quantized records (cotrain.swarm.sparse), and every member of a group
+decodes the same averaged records: their outer steps are the same to the bit, so the outer state rides along
+only where lineages differ, never on a schedule. A peer that averages alone applies its whole change and
+empties its buffer. The buffer is this peer's own: not served to newcomers, not saved in checkpoints (a peer
+that restarts loses at most the residual of its last rounds).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.compression import (
     CompressionBase,
     CompressionInfo,
@@ -64,6 +72,7 @@ from cotrain.swarm.lineage import (
 from cotrain.swarm.liveness import RoundWatch
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, tracker_class
+from cotrain.swarm.sparse import Raw, TopK
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +111,14 @@ class DiLoCoOptimizer:
         tracker_opts: dict | None = None,
         performance_ema_alpha: float = 0.1,
         verbose: bool = False,
+        codec: TopK | None = None,
     ) -> None:
         internals.install()
         self.dht, self.run_id, self.client_mode = dht, run_id, bool(dht.client_mode)
         self.local_steps, self.overlap = local_steps, overlap
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
         self.load_state_timeout, self.batch_size_per_step = load_state_timeout, batch_size_per_step
-        self.compression = compression
+        self.compression, self.codec = compression, codec
         params = list(params)
         if params and isinstance(params[0], dict):
             groups = [dict(g, params=list(g["params"])) for g in params]
@@ -139,9 +149,21 @@ class DiLoCoOptimizer:
             start=True,
         )
         self.state_averager.on_loaded = self._after_download
+        self.numel = sum(p.numel() for p in self.parameters)
         with torch.no_grad():
-            # the changes, the global parameters, the outer momentum (see _launch)
-            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters * 3]
+            # the changes, the global parameters, the outer momentum (_launch); with a codec, as records: the
+            # changes' top-k records, the global parameters' and momentum's float32 bytes (sparse.Raw)
+            if codec is None:
+                buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters * 3]
+                changes = buffers[: len(self.parameters)]
+            else:
+                sizes = [codec.encoded_size(self.numel), *[Raw().encoded_size(self.numel)] * 2]
+                buffers = [torch.zeros(size, dtype=torch.uint8).share_memory_() for size in sizes]
+                changes = buffers[:1]
+                # what this peer did not send, and (as a reducer) what the averages' records left out
+                self.feedback = torch.zeros(self.numel).share_memory_()
+                averager_opts["records"] = ([codec, Raw(), Raw()], self.feedback)
+                averager_opts["part_size_bytes"] = codec.record * (DEFAULT_PART_SIZE_BYTES // codec.record)
         # a dead group member is given up on after next_chunk_timeout as a sender, twice that as a reducer
         # (its parts then stay un-averaged), within the round's averaging_timeout. A live reducer's first
         # results come only once every sender's part reached it: on a saturated link nearly the whole
@@ -150,14 +172,17 @@ class DiLoCoOptimizer:
         chunk_timeout = max(5.0, averaging_timeout / 3)
         # the changes go as --grad-compression says; the outer state at least in fp16 (never 8-bit: its
         # average must stay where the peers already agree)
-        n = len(self.parameters)
-        roles = [TensorRole.GRADIENT] * n + [TensorRole.PARAMETER] * n + [TensorRole.OPTIMIZER] * n
+        n, self.changes = (len(buffers) - len(changes)) // 2, len(changes)
+        roles = [TensorRole.GRADIENT] * self.changes + [TensorRole.PARAMETER] * n + [TensorRole.OPTIMIZER] * n
         outer_state = NoCompression() if isinstance(compression, NoCompression) else Float16Compression()
+        if codec is not None:  # records travel as they are
+            compression = outer_state = NoCompression()
         self.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
         self.outer_averager = OuterAverager(
             buffers,
             dht,
-            changes=n,
+            changes=self.changes,
+            periodic_state=codec is None,
             aggregation=aggregation,
             prefix=outer_averager_prefix(run_id),
             min_matchmaking_time=matchmaking_time,
@@ -185,7 +210,6 @@ class DiLoCoOptimizer:
             start=True,
             **(tracker_opts or {}),
         )
-        self.numel = sum(p.numel() for p in self.parameters)
         self.rounds_averaged = self.rounds_failed = 0
         self.last_group_size = 1
         self.last_round_bytes = 0  # payload sent in its last all-reduce (from the sizes and the compression)
@@ -290,7 +314,8 @@ class DiLoCoOptimizer:
             if self.overlap:
                 self._overlapped_round(own)
             else:
-                averaged, base, self.last_group_size = self._average(own, self.samples)
+                sent, own = self._payload(own)
+                averaged, base, self.last_group_size = self._average(own, sent, self.samples)
                 self._outer_step(averaged, base)
                 apply_optimizer_parameters(self.state_averager)  # the peer trains from the new global
             self._next_round()
@@ -301,15 +326,42 @@ class DiLoCoOptimizer:
         start = self._start if self.overlap else self.state_averager.global_parameters
         return [(s - p.detach().cpu()).float() for s, p in zip(start, self.parameters, strict=True)]
 
-    def _average(self, own: list[torch.Tensor], weight: int) -> tuple[list[torch.Tensor], Any, int]:
-        """Average ``own`` (with the outer state) with the group, retrying with whoever is left until
+    @torch.no_grad()
+    def _payload(self, own: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(What this round sends, what this peer applies if it averages with nobody.) Dense: its change. With
+        a codec: the records of its change plus its feedback buffer, which then keeps what they leave out;
+        alone, the peer applies that whole sum (and empties the buffer: ``_alone``)."""
+        sent = self.attack.pseudo_gradient(own)  # fault injection: a malicious peer's pseudo-gradient
+        if self.codec is None:
+            return sent, own
+        whole = torch.cat([t.reshape(-1) for t in sent]) + self.feedback
+        records = self.codec.encode(whole)
+        self.feedback.copy_(whole - self.codec.decode(records, self.numel))
+        return [records], self._shaped(whole)
+
+    def _shaped(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` cut into tensors of the parameters' shapes."""
+        sizes = [p.numel() for p in self.parameters]
+        return [t.view(p.shape) for t, p in zip(flat.split(sizes), self.parameters, strict=True)]
+
+    def _alone(self, own: list[torch.Tensor]) -> tuple[list[torch.Tensor], None, int]:
+        """A round this peer applies alone: its own change (with a codec: its whole feedback is in it)."""
+        self.lineage = fresh_lineage()
+        if self.codec is not None:
+            self.feedback.zero_()
+        return own, None, 1
+
+    def _average(
+        self, own: list[torch.Tensor], sent: list[torch.Tensor], weight: int
+    ) -> tuple[list[torch.Tensor], Any, int]:
+        """Average ``sent`` (with the outer state) with the group, retrying with whoever is left until
         averaging_timeout. Returns (the average change, the average outer state, the group's size); alone or
-        when it cannot, (this peer's own change, None, 1)."""
+        when it cannot, (this peer's own change ``own``, None, 1)."""
         deadline = time.monotonic() + self.averaging_timeout
         attempt = 0
         while self._others() and not self.should_stop():
             attempt += 1
-            control = self._launch(own, weight)
+            control = self._launch(sent, weight)
             try:
                 return self._averaged(*control.result(max(0.0, deadline - time.monotonic())))
             except BaseException as e:  # a member left mid-round, no group formed, the timeout
@@ -330,8 +382,7 @@ class DiLoCoOptimizer:
                 )
         if self._others():
             self.rounds_failed += 1
-        self.lineage = fresh_lineage()
-        return own, None, 1
+        return self._alone(own)
 
     def _gather(self) -> dict[str, Any]:
         """What this peer sends its group at matchmaking: its lineage and round (carries_outer_state)."""
@@ -344,18 +395,22 @@ class DiLoCoOptimizer:
         state, global parameters then momentum, or None when the group did not carry it, the group's size).
         Counts the round and moves this peer to the group's lineage (a fresh one after a ``partial``
         round)."""
-        n, full = len(self.parameters), carries_outer_state(gathered.values())
+        n, full = self.changes, carries_outer_state(gathered.values(), self.codec is None)
         with self.outer_averager.get_tensors() as tensors:
             averaged = [t.clone() for t in tensors[:n]]
             base = [t.clone() for t in tensors[n:]] if full else None
+        if self.codec is not None:  # the group's records, the same on every member
+            averaged = self._shaped(self.codec.decode(averaged[0], self.numel))
+            if base is not None:
+                base = [t for raw in base for t in self._shaped(Raw().decode(raw, self.numel))]
         self.lineage = fresh_lineage() if partial else next_lineage(self.local_epoch, gathered)
         self.last_carried_state, self.last_round_partial = full, partial
         if partial:
             logger.info(f"Round {self.local_epoch}: a partial all-reduce; the next carries the outer state")
         return averaged, base, self._count_round(len(gathered), full)
 
-    def _launch(self, own: list[torch.Tensor], weight: int) -> Any:
-        """Put ``own`` and the outer state (global parameters, momentum) in the averager and start its
+    def _launch(self, sent: list[torch.Tensor], weight: int) -> Any:
+        """Put ``sent`` and the outer state (global parameters, momentum) in the averager and start its
         all-reduce (in the group matched ahead if any), which carries the outer state too where the group's
         lineages differ (OuterAverager)."""
         control, self._scheduled = self._scheduled, None
@@ -368,7 +423,10 @@ class DiLoCoOptimizer:
             )
         with self.outer_averager.get_tensors() as tensors, self.state_averager.lock_averaged_tensors:
             state = self._outer_state()
-            sent = self.attack.pseudo_gradient(own)  # fault injection: a malicious peer's pseudo-gradient
+            if self.codec is not None:
+                n = len(self.parameters)
+                flat = [torch.cat([t.reshape(-1) for t in part]) for part in (state[:n], state[n:])]
+                state = [Raw().encode(values) for values in flat]
             for buffer, value in zip(tensors, [*sent, *state], strict=True):
                 buffer.copy_(value)
         control.weight = float(max(weight, 1))
@@ -393,10 +451,11 @@ class DiLoCoOptimizer:
         """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
         self.rounds_averaged += 1
         per_value = {"Float16Compression": 2, "NoCompression": 4}.get(type(self.compression).__name__, 1)
-        # butterfly all-reduce of the changes (per_value bytes each) and, when carried, the outer state
-        # (global parameters and momentum, state_bytes each): a peer sends (n-1)/n of its vector, and the
-        # averages of its part to the n-1 others
-        vector = self.numel * (per_value + (2 * self.state_bytes if full else 0))
+        # butterfly all-reduce of the changes (per_value bytes each; with a codec, its records) and, when
+        # carried, the outer state (global parameters and momentum, state_bytes each): a peer sends (n-1)/n of
+        # its vector, and the averages of its part to the n-1 others
+        changes = self.numel * per_value if self.codec is None else self.codec.encoded_size(self.numel)
+        vector = changes + (self.numel * 2 * self.state_bytes if full else 0)
         sent = int(2 * vector * (size - 1) / size) if size > 1 else 0
         self.last_round_bytes = sent
         self.bytes_sent += sent
@@ -424,20 +483,20 @@ class DiLoCoOptimizer:
         if self._pending_own is not None:
             averaged, base, self.last_group_size = self._finish_pending()
             self._outer_step(averaged, base)
+        sent, whole = self._payload(own)  # after the previous round: its reducer's residual is in
         sa = self.state_averager
         with sa.lock_averaged_tensors:
             for param, glob, change in zip(self.parameters, sa.global_parameters, own, strict=True):
                 param.copy_((glob - change).to(param.device, param.dtype))
         self._start = [p.detach().cpu().clone() for p in self.parameters]
-        self._pending_own = own
-        self._pending = self._launch(own, self.samples) if self._others() else None
+        self._pending_own = whole
+        self._pending = self._launch(sent, self.samples) if self._others() else None
 
     def _finish_pending(self) -> tuple[list[torch.Tensor], Any, int]:
         own, control = self._pending_own, self._pending
         self._pending = self._pending_own = None
         if control is None:
-            self.lineage = fresh_lineage()
-            return own, None, 1
+            return self._alone(own)
         try:
             return self._averaged(*control.result(self.averaging_timeout))
         except BaseException as e:
@@ -448,8 +507,7 @@ class DiLoCoOptimizer:
                 "applying this peer's own change"
             )
             self.rounds_failed += 1
-            self.lineage = fresh_lineage()
-            return own, None, 1
+            return self._alone(own)
 
     def _next_round(self) -> None:
         sa = self.state_averager

@@ -43,10 +43,11 @@ def fresh_lineage() -> bytes:
     return os.urandom(8)
 
 
-def carries_outer_state(gathered: Iterable[Any]) -> bool:
+def carries_outer_state(gathered: Iterable[Any], periodic: bool = True) -> bool:
     """Whether a group's all-reduce also averages the outer state: when its members' lineages differ (or one
-    is missing), and at every ``OUTER_STATE_EVERY``-th round. ``gathered``: what each member sent at
-    matchmaking (``{"lineage": bytes, "round": int}``)."""
+    is missing), and (``periodic``: rounds whose averages reach each member with its own rounding) at every
+    ``OUTER_STATE_EVERY``-th round. ``gathered``: what each member sent at matchmaking (``{"lineage": bytes,
+    "round": int}``)."""
     lineages, rounds = set(), set()
     for item in gathered:
         if not isinstance(item, dict) or not isinstance(item.get("lineage"), bytes):
@@ -55,7 +56,7 @@ def carries_outer_state(gathered: Iterable[Any]) -> bool:
         rounds.add(item.get("round"))
     if len(lineages) != 1:
         return True
-    return any(not isinstance(r, int) or r % OUTER_STATE_EVERY == 0 for r in rounds)
+    return periodic and any(not isinstance(r, int) or r % OUTER_STATE_EVERY == 0 for r in rounds)
 
 
 def next_lineage(round_: int, gathered: dict[Any, Any]) -> bytes:
@@ -84,9 +85,12 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
         *,
         changes: int,
         aggregation: Aggregation = Mean(),
+        periodic_state: bool = True,
+        records: Any = None,
         **kwargs,
     ):
-        self.changes, self.aggregation = changes, aggregation
+        self.changes, self.aggregation, self.periodic_state = changes, aggregation, periodic_state
+        self.records = records  # (codec per tensor, feedback buffer) where tensors travel as records
         super().__init__(tensors, dht, **kwargs)
 
     async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -100,7 +104,8 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
             ]
             infos = kwargs.pop("tensor_infos", None)
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                count = len(local_tensors) if carries_outer_state(gathered.values()) else self.changes
+                full = carries_outer_state(gathered.values(), self.periodic_state)
+                count = len(local_tensors) if full else self.changes
                 tensors = list(local_tensors[:count])
                 fractions = await asyncio.get_event_loop().run_in_executor(
                     None, load_balance_peers, sum(t.numel() for t in tensors), download, min_vector_size

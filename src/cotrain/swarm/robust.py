@@ -47,6 +47,7 @@ from cotrain.faults import silent_allreduce
 from cotrain.swarm.aggregation import FAR_OUTSIDE, Aggregation, Mean
 from cotrain.swarm.direct import DirectTransport
 from cotrain.swarm.internals.hooks import Runner
+from cotrain.swarm.sparse import Raw, TopK
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,9 @@ class RobustPartReducer(TensorPartReducer):
         num_senders: int,
         aggregation: Aggregation,
         excluded: frozenset[int] = frozenset(),
+        records: "RecordParts | None" = None,
     ):
-        self.aggregation, self.excluded = aggregation, excluded
+        self.aggregation, self.excluded, self.records = aggregation, excluded, records
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self.outliers = [0] * num_senders  # parts where the sender's copy lay far outside tau
         self.refused = [0] * num_senders  # parts refused: wrong shape, NaN or Inf
@@ -114,6 +116,11 @@ class RobustPartReducer(TensorPartReducer):
             return f"a part of shape {tuple(tensor_part.shape)} (expected {expected})"
         if not (weight >= 0 and weight < float("inf")):
             return f"weight {weight}"
+        codec = None if self.records is None else self.records.codecs[part_index]
+        if codec is not None:
+            return codec.problem(tensor_part)
+        if not tensor_part.dtype.is_floating_point:
+            return f"a part of dtype {tensor_part.dtype}"
         if not torch.isfinite(tensor_part).all():
             return "NaN or Inf"
         return ""
@@ -129,12 +136,18 @@ class RobustPartReducer(TensorPartReducer):
         if not self.contributions:
             return torch.zeros(shape)
         senders = sorted(self.contributions)
-        parts = torch.stack([self.contributions[i][0].reshape(-1).float() for i in senders])
+        codec = None if self.records is None else self.records.codecs[self.current_part_index]
+        if codec is not None:
+            parts = torch.stack([codec.decode(self.contributions[i][0]) for i in senders])
+        else:
+            parts = torch.stack([self.contributions[i][0].reshape(-1).float() for i in senders])
         weights = torch.tensor([self.contributions[i][1] for i in senders])
         result, outliers = self.aggregation.combine(parts, weights)
         if outliers is not None:
             for i, far in zip(senders, outliers.tolist(), strict=True):
                 self.outliers[i] += int(far)
+        if codec is not None:
+            return self.records.reduced(self.current_part_index, result, len(senders))
         return result.reshape(shape)
 
     def suspicion(self) -> list[int]:
@@ -142,15 +155,69 @@ class RobustPartReducer(TensorPartReducer):
         return [a + b for a, b in zip(self.outliers, self.refused, strict=True)]
 
 
-class RobustAllReduceRunner(Runner):
-    """hivemind's AllReduceRunner whose reducer is a RobustPartReducer."""
+class RecordParts:
+    """What a reducer needs for the parts of tensors that travel as records (cotrain.swarm.sparse): per part,
+    the codec of its tensor and the index of its first record (None for a part of a float tensor), and this
+    peer's error-feedback buffer, which keeps what the top-k re-encoding of an average leaves out."""
 
-    def __init__(self, *args, aggregation: Aggregation, excluded: Collection = (), **kwargs) -> None:
+    def __init__(
+        self,
+        codecs: Sequence[TopK | Raw | None],
+        parts: Sequence[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
+        feedback: torch.Tensor,
+    ) -> None:
+        self.feedback = feedback
+        self.codecs: list[TopK | Raw | None] = []
+        self.starts: list[int] = []
+        storages = {
+            t.untyped_storage().data_ptr(): (codec, t)
+            for codec, t in zip(codecs, tensors, strict=False)
+            if codec is not None
+        }
+        for part in parts:  # views of the tensors: a part of a records tensor starts at a record
+            codec, tensor = storages.get(part.untyped_storage().data_ptr(), (None, None))
+            if part.dtype != torch.uint8 or tensor is None:
+                codec = None
+            self.codecs.append(codec)
+            start = part.storage_offset() - tensor.storage_offset() if codec is not None else 0
+            self.starts.append(start // codec.record if codec is not None else 0)
+
+    def reduced(self, part_index: int, average: torch.Tensor, senders: int) -> torch.Tensor:
+        """The records of ``average``; what top-k records leave out goes to the feedback buffer, times the
+        number of ``senders`` (the next round's average divides it again)."""
+        codec = self.codecs[part_index]
+        encoded = codec.encode(average)
+        if isinstance(codec, TopK):
+            left = average - codec.decode(encoded)
+            start = self.starts[part_index] * codec.chunk
+            end = min(start + left.numel(), self.feedback.numel())
+            if end > start:
+                self.feedback[start:end].add_(left[: end - start], alpha=float(senders))
+        return encoded
+
+
+class RobustAllReduceRunner(Runner):
+    """hivemind's AllReduceRunner whose reducer is a RobustPartReducer (with ``records``: the codec of each
+    tensor that travels as records, None for the others, and the error-feedback buffer)."""
+
+    def __init__(
+        self,
+        *args,
+        aggregation: Aggregation,
+        excluded: Collection = (),
+        records: tuple[Sequence, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         default = self.tensor_part_reducer
         refused = frozenset(i for i, peer in enumerate(self.sender_peer_ids) if peer in excluded)
+        parts = None
+        if records is not None:
+            codecs, feedback = records
+            parts = RecordParts(codecs, self.parts_for_local_averaging, kwargs["tensors"], feedback)
         self.tensor_part_reducer = RobustPartReducer(
-            default.part_shapes, default.num_senders, aggregation, refused
+            default.part_shapes, default.num_senders, aggregation, refused, parts
         )
         retire(default)
         self.bounded_by = 0.0  # set where the result was bounded: how many times the bound it lay away
@@ -217,6 +284,7 @@ class RobustAveraging(DirectTransport):
     connections where they can (cotrain.swarm.direct). Runs in the averager's process."""
 
     aggregation: Aggregation = Mean()
+    records: tuple[Sequence, torch.Tensor] | None = None  # codec per tensor (None: floats), feedback buffer
 
     def excluded_peers(self) -> set:
         now = time.monotonic()
@@ -250,6 +318,7 @@ class RobustAveraging(DirectTransport):
             ordered_peer_ids=group_info.peer_ids,
             aggregation=self.aggregation,
             excluded=self.excluded_peers(),
+            records=self.records,
             **kwargs,
         )
         assert group_id in self.running_groups, f"Group id {group_id} was not registered"
@@ -262,7 +331,10 @@ class RobustAveraging(DirectTransport):
                 await self._apply_bounded(tensors, runner)
             else:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
-                    tensor.add_(update, alpha=self.averaging_alpha)
+                    if tensor.dtype == torch.uint8:  # records: the reducer's bytes, whole
+                        tensor.add_(update)
+                    else:
+                        tensor.add_(update, alpha=self.averaging_alpha)
                     self.mark_updated()
         finally:
             self._note_suspicion(runner)

@@ -1,0 +1,219 @@
+"""DiLoCo's sparse rounds (--outer-compression topk, cotrain.swarm.sparse): the codec, the reducer that
+refuses malformed records and re-encodes the average, the settings, and (slow) a live swarm whose members
+hold bit-identical global parameters after every round they share."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.averaging.partition import AllreduceException
+
+from conftest import wait_until
+from cotrain.config.run import RunConfig
+from cotrain.swarm.aggregation import Mean
+from cotrain.swarm.robust import RecordParts, RobustPartReducer
+from cotrain.swarm.sparse import CHUNK, Raw, TopK
+from test_diloco import Peer, by_round, joint_rounds
+
+
+def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not_sent():
+    codec = TopK()
+    assert (codec.k, codec.record) == (64, 148) and 2 * CHUNK / codec.record > 55
+    values = torch.randn(3 * CHUNK + 100, generator=torch.Generator().manual_seed(0))
+    records = codec.encode(values)
+    assert records.dtype == torch.uint8 and records.numel() == codec.encoded_size(values.numel()) == 4 * 148
+    assert codec.problem(records) == ""
+    sent = codec.decode(records, values.numel())
+    assert sent.shape == values.shape
+    # k values per chunk (the last chunk is padded with zeros: its k include none of the padding's)
+    chunks = torch.nn.functional.pad(sent, (0, 4 * CHUNK - sent.numel())).view(4, CHUNK)
+    assert ((chunks != 0).sum(1) == codec.k).all()
+    # the kept values are each chunk's largest, within the 2-bit rounding (a third of the chunk's scale)
+    kept = sent != 0
+    for row, original in zip(
+        chunks, torch.nn.functional.pad(values, (0, 4 * CHUNK - values.numel())).view(4, CHUNK), strict=True
+    ):
+        top = original.abs().topk(codec.k).indices
+        assert set(top.tolist()) == set(torch.nonzero(row).flatten().tolist())
+        scale = original.abs().max()
+        assert ((row[top] - original[top]).abs() <= scale / 3 + 1e-6).all()
+    # error feedback: what stays behind is exactly the rest (sent + kept back = the whole)
+    feedback = values - sent
+    assert torch.equal(sent + feedback, values)
+    assert torch.equal(feedback[~kept], values[~kept])
+    # 4 bits round 5 times finer
+    four = TopK(bits=4)
+    assert four.record == 2 * 64 + 32 + 4
+    fine = four.decode(four.encode(values), values.numel())
+    assert ((fine - values)[fine != 0].abs().max()) <= values.abs().max() / 15 + 1e-6
+    # an all-zero vector: zero scales, zero values; fewer values than a chunk
+    zeros = codec.encode(torch.zeros(10))
+    assert codec.problem(zeros) == "" and codec.decode(zeros, 10).abs().sum() == 0
+    few = torch.arange(1.0, 11.0)
+    assert torch.allclose(codec.decode(codec.encode(few), 10), few, atol=10 / 3)
+    # the outer state's bytes: exact
+    raw = Raw()
+    assert torch.equal(raw.decode(raw.encode(values)), values) and raw.problem(raw.encode(values)) == ""
+
+
+def _with(records: torch.Tensor, codec: TopK, field: str, value: int) -> torch.Tensor:
+    bad = records.clone().view(-1, codec.record)
+    if field == "index-high":
+        bad[0, 1] = 0xFF  # the first index's high byte: beyond the chunk
+    elif field == "repeat":
+        bad[0, 2:4] = bad[0, 0:2]  # the second index equals the first
+    elif field == "scale":
+        bad[0, -4:] = torch.tensor([float("nan")]).view(torch.uint8)
+    return bad.view(-1)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda r, c: _with(r, c, "index-high", 0), "beyond the chunk"),
+        (lambda r, c: _with(r, c, "repeat", 0), "not strictly increasing"),
+        (lambda r, c: _with(r, c, "scale", 0), "scale"),
+        (lambda r, c: r[:-1], "whole number"),
+        (lambda r, c: r.float(), "dtype"),
+    ],
+)
+def test_malformed_records_are_named(make, words):
+    codec = TopK()
+    records = codec.encode(torch.randn(2 * CHUNK))
+    assert words in codec.problem(make(records, codec))
+
+
+def test_a_reducer_refuses_malformed_records_and_returns_the_same_records_of_the_average_to_everyone():
+    codec = TopK()
+    numel = 2 * CHUNK
+    local = torch.zeros(codec.encoded_size(numel), dtype=torch.uint8)
+    feedback = torch.zeros(numel)
+    parts = [local[: codec.record], local[codec.record :]]  # two parts: one chunk each
+    values = [torch.randn(numel, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    sent = [codec.encode(v) for v in values]
+
+    async def reduce(contributions: list[torch.Tensor], weights: list[float]):
+        reducer = RobustPartReducer(
+            [p.shape for p in parts],
+            len(contributions),
+            Mean(),
+            records=RecordParts([codec], parts, [local], feedback),
+        )
+        results = {}
+
+        async def sender(i: int):
+            out = []
+            for index, part in enumerate(parts):
+                piece = contributions[i][part.storage_offset() : part.storage_offset() + part.numel()]
+                try:
+                    out.append(await reducer.accumulate_part(i, index, piece, weight=weights[i]))
+                except AllreduceException as e:
+                    reducer.on_sender_failed(i)
+                    out.append(str(e))
+                    break
+            results[i] = out
+
+        await asyncio.gather(*(sender(i) for i in range(len(contributions))))
+        return reducer, results
+
+    reducer, results = asyncio.run(reduce(sent[:2], [1.0, 3.0]))
+    assert results[0] == results[1] or all(
+        torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True)
+    )
+    averaged = torch.cat(results[0])
+    assert averaged.dtype == torch.uint8 and codec.problem(averaged) == ""
+    mean = (codec.decode(sent[0]) * 1.0 + codec.decode(sent[1]) * 3.0) / 4.0
+    got = codec.decode(averaged)
+    assert torch.equal(got, codec.decode(codec.encode(mean)))  # the records of the weighted mean
+    # what the records of the mean left out went to this reducer's feedback, times its 2 senders
+    torch.testing.assert_close(feedback, 2 * (mean - got))
+
+    # a sender whose records are malformed is refused (and counted), the others are averaged without it
+    feedback.zero_()
+    bad = _with(sent[2], codec, "repeat", 0)
+    reducer, results = asyncio.run(reduce([sent[0], bad], [1.0, 1.0]))
+    assert reducer.refused == [0, 1] and "not strictly increasing" in results[1][0]
+    assert torch.equal(torch.cat(results[0]), codec.encode(codec.decode(sent[0])))
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        ({"outer_compression": "topk"}, "needs --strategy diloco"),
+        ({"outer_compression": "topk", "strategy": "diloco", "aggregation": "centered-clip"}, "mean only"),
+        ({"outer_compression": "sparse"}, "dense or topk"),
+        ({"topk_bits": 3}, "topk_bits must be one of 2, 4, 8"),
+        ({"topk_density": 0.9}, "topk_density must be in (0, 0.5]"),
+    ],
+)
+def test_bad_outer_compression_settings_are_named(values, words):
+    problems = RunConfig(**values).problems()
+    assert any(words in p for p in problems), problems
+
+
+@pytest.fixture
+def peers(tmp_path):
+    started: list[Peer] = []
+
+    def start(name: str, *args: str) -> Peer:
+        started.append(Peer(tmp_path, name, *args))
+        return started[-1]
+
+    yield start
+    for peer in started:
+        peer.kill()
+        peer.log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sparse_rounds_keep_the_members_bit_identical_a_client_a_latecomer_and_a_leaver_included(
+    peers, tmp_path
+):
+    """a and b (full peers) average sparse rounds; c, in client mode, joins after two of them; b then leaves,
+    and a (the one reducer left) carries on with c. In every round members shared, they applied the same
+    averaged change and hold the same global parameters and momentum to the bit; a sparse round's payload is
+    the records' size; the loss falls."""
+    common = ["--outer-compression", "topk", "--width", "512", "--lr", "0.003", "--step-sleep", "0.15"]
+    common += ["--rounds", "2"]  # the outer step: topk's default (lr 1, no momentum)
+    stop_all, stop_b = tmp_path / "done", tmp_path / "b-leaves"
+    a = peers("a", *common, "--until", str(stop_all))
+    address = a.address()
+    b = peers("b", *common, "--seed", "1", "--until", str(stop_b), "--initial-peers", *address)
+    wait_until(lambda: len(joint_rounds([a, b])) >= 2, 150, what="two sparse rounds of a and b")
+    c = peers(
+        "c", *common, "--seed", "2", "--client-mode", "--until", str(stop_all), "--initial-peers", *address
+    )
+    try:
+        wait_until(lambda: joint_rounds([a, b, c]), 150, what="a round of the three")
+        stop_b.touch()
+        assert b.wait(90) == 0, b.text()
+        left = max(r["round"] for r in b.rows("outer"))
+        wait_until(
+            lambda: [r for r in joint_rounds([a, c]) if r > left], 150, what="a round of a and c after b left"
+        )
+    finally:
+        stop_all.touch()
+    for p in (a, c):
+        assert p.wait(90) == 0, p.text()
+    shared = {
+        "a, b": (joint_rounds([a, b]), [a, b]),
+        "a, b, c": (joint_rounds([a, b, c]), [a, b, c]),
+        "a, c after b": ([r for r in joint_rounds([a, c]) if r > left], [a, c]),
+    }
+    for name, (rounds, members) in shared.items():
+        assert rounds, name
+        for r in rounds:
+            outers = [by_round(p, "outer")[r] for p in members]
+            for key in ("applied", "after", "momentum"):
+                assert all(o[key] == outers[0][key] for o in outers), (name, r, key)
+    # the payload of a round without the outer state: the records, (n - 1) / n of them each way
+    codec, numel = TopK(), 16 * 512 + 512 + 512 + 1
+    steps = [s for s in a.rows("step") if s.get("round_bytes")]
+    sizes = {s["round_bytes"] for s in steps}
+    assert int(2 * codec.encoded_size(numel) / 2) in sizes, sizes  # a round of two
+    assert min(sizes) * 30 < 2 * numel * 2, sizes  # against fp16's
+    losses = [s["loss"] for s in a.rows("step") if s.get("loss") is not None]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
