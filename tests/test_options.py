@@ -118,6 +118,9 @@ def _value_for(section: str, f: dataclasses.Field):
         "outer_momentum": 0.5,  # must stay below 1
         "aggregation": "centered-clip",
         "clip_tau": "0.25",
+        "outer_compression": None,  # needs --strategy diloco: tests/test_sparse.py
+        "topk_density": 0.03,
+        "topk_bits": 4,
     }
     if f.name in special:
         return special[f.name]

@@ -153,6 +153,28 @@ def test_bad_outer_compression_settings_are_named(values, words):
     assert any(words in p for p in problems), problems
 
 
+def test_the_command_line_sets_sparse_rounds_and_their_outer_step(capsys):
+    from cotrain import cli
+
+    _, config = cli.parse(
+        ["train", "--preset", "llama-tiny", "--strategy", "diloco", "--outer-compression", "topk"]
+    )
+    run = config.run
+    assert (run.outer_compression, run.topk_density, run.topk_bits) == ("topk", 1 / 64, 2)
+    assert (run.outer_lr, run.outer_momentum) == (1.0, 0.0)  # SparseLoCo's outer step unless given
+    _, config = cli.parse(
+        ["train", "--preset", "llama-tiny", "--strategy", "diloco", "--outer-compression", "topk"]
+        + ["--outer-momentum", "0.5", "--topk-bits", "4"]
+    )
+    assert (config.run.outer_lr, config.run.outer_momentum, config.run.topk_bits) == (1.0, 0.5, 4)
+    assert cli.main(["train", "--preset", "llama-tiny", "--outer-compression", "topk"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs --strategy diloco" in err[0], err
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "--outer-compression" in capsys.readouterr().out
+
+
 @pytest.fixture
 def peers(tmp_path):
     started: list[Peer] = []
