@@ -10,7 +10,8 @@ global step; DiLoCo: samples per inner step, so a round is H x that):
 - sync: cotrain's defaults (gradients averaged at every global step, parameters averaged in the background
   at every step);
 - diloco H: ``--strategy diloco --local-steps H`` for each H of ``--local-steps`` (pseudo-gradients averaged
-  once per round).
+  once per round);
+- with ``--topk``, diloco-topk H: the same with ``--outer-compression topk`` (sparse rounds), beside each.
 
 The traffic is read from the links' own counters: the byte counters of each host's veth (``v<i>`` on the
 bridge: Ethernet frames, so TCP/IP headers, acknowledgements, libp2p framing, the DHT and the progress
@@ -23,7 +24,7 @@ DiLoCo, the engine's own count (``DiLoCoOptimizer.bytes_sent``: payload from the
 compression) and its metric ``round_bytes`` (a peer's payload in its last round), against the bytes each
 host sent per round.
 
-    python benchmarks/traffic.py [--rate 100] [--local-steps 10 50 100] [--quick]
+    python benchmarks/traffic.py [--rate 100] [--local-steps 10 50 100] [--topk] [--quick]
 
 The last line printed is a JSON summary.
 """
@@ -74,7 +75,7 @@ def run_config(name: str, mode: str, local_steps: int, timed: int, args, logdir:
     return {
         "config": name,
         "ok": True,
-        "local_steps": local_steps if mode == "diloco" else None,
+        "local_steps": local_steps if utilization.is_diloco(mode) else None,
         "window": [a, b],
         "seconds": t1 - t0,
         "samples": samples,
@@ -84,10 +85,12 @@ def run_config(name: str, mode: str, local_steps: int, timed: int, args, logdir:
         "bytes_per_sample": sent / samples,
         # per sample of the target (a sync step's batch, a round's H x batch): without the steps' overshoot
         "bytes_per_target_sample": sent
-        / (timed * args.target_batch_size * (local_steps if mode == "diloco" else 1)),
+        / (timed * args.target_batch_size * (local_steps if utilization.is_diloco(mode) else 1)),
         "sent_per_peer_per_step": sent / len(links) / timed,
-        "engine_bytes_per_sample": engine / samples if mode == "diloco" else None,
-        "round_bytes": statistics.mean(m[b]["round_bytes"] for m in complete) if mode == "diloco" else None,
+        "engine_bytes_per_sample": engine / samples if utilization.is_diloco(mode) else None,
+        "round_bytes": (
+            statistics.mean(m[b]["round_bytes"] for m in complete) if utilization.is_diloco(mode) else None
+        ),
         "failed_rounds": sum(m[b]["rounds"][1] - m[a]["rounds"][1] for m in complete),
     }
 
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=100.0, help="link rate, Mbit/s each way")
     ap.add_argument("--local-steps", type=int, nargs="+", default=[10, 50, 100], help="DiLoCo's H values")
     ap.add_argument("--no-sync", action="store_true", help="skip the synchronous configuration")
+    ap.add_argument("--topk", action="store_true", help="also DiLoCo with --outer-compression topk, per H")
     ap.add_argument("--target-batch-size", type=int, default=0,
                     help="swarm batch per sync step / DiLoCo inner step (default: peers x micro-batch x "
                     "accumulation: one opt.step call per peer)")  # fmt: skip
@@ -170,7 +174,10 @@ def main() -> None:
     started = _netns.print_started()
     tmp = Path(tempfile.mkdtemp(prefix="cotrain-traffic-"))
     configs = [] if args.no_sync else [("sync", "sync", args.local_steps[0], args.steps)]
-    configs += [(f"diloco H={h}", "diloco", h, args.rounds) for h in args.local_steps]
+    for h in args.local_steps:
+        configs.append((f"diloco H={h}", "diloco", h, args.rounds))
+        if args.topk:
+            configs.append((f"diloco-topk H={h}", "diloco-topk", h, args.rounds))
     rows = []
     try:
         for name, mode, h, timed in configs:

@@ -30,7 +30,8 @@ It is measured per peer from the moment it reaches global step ``--warmup-steps`
   ends when the swarm has trained ``H x`` the inner batch (``--inner-batch``, default the swarm's samples per
   call, peers x micro-batch x accumulation, so H calls per peer); then the pseudo-gradients are averaged
   while the trainer waits, and the outer step taken;
-- diloco-overlap: the same with ``--outer-overlap``: the all-reduce runs during the next round.
+- diloco-overlap: the same with ``--outer-overlap``: the all-reduce runs during the next round;
+- diloco-topk, diloco-topk-overlap: the same two with ``--outer-compression topk`` (sparse rounds).
 
 For DiLoCo the global step is the outer round: the window is ``--warmup-rounds`` rounds, then as many rounds
 as hold at least the samples of the synchronous window (``--steps x --target-batch-size``), unless
@@ -70,6 +71,14 @@ MODES = {  # mode: (run settings, peer settings)
     "delayed": ({}, dict.fromkeys(SYNC_DEFAULTS, True)),
     "diloco": ({"strategy": "diloco", "outer_overlap": False}, SYNC_DEFAULTS),
     "diloco-overlap": ({"strategy": "diloco", "outer_overlap": True}, SYNC_DEFAULTS),
+    "diloco-topk": (
+        {"strategy": "diloco", "outer_overlap": False, "outer_compression": "topk"},
+        SYNC_DEFAULTS,
+    ),
+    "diloco-topk-overlap": (
+        {"strategy": "diloco", "outer_overlap": True, "outer_compression": "topk"},
+        SYNC_DEFAULTS,
+    ),
 }
 
 
