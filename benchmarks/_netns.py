@@ -561,10 +561,9 @@ def simulated_peer(run, peer, model, connection):
     from cotrain.engine import SwarmPeer
     from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
-    return SwarmPeer.from_config(
-        run,
-        peer,
+    return SwarmPeer(
         model,
+        config=(run, peer),
         connection=connection,
         params=parameter_groups(model, run.weight_decay),
         optimizer=optimizer_factory(run),

@@ -5,7 +5,8 @@ validation file prepared with ``cotrain prepare`` (``--seq-length``, 128 by defa
 127.0.0.1: a ``cotrain monitor`` as the first peer and N ``cotrain train`` processes joining it, each with its
 own data seed. An *arm* is a number of peers and a strategy: ``4`` is 4 peers averaging gradients at every
 global step (``--strategy sync``), ``4:diloco:10`` is 4 peers with ``--strategy diloco --local-steps 10``.
-``--peers 1 2 4`` is short for the sync arms ``1 2 4``; ``--arms 1 4 4:diloco:10 4:diloco:50`` mixes them.
+``4:diloco-topk:10`` the same with sparse rounds (``--outer-compression topk``). ``--peers 1 2 4`` is short
+for the sync arms ``1 2 4``; ``--arms 1 4 4:diloco:10 4:diloco:50`` mixes them.
 All arms see the same number of samples: ``--steps`` counts synchronous global steps of
 ``--target-batch-size`` samples, a DiLoCo round is ``--local-steps`` of them, so a DiLoCo arm stops at
 ``--steps / H`` rounds (``--max-steps``). Its learning-rate schedule counts inner steps (H per round): with
@@ -67,11 +68,12 @@ LOCALHOST = "/ip4/127.0.0.1/tcp/0"
 
 
 class Arm:
-    """N peers with a strategy: ``4`` (sync), ``4:diloco:10`` (DiLoCo, 10 local steps per round), or ``4@58``
+    """N peers with a strategy: ``4`` (sync), ``4:diloco:10`` (DiLoCo, 10 local steps per round;
+    ``4:diloco-topk:10`` with sparse rounds, ``--outer-compression topk``), or ``4@58``
     (sync for 58 global steps instead of ``--steps``, its schedule scaled to match: for a swarm whose steps
     overshoot the target batch, the same samples as the others in fewer steps)."""
 
-    USAGE = "give PEERS, PEERS@STEPS or PEERS:diloco:H"
+    USAGE = "give PEERS, PEERS@STEPS, PEERS:diloco:H or PEERS:diloco-topk:H"
 
     def __init__(self, spec: str):
         parts = spec.split(":")
@@ -80,6 +82,8 @@ class Arm:
             self.peers, self.own_steps = int(peers), int(steps) if steps else None
             self.strategy = parts[1] if len(parts) > 1 else "sync"
             self.local_steps = int(parts[2]) if len(parts) > 2 else 1
+            self.compression = "topk" if self.strategy == "diloco-topk" else "dense"
+            self.strategy = "diloco" if self.compression == "topk" else self.strategy
         except (ValueError, IndexError):
             raise argparse.ArgumentTypeError(f"{spec!r}: {self.USAGE}") from None
         if self.strategy not in ("sync", "diloco") or (self.strategy == "sync") != (len(parts) == 1):
@@ -88,14 +92,15 @@ class Arm:
     @property
     def key(self) -> str:
         if self.strategy == "diloco":
-            return f"{self.peers}:diloco:{self.local_steps}"
+            topk = "-topk" if self.compression == "topk" else ""
+            return f"{self.peers}:diloco{topk}:{self.local_steps}"
         return f"{self.peers}@{self.own_steps}" if self.own_steps else str(self.peers)
 
     @property
     def label(self) -> str:
         peers = f"{self.peers} peer{'s' if self.peers > 1 else ''}"
         if self.strategy == "diloco":
-            return f"{peers} DiLoCo H={self.local_steps}"
+            return f"{peers} DiLoCo{' topk' if self.compression == 'topk' else ''} H={self.local_steps}"
         steps = f", {self.own_steps} steps" if self.own_steps else ""
         return peers + (" sync" if self.peers > 1 else "") + steps
 
@@ -248,6 +253,8 @@ class SwarmRun:
                        "--averaging-timeout", str(args.averaging_timeout)]  # fmt: skip
         if arm.strategy == "diloco":
             self.common += ["--local-steps", str(arm.local_steps)]
+            if arm.compression == "topk":
+                self.common += ["--outer-compression", "topk"]
             for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum)):
                 if value is not None:
                     self.common += [flag, str(value)]

@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--local-steps", type=int, nargs="+", default=[10, 50, 100], help="DiLoCo's H values")
     ap.add_argument("--no-sync", action="store_true", help="skip the synchronous configuration")
     ap.add_argument("--topk", action="store_true", help="also DiLoCo with --outer-compression topk, per H")
+    ap.add_argument("--keep-logs", action="store_true", help="cotrain's info lines in the peers' logs")
     ap.add_argument("--target-batch-size", type=int, default=0,
                     help="swarm batch per sync step / DiLoCo inner step (default: peers x micro-batch x "
                     "accumulation: one opt.step call per peer)")  # fmt: skip
