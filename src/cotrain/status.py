@@ -47,6 +47,10 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
             if state["num_peers"]:
                 break
             time.sleep(0.5 * (attempt + 1))
+        if run.strategy == "diloco":  # the compression of the rounds in force (a swarm-wide setting)
+            state["outer_compression"] = run.outer_compression
+            if run.outer_compression == "topk":
+                state.update(topk_density=run.topk_density, topk_bits=run.topk_bits)
         return state
     finally:
         try:
@@ -64,7 +68,8 @@ def _swarm_strategy(connection: Any, run: RunConfig, given: list[str]) -> RunCon
     if found is None:
         return run
     fields = found[0]
-    taken = {k: fields[k] for k in ("strategy", "local_steps") if k not in given and k in fields}
+    names = ("strategy", "local_steps", "outer_compression", "topk_density", "topk_bits")
+    taken = {k: fields[k] for k in names if k not in given and k in fields}
     try:
         return dataclasses.replace(run, **taken)
     except TypeError:
@@ -103,6 +108,11 @@ def describe(state: dict) -> str:
             f"round, {state.get('inner_steps', 0)} inner steps so far, last round sent {sent} per peer "
             f"({total} in all)"
         )
+        if state.get("outer_compression") == "topk":
+            lines[-1] += (
+                f"; sparse rounds: the top {state['topk_density']:.2%} of each chunk in "
+                f"{state['topk_bits']} bits"
+            )
     lines += [
         f"peers: {state['num_peers']} ({state['num_clients']} in client mode"
         + (f"; {state['departed_peers']} left recently)" if state.get("departed_peers") else ")"),
