@@ -255,6 +255,9 @@ class SwarmRun:
             self.common += ["--local-steps", str(arm.local_steps)]
             if arm.compression == "topk":
                 self.common += ["--outer-compression", "topk"]
+                for flag, value in (("--topk-density", args.topk_density), ("--topk-bits", args.topk_bits)):
+                    if value is not None:
+                        self.common += [flag, str(value)]
             for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum)):
                 if value is not None:
                     self.common += [flag, str(value)]
@@ -527,6 +530,8 @@ def main() -> None:
     ap.add_argument(
         "--outer-momentum", type=float, help="DiLoCo arms: the outer momentum (cotrain's default)"
     )
+    ap.add_argument("--topk-density", type=float, help="topk arms: --topk-density (cotrain's default)")
+    ap.add_argument("--topk-bits", type=int, help="topk arms: --topk-bits (cotrain's default)")
     ap.add_argument("--seeds", type=int, default=2, help="runs per arm, each with its own seed")
     ap.add_argument("--steps", type=int, default=20, help="synchronous global steps per run (DiLoCo: / H)")
     ap.add_argument(

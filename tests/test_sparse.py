@@ -10,12 +10,13 @@ import pytest
 import torch
 from hivemind.averaging.partition import AllreduceException
 
+import test_diloco
 from conftest import wait_until
 from cotrain.config.run import RunConfig
 from cotrain.swarm.aggregation import Mean
 from cotrain.swarm.robust import RecordParts, RobustPartReducer
 from cotrain.swarm.sparse import CHUNK, Raw, TopK
-from test_diloco import Peer, by_round, joint_rounds
+from test_diloco import by_round, joint_rounds
 
 
 def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not_sent():
@@ -175,18 +176,7 @@ def test_the_command_line_sets_sparse_rounds_and_their_outer_step(capsys):
     assert "--outer-compression" in capsys.readouterr().out
 
 
-@pytest.fixture
-def peers(tmp_path):
-    started: list[Peer] = []
-
-    def start(name: str, *args: str) -> Peer:
-        started.append(Peer(tmp_path, name, *args))
-        return started[-1]
-
-    yield start
-    for peer in started:
-        peer.kill()
-        peer.log.close()
+peers = test_diloco.peers  # the live peers of tests/diloco_peer.py, each in its own process
 
 
 @pytest.mark.slow
