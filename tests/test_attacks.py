@@ -300,7 +300,8 @@ with peer:
         out["weight"] = opt.grad_averager.local_samples_accumulated
     else:
         own = opt._own_change()
-        control = opt._launch(own, opt.samples)
+        sent, _ = opt._payload(own)  # what this round sends: where the attack applies
+        control = opt._launch(sent, opt.samples)
         with opt.outer_averager.get_tensors() as tensors:
             out["sent"] = torch.cat([t.reshape(-1) for t in tensors[: len(own)]]).tolist()
         control.cancel()

@@ -428,7 +428,9 @@ class Peer:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+# diloco only (suite time): the sync strategy's state holder downloads through the same checked path, live in
+# test_a_newcomer_takes_the_witnessed_step_not_a_lone_peer_far_ahead and the unreachable donor's test above
+@pytest.mark.parametrize("strategy", ["diloco"])
 def test_a_newcomer_refuses_the_poisoned_donor_and_loads_an_honest_state(strategy, tmp_path):
     steps, stop = 5, tmp_path / "stop"
     go = tmp_path / "go"  # the 3 peers start training together once all have joined
