@@ -47,7 +47,8 @@ while peer.global_step < rounds:
     if peer.step(batch_size=16, loss=losses[-1]):
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         print(json.dumps({"event": "round", "step": peer.global_step, "loss": sum(losses) / len(losses),
-                          "group": peer.last_group_size, "params": flat.tolist()}), flush=True)
+                          "group": peer.last_group_size, "params": flat.tolist(),
+                          "averaged": peer.strategy.last_average}), flush=True)
         losses.clear()
 print(json.dumps({"event": "done", "combined": toy_parts.TrimmedMean.combined,
                   "strategy": type(peer.strategy).__name__}), flush=True)
@@ -94,16 +95,18 @@ def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
             # a peer that joined after the first round catches up with the swarm's round (it downloads it)
             assert [e["step"] for e in steps] == list(range(steps[0]["step"], rounds + 1)) and len(steps) >= 5
             assert steps[-1]["loss"] < 0.5 * steps[0]["loss"], steps
+        # the all-reduces of the two together: a group of two whose members sent the same round
+        averaged = [
+            {json.dumps(e["averaged"]["rounds"]): e["averaged"] for e in run if e.get("averaged")}
+            for run in runs
+        ]
         together = [
-            (a, b)
-            for a in runs[0]
-            for b in runs[1]
-            if a["event"] == b["event"] == "round"
-            and a["step"] == b["step"]
-            and a["group"] == b["group"] == 2
+            (a, averaged[1][key])
+            for key, a in averaged[0].items()
+            if key in averaged[1] and len(a["rounds"]) == 2 and len(set(a["rounds"])) == 1
         ]
         assert together, "the two peers never averaged together"
-        for a, b in together:  # after a round together both hold the group's average
+        for a, b in together:  # right after an all-reduce together both hold the group's average
             assert torch.allclose(torch.tensor(a["params"]), torch.tensor(b["params"]), atol=1e-5), (a, b)
     finally:
         for proc in procs:

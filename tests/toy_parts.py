@@ -78,6 +78,7 @@ class ModelAveraging(Strategy):
         self.tracker = ProgressTracker(dht, f"{run.run_id}_toy", run.target_batch_size, start=True)
         self.steps, self.samples, self.started = 0, 0, time.monotonic()
         self.group, self.averaged, self.failed = 1, 0, 0
+        self.last_average: dict | None = None  # the rounds the group's members sent, the averaged parameters
 
     # progress
     @property
@@ -135,8 +136,8 @@ class ModelAveraging(Strategy):
         with self.averager.get_tensors() as tensors, torch.no_grad():
             for tensor, param in zip(tensors, self.params, strict=True):
                 tensor.copy_(param)
-        try:
-            group = self.averager.step(weight=float(weight), timeout=self.timeout)
+        try:  # each member sends its round: the test pairs the members of one all-reduce by it
+            group = self.averager.step(weight=float(weight), timeout=self.timeout, gather=self.averager.round)
         except Exception:
             group = None
         self.group = len(group) if group else 1
@@ -145,6 +146,8 @@ class ModelAveraging(Strategy):
             with self.averager.get_tensors() as tensors, torch.no_grad(), self._lock:
                 for tensor, param in zip(tensors, self.params, strict=True):
                     param.copy_(tensor)
+                flat = torch.cat([p.detach().reshape(-1) for p in self.params]).tolist()
+            self.last_average = {"rounds": sorted(group.values()), "params": flat}
         else:
             self.failed += 1
         self.averager.round += 1
