@@ -152,6 +152,10 @@ def test_a_reducer_refuses_malformed_records_and_returns_the_same_records_of_the
 def test_bad_outer_compression_settings_are_named(values, words):
     problems = RunConfig(**values).problems()
     assert any(words in p for p in problems), problems
+    from cotrain.config.run import TOPK_BITS
+    from cotrain.swarm.sparse import BITS
+
+    assert TOPK_BITS == BITS  # what the config accepts is what the codec sends
 
 
 def test_the_command_line_sets_sparse_rounds_and_their_outer_step(capsys):

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cotrain.config.run import TOPK_BITS as BITS
-
+BITS = (2, 4, 8)  # the bits per value a codec can send (the run config checks --topk-bits against the same)
 CHUNK = 4096  # values per chunk (indices within a chunk fit 16 bits)
 
 
