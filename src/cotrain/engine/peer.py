@@ -161,7 +161,7 @@ class SwarmPeer:
             if run_id is None or target_batch_size is None:
                 raise UserError("run_id and target_batch_size are required (or config=(run, peer))")
             # the outer step: 0.7 with Nesterov 0.9 (dense rounds), 1 without momentum (topk), unless given
-            dense = {"outer_lr": 0.7, "outer_momentum": 0.9}
+            dense = {name: getattr(RunConfig, name) for name in TOPK_OUTER_STEP}  # the run config's defaults
             step = TOPK_OUTER_STEP if outer_compression == "topk" else dense
             outer_lr = step["outer_lr"] if outer_lr is None else outer_lr
             outer_momentum = step["outer_momentum"] if outer_momentum is None else outer_momentum

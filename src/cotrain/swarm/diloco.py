@@ -334,7 +334,7 @@ class DiLoCoOptimizer:
         sent = self.attack.pseudo_gradient(own)  # fault injection: a malicious peer's pseudo-gradient
         if self.codec is None:
             return sent, own
-        whole = torch.cat([t.reshape(-1) for t in sent]) + self.feedback
+        whole = _flat(sent) + self.feedback
         records = self.codec.encode(whole)
         self.feedback.copy_(whole - self.codec.decode(records, self.numel))
         return [records], self._shaped(whole)
@@ -425,8 +425,7 @@ class DiLoCoOptimizer:
             state = self._outer_state()
             if self.codec is not None:
                 n = len(self.parameters)
-                flat = [torch.cat([t.reshape(-1) for t in part]) for part in (state[:n], state[n:])]
-                state = [Raw().encode(values) for values in flat]
+                state = [Raw().encode(_flat(part)) for part in (state[:n], state[n:])]
             for buffer, value in zip(tensors, [*sent, *state], strict=True):
                 buffer.copy_(value)
         control.weight = float(max(weight, 1))
@@ -586,3 +585,8 @@ class DiLoCoOptimizer:
                 part.shutdown()
             except Exception as e:
                 logger.debug(f"{type(part).__name__} shutdown: {e!r}")
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one flat vector (the parameters' order)."""
+    return torch.cat([t.reshape(-1) for t in tensors])

@@ -177,11 +177,10 @@ class RecordParts:
         }
         for part in parts:  # views of the tensors: a part of a records tensor starts at a record
             codec, tensor = storages.get(part.untyped_storage().data_ptr(), (None, None))
-            if part.dtype != torch.uint8 or tensor is None:
-                codec = None
+            if codec is None or part.dtype != torch.uint8:
+                codec, tensor = None, part
             self.codecs.append(codec)
-            start = part.storage_offset() - tensor.storage_offset() if codec is not None else 0
-            self.starts.append(start // codec.record if codec is not None else 0)
+            self.starts.append((part.storage_offset() - tensor.storage_offset()) // (codec or Raw()).record)
 
     def reduced(self, part_index: int, average: torch.Tensor, senders: int) -> torch.Tensor:
         """The records of ``average``; what top-k records leave out goes to the feedback buffer, times the
