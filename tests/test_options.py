@@ -478,7 +478,7 @@ def test_tracker_options_reach_hivemind_with_their_names():
 
     from hivemind.optim.progress_tracker import ProgressTracker
 
-    from cotrain.engine.strategy import _tracker_settings
+    from cotrain.engine.builds import tracker_settings
     from cotrain.swarm.optimizer import tracker_options
 
     _, c = cli.parse(
@@ -500,7 +500,7 @@ def test_tracker_options_reach_hivemind_with_their_names():
             "90",
         ]
     )
-    opts = tracker_options(c.peer.matchmaking_time, _tracker_settings(c.peer))
+    opts = tracker_options(c.peer.matchmaking_time, tracker_settings(c.peer))
     assert opts == {
         "min_refresh_period": 0.25,
         "max_refresh_period": 7.0,
@@ -511,7 +511,7 @@ def test_tracker_options_reach_hivemind_with_their_names():
     }
     assert set(opts) <= set(inspect.signature(ProgressTracker).parameters)
     _, c = cli.parse(["train", "--preset", "albert-tiny"])
-    opts = tracker_options(c.peer.matchmaking_time, _tracker_settings(c.peer))
+    opts = tracker_options(c.peer.matchmaking_time, tracker_settings(c.peer))
     assert opts["max_refresh_period"] == max(1.0, 2 * c.peer.matchmaking_time)
 
 

@@ -32,6 +32,13 @@ class MonitorConfig:
         "Start from the newest good checkpoint in OUTPUT_DIR/checkpoints and serve it to peers.",
         roles=("monitor",),
     )
+    reduce: bool = opt(
+        True,
+        "Reduce all-reduce parts for the trainers as an auxiliary peer (weight 0: it adds no gradient of its "
+        "own), so that trainers behind NAT (client mode) average through this public machine; it needs the "
+        "model's shapes (--dataset-path, --dataset-url or --tokenizer-path) (--no-reduce: never).",
+        roles=("monitor",),
+    )
     push_to_hub: str = opt(
         "",
         "Hugging Face Hub repository (user/name) to upload the newest checkpoint to, as a model folder.",

@@ -23,6 +23,13 @@ from typing import Any, ClassVar
 import torch
 
 from cotrain.config import PeerConfig, RunConfig
+from cotrain.engine.builds import (
+    aggregation_of,
+    averager_options,
+    diloco_reducer,
+    sync_optimizer,
+    tracker_settings,
+)
 from cotrain.swarm.internals.hooks import load_local_tensors
 
 logger = logging.getLogger(__name__)
@@ -183,6 +190,14 @@ class Strategy(abc.ABC):
         """An averager that downloads, keeps and serves the swarm's state of this strategy for a monitor or an
         evaluation peer (``model`` holds its parameters)."""
 
+    @staticmethod
+    def reducer(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any | None:
+        """An auxiliary reducer of this strategy's rounds (a cotrain.swarm.auxiliary.Reducer, not started) for
+        a public peer that trains nothing, the monitor: it reduces all-reduce parts for the others with weight
+        0 (``model``: a model of the run's shapes, which it may use as its own). None where the strategy has
+        none."""
+        return None
+
 
 class HivemindStrategy(Strategy):
     """The parts of ``sync`` and ``diloco`` that work the same on their hivemind-style optimizer ``self.opt``
@@ -278,50 +293,8 @@ class SyncStrategy(HivemindStrategy):
         batch_size_per_step: int | None,
         should_stop: Callable[[], bool],
     ) -> None:
-        from cotrain.swarm.averaging import gradient_averager_factory
-        from cotrain.swarm.optimizer import (
-            LOAD_STATE_COMPRESSION,
-            SwarmOptimizer,
-            gradient_compression,
-            state_compression,
-            tracker_options,
-        )
-
-        averager_opts = _averager_options(peer)
-        run_id, target_batch_size = run.run_id, run.target_batch_size
-        self.run_id = run_id
-        self.opt = SwarmOptimizer(
-            dht=dht,
-            # hivemind keeps client_mode=None (read as "not a client") unless a value is given, and then uses
-            # the DHT's: a client would try to serve its state and fail at its first global step
-            client_mode=dht.client_mode,
-            run_id=run_id,
-            params=list(params),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            target_batch_size=max(1, target_batch_size - peer.batch_size_lead),
-            batch_size_per_step=batch_size_per_step,
-            matchmaking_time=peer.matchmaking_time,
-            averaging_timeout=peer.averaging_timeout,
-            load_state_timeout=peer.load_state_timeout,
-            grad_compression=gradient_compression(peer.grad_compression),
-            state_averaging_compression=state_compression(peer.grad_compression),
-            load_state_compression=LOAD_STATE_COMPRESSION,
-            average_state_every=1,
-            offload_optimizer=peer.offload_optimizer,
-            delay_optimizer_step=peer.delay_optimizer_step or peer.delay_grad_averaging,
-            delay_grad_averaging=peer.delay_grad_averaging,
-            delay_state_averaging=peer.delay_state_averaging,
-            averager_opts=averager_opts,
-            # hivemind gives averager_opts to the state averager only; the gradient averager gets them here
-            grad_averager_factory=gradient_averager_factory(
-                dict(averager_opts, aggregation=aggregation_of(run))
-            ),
-            robust_progress=aggregation_of(run).robust,
-            tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
-            performance_ema_alpha=peer.performance_ema_alpha,
-            verbose=peer.verbose,
-        )
+        self.run_id = run.run_id
+        self.opt = sync_optimizer(dht, run, peer, params, optimizer, scheduler, batch_size_per_step)
         self.opt.should_stop = should_stop
         self.load_state_timeout = peer.load_state_timeout
 
@@ -383,6 +356,19 @@ class SyncStrategy(HivemindStrategy):
             start=True,
         )
 
+    @staticmethod
+    def reducer(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:
+        """An auxiliary SwarmOptimizer over ``model``'s parameters (it reduces the gradient and state rounds'
+        parts; cotrain.swarm.auxiliary.GradientReducer)."""
+        from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
+        from cotrain.swarm.auxiliary import GradientReducer
+
+        params = parameter_groups(model, run.weight_decay)
+        opt = sync_optimizer(
+            dht, run, peer, params, optimizer_factory(run), scheduler_factory(run), None, auxiliary=True
+        )
+        return GradientReducer(opt)
+
 
 class DiLoCoStrategy(HivemindStrategy):
     """DiLoCo (cotrain.swarm.diloco): ``run.local_steps`` inner steps of the preset's optimizer and schedule,
@@ -409,7 +395,7 @@ class DiLoCoStrategy(HivemindStrategy):
         )
         from cotrain.swarm.sparse import codec_of
 
-        averager_opts = _averager_options(peer)
+        averager_opts = averager_options(peer)
         self.run_id, self.load_state_timeout = run.run_id, peer.load_state_timeout
         self.opt = DiLoCoOptimizer(
             dht=dht,
@@ -429,7 +415,7 @@ class DiLoCoStrategy(HivemindStrategy):
             batch_size_per_step=batch_size_per_step,
             averager_opts=averager_opts,
             aggregation=aggregation_of(run),
-            tracker_opts=tracker_options(peer.matchmaking_time, _tracker_settings(peer)),
+            tracker_opts=tracker_options(peer.matchmaking_time, tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
             verbose=peer.verbose,
             codec=codec_of(run.outer_compression, run.topk_density, run.topk_bits),
@@ -519,35 +505,7 @@ class DiLoCoStrategy(HivemindStrategy):
             start=True,
         )
 
-
-def aggregation_of(run: RunConfig) -> Any:
-    """The aggregation part (cotrain.swarm.aggregation) that a RunConfig names, with its settings."""
-    from cotrain.swarm.aggregation import build, parse_tau
-
-    return build(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations)
-
-
-def _averager_options(peer: PeerConfig) -> dict:
-    """The peer's averager settings: group size, request timeout, the direct all-reduce path, bandwidth (when
-    given)."""
-    from cotrain.swarm.optimizer import request_timeout
-
-    options: dict = {
-        "target_group_size": peer.target_group_size,
-        "request_timeout": request_timeout(peer.matchmaking_time),
-        "direct": peer.direct_allreduce,
-    }
-    if peer.bandwidth > 0:
-        options["bandwidth"] = peer.bandwidth
-    return options
-
-
-def _tracker_settings(peer: PeerConfig) -> dict:
-    return {
-        "min_refresh_period": peer.min_refresh_period,
-        "max_refresh_period": peer.max_refresh_period,
-        "default_refresh_period": peer.default_refresh_period,
-        "expected_drift_peers": peer.expected_drift_peers,
-        "expected_drift_rate": peer.expected_drift_rate,
-        "metadata_expiration": peer.metadata_expiration,
-    }
+    @staticmethod
+    def reducer(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:
+        """The run's round averager in auxiliary mode (cotrain.swarm.auxiliary.RoundReducer)."""
+        return diloco_reducer(dht, run, peer, model)

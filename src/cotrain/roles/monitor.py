@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -125,6 +126,7 @@ class Monitor:
         self.prometheus = None
         self.dashboard = None
         self.keeper: StateKeeper | None = None
+        self.reducer: Any = None  # the auxiliary reducer (cotrain.swarm.auxiliary.Reducer)
         self.uploader: HubUploader | None = None
         self.evaluations_seen: dict[bytes, tuple[int, float]] = {}
         self.connection: SwarmConnection | None = None
@@ -162,7 +164,9 @@ class Monitor:
         self.sinks = build_sinks(out, run.run_id, peer.tensorboard_dir, peer.wandb_project)
         view = SwarmView(run.run_id, join, run.target_batch_size, run.strategy, run.local_steps)
         self._start_dashboard(view, out)
-        self._start_checkpoints(out)
+        layout = self._run_layout(out)
+        self._start_checkpoints(out, layout)
+        self._start_reducer(layout)
         (out / "initial_peers.txt").write_text("\n".join(maddrs) + "\n")  # last: the monitor is ready
         logger.info(f"Monitor of run {run.run_id!r} is up, {describe_strategy(run)}. To join, run:\n  {join}")
         period = min(peer.refresh_period, DASHBOARD_TICK) if self.dashboard else peer.refresh_period
@@ -219,23 +223,61 @@ class Monitor:
                 f"perplexity {record.perplexity:.2f}"
             )
 
-    def _start_checkpoints(self, out: Path) -> None:
+    def _checkpointing(self) -> bool:
+        peer = self.config.peer
+        return (peer.save_every > 0 and peer.store_checkpoints) or peer.resume
+
+    def _run_layout(self, out: Path) -> tuple[Any, Any] | None:
+        """(The run's tokenizer, saved among the checkpoints that carry it, a LayoutModel of the run's model)
+        where checkpoints or the auxiliary reducer need the model's shapes; None where neither does or where
+        there is no tokenizer to be had (said in one line)."""
+        if not self._checkpointing() and not self.config.peer.reduce:
+            return None
+        from cotrain.host.layout import run_state_layout
+
+        root = out / "checkpoints"
+        found = run_state_layout(self.config, root, root / "tokenizer")
+        if found is None:
+            logger.info(
+                "Checkpoints and reducing for client-mode trainers are off: the monitor needs the model's "
+                "shapes; give --dataset-path, --dataset-url or --tokenizer-path"
+            )
+        return found
+
+    def _start_reducer(self, found: tuple[Any, Any] | None) -> None:
+        """Reduce all-reduce parts for the trainers as an auxiliary peer (built here, in the main thread)."""
+        run = self.config.run
+        if not self.config.peer.reduce:
+            logger.info("Not reducing for client-mode trainers (--no-reduce)")
+            return
+        if found is None:
+            return
+        from cotrain.registry import strategy_class
+
+        # a model of its own: the keeper's holds the swarm's state, which the reducer's copies must not touch
+        self.reducer = strategy_class(run.strategy).reducer(
+            self.dht, run, self.config.peer, copy.deepcopy(found[1])
+        )
+        if self.reducer is None:
+            logger.info(
+                f"Not reducing for client-mode trainers: strategy {run.strategy} has no auxiliary reducer"
+            )
+            return
+        self.reducer.start()
+        logger.info(
+            f"Reducing the trainers' {self.reducer.what} as an auxiliary peer (weight 0): trainers behind "
+            "NAT (--client-mode) average through this monitor"
+        )
+
+    def _start_checkpoints(self, out: Path, found: tuple[Any, Any] | None) -> None:
         """Keep, checkpoint and serve the swarm's state (created here, in the main thread), and upload it."""
         peer = self.config.peer
         root = out / "checkpoints"
         saving = peer.save_every > 0 and peer.store_checkpoints
-        if not saving and not peer.resume:
+        if not self._checkpointing():
             logger.info("Checkpoints are off (--save-every 0 or --no-store-checkpoints)")
             return
-        from cotrain.host.layout import run_state_layout
-
-        # the run's tokenizer (it gives the model's shapes), saved among the checkpoints that carry it
-        found = run_state_layout(self.config, root, root / "tokenizer")
         if found is None:
-            logger.info(
-                "Checkpoints are off: the monitor needs the model's shapes; give --dataset-path, "
-                "--dataset-url or --tokenizer-path"
-            )
             return
         from cotrain.roles.keeper import StateKeeper
 
@@ -290,6 +332,10 @@ class Monitor:
         logger.info(f"Dashboard: {self.dashboard.url}")
 
     def close(self) -> None:
+        if self.reducer is not None:
+            done, failed = self.reducer.rounds
+            self.reducer.close()
+            logger.info(f"Reduced {done} {self.reducer.what} for the trainers ({failed} failed)")
         if self.keeper is not None:
             self.keeper.shutdown()
         if self.dashboard is not None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.optim.grad_averager import GradientAverager
 
 from cotrain.swarm.aggregation import Aggregation, Mean
+from cotrain.swarm.auxiliary import AUX_GATHER
 from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.robust import RobustAveraging
@@ -49,6 +51,12 @@ class SwarmGradientAverager(ServedInThread, RobustAveraging, GradientAverager, W
         self.allreduce_kwargs["prefetch"] = read_ahead
         if start:  # the averager's process starts with these settings in place
             self.run_in_background(await_ready=True)
+
+    def schedule_step(self, scheduled_time: float | None = None, **kwargs):
+        """hivemind's, except that an auxiliary reducer says so to its group (cotrain.swarm.auxiliary)."""
+        if self.mode == AveragingMode.AUX and kwargs.get("gather") is None:
+            kwargs["gather"] = AUX_GATHER
+        return super().schedule_step(scheduled_time, **kwargs)
 
 
 def gradient_averager_factory(averager_opts: dict | None = None) -> Callable[..., SwarmGradientAverager]:

@@ -42,15 +42,7 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
-from hivemind.compression import (
-    CompressionBase,
-    CompressionInfo,
-    Float16Compression,
-    NoCompression,
-    RoleAdaptiveCompression,
-    TensorRole,
-)
+from hivemind.compression import CompressionBase
 from hivemind.utils import get_dht_time
 
 from cotrain.faults import Attack
@@ -62,12 +54,13 @@ from cotrain.swarm.diloco_state import (
     set_schedule,
 )
 from cotrain.swarm.internals.hooks import apply_optimizer_parameters
-from cotrain.swarm.keys import outer_averager_prefix, progress_key, state_averager_prefix
+from cotrain.swarm.keys import progress_key, state_averager_prefix
 from cotrain.swarm.lineage import (
-    OuterAverager,
     carries_outer_state,
     fresh_lineage,
     next_lineage,
+    round_averager,
+    round_bits,
 )
 from cotrain.swarm.liveness import RoundWatch
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
@@ -75,8 +68,6 @@ from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, tracker_clas
 from cotrain.swarm.sparse import Raw, TopK
 
 logger = logging.getLogger(__name__)
-
-ROUND_BITS = 8  # low bits of the round in the matchmaking key: peers average only with peers of their round
 
 
 class DiLoCoOptimizer:
@@ -150,56 +141,21 @@ class DiLoCoOptimizer:
         )
         self.state_averager.on_loaded = self._after_download
         self.numel = sum(p.numel() for p in self.parameters)
-        with torch.no_grad():
-            # the changes, the global parameters, the outer momentum (_launch); with a codec, as records: the
-            # changes' top-k records, the global parameters' and momentum's float32 bytes (sparse.Raw)
-            if codec is None:
-                buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in self.parameters * 3]
-                changes = buffers[: len(self.parameters)]
-            else:
-                sizes = [codec.encoded_size(self.numel), *[Raw().encoded_size(self.numel)] * 2]
-                buffers = [torch.zeros(size, dtype=torch.uint8).share_memory_() for size in sizes]
-                changes = buffers[:1]
-                # what this peer did not send, and (as a reducer) what the averages' records left out
-                self.feedback = torch.zeros(self.numel).share_memory_()
-                averager_opts["records"] = ([codec, Raw(), Raw()], self.feedback)
-                averager_opts["part_size_bytes"] = codec.record * (DEFAULT_PART_SIZE_BYTES // codec.record)
-        # a dead group member is given up on after next_chunk_timeout as a sender, twice that as a reducer
-        # (its parts then stay un-averaged), within the round's averaging_timeout. A live reducer's first
-        # results come only once every sender's part reached it: on a saturated link nearly the whole
-        # transfer, so the reducer's limit (2/3 of averaging_timeout) must exceed it, or a slow round ends
-        # partial for a peer (measured at 10 Mbit/s with a limit of half the timeout: 185 s against 192 s)
-        chunk_timeout = max(5.0, averaging_timeout / 3)
-        # the changes go as --grad-compression says; the outer state at least in fp16 (never 8-bit: its
-        # average must stay where the peers already agree)
-        n, self.changes = (len(buffers) - len(changes)) // 2, len(changes)
-        roles = [TensorRole.GRADIENT] * self.changes + [TensorRole.PARAMETER] * n + [TensorRole.OPTIMIZER] * n
-        outer_state = NoCompression() if isinstance(compression, NoCompression) else Float16Compression()
-        if codec is not None:  # records travel as they are
-            compression = outer_state = NoCompression()
-        self.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
-        self.outer_averager = OuterAverager(
-            buffers,
+        self.outer_averager = round_averager(
+            self.parameters,
             dht,
-            changes=self.changes,
-            periodic_state=codec is None,
+            run_id=run_id,
+            codec=codec,
+            compression=compression,
             aggregation=aggregation,
-            prefix=outer_averager_prefix(run_id),
-            min_matchmaking_time=matchmaking_time,
+            matchmaking_time=matchmaking_time,
             request_timeout=request_timeout,
-            allreduce_timeout=averaging_timeout,
-            next_chunk_timeout=chunk_timeout,
-            compression=RoleAdaptiveCompression(
-                gradient=compression, parameter=outer_state, optimizer=outer_state, default=compression
-            ),
-            tensor_infos=[
-                CompressionInfo.from_tensor(t, key=i, role=role)
-                for i, (t, role) in enumerate(zip(buffers, roles, strict=True))
-            ],
+            averaging_timeout=averaging_timeout,
+            averager_opts=averager_opts,
             client_mode=self.client_mode,
-            start=True,
-            **averager_opts,
         )
+        self.changes, self.state_bytes = self.outer_averager.changes, self.outer_averager.state_bytes
+        self.feedback = self.outer_averager.feedback  # with a codec: what this peer did not send (_payload)
         self.tracker = tracker_class(aggregation.robust)(
             dht=dht,
             prefix=run_id,
@@ -436,7 +392,7 @@ class DiLoCoOptimizer:
         """Look for a group among the peers at this round only: the matchmaking key carries the round (its
         low bits), so a peer that missed its round's group never averages this round's change into the next
         round's. (Set before every matchmaking: hivemind moves the bits after each group it assembles.)"""
-        self.outer_averager.set_group_bits(format(self.local_epoch % 2**ROUND_BITS, f"0{ROUND_BITS}b"))
+        self.outer_averager.set_group_bits(round_bits(self.local_epoch))
 
     def _outer_state(self) -> list[torch.Tensor]:
         """The global parameters, then the outer optimizer's momentum buffers (the caller holds the lock). At

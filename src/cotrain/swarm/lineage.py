@@ -25,16 +25,28 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    RoleAdaptiveCompression,
+    TensorRole,
+)
 from hivemind.utils.asyncio import enter_asynchronously
 
 from cotrain.swarm.aggregation import Aggregation, Mean
 from cotrain.swarm.internals.hosting import ServedInThread
+from cotrain.swarm.keys import outer_averager_prefix
 from cotrain.swarm.liveness import WatchedRounds
 from cotrain.swarm.robust import RobustAveraging
+from cotrain.swarm.sparse import Raw, TopK
 
 logger = logging.getLogger(__name__)
 
 OUTER_STATE_EVERY = 10  # rounds: the outer state rides along at least this often (see the module's doc)
+ROUND_BITS = 8  # low bits of the round in the matchmaking key: peers average only with peers of their round
 
 
 def fresh_lineage() -> bytes:
@@ -57,6 +69,11 @@ def carries_outer_state(gathered: Iterable[Any], periodic: bool = True) -> bool:
     if len(lineages) != 1:
         return True
     return periodic and any(not isinstance(r, int) or r % OUTER_STATE_EVERY == 0 for r in rounds)
+
+
+def round_bits(round_: int) -> str:
+    """The group bits of a round's matchmaking key (its ROUND_BITS low bits)."""
+    return format(int(round_) % 2**ROUND_BITS, f"0{ROUND_BITS}b")
 
 
 def next_lineage(round_: int, gathered: dict[Any, Any]) -> bytes:
@@ -91,13 +108,21 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
     ):
         self.changes, self.aggregation, self.periodic_state = changes, aggregation, periodic_state
         self.records = records  # (codec per tensor, feedback buffer) where tensors travel as records
+        self.feedback = None if records is None else records[1]
+        self.state_bytes = 4  # bytes per value of the outer state on the wire (round_averager sets it)
         super().__init__(tensors, dht, **kwargs)
 
     async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         try:
             loaded = map(self.serializer.loads, group_info.gathered)
             bandwidths, mode_ids, user_bytes = zip(*loaded, strict=True)
-            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes), strict=True))
+            # the members that send: an auxiliary reducer (cotrain.swarm.auxiliary) adds no contribution, no
+            # lineage and no round of its own
+            gathered = {
+                peer: self.serializer.loads(data)
+                for peer, mode, data in zip(group_info.peer_ids, mode_ids, user_bytes, strict=True)
+                if AveragingMode(mode) != AveragingMode.AUX
+            }
             download = [
                 0.0 if AveragingMode(mode) == AveragingMode.CLIENT else bandwidth
                 for bandwidth, mode in zip(bandwidths, mode_ids, strict=True)
@@ -125,3 +150,76 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
             if isinstance(e, Exception):
                 logger.exception(e)
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+
+def round_averager(
+    parameters: Sequence[torch.Tensor],
+    dht: hivemind.DHT,
+    *,
+    run_id: str,
+    codec: TopK | None,
+    compression: CompressionBase,
+    aggregation: Aggregation,
+    matchmaking_time: float,
+    request_timeout: float,
+    averaging_timeout: float,
+    averager_opts: dict,
+    client_mode: bool = False,
+    auxiliary: bool = False,
+) -> OuterAverager:
+    """The averager of a DiLoCo run's rounds for ``parameters`` (their shapes and types; its buffers are in
+    host memory), as the run's trainers and its auxiliary reducers build it alike (the all-reduce cuts every
+    member's tensors into the same parts): the changes, the global parameters, the outer momentum; with a
+    ``codec``, as records: the changes' top-k records, the global parameters' and momentum's float32 bytes
+    (sparse.Raw), and a feedback buffer (``.feedback``) for what this peer did not send and, as a reducer,
+    what the averages' records left out."""
+    numel = sum(p.numel() for p in parameters)
+    opts = dict(averager_opts)
+    with torch.no_grad():
+        if codec is None:
+            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in [*parameters] * 3]
+            changes = len(parameters)
+        else:
+            sizes = [codec.encoded_size(numel), *[Raw().encoded_size(numel)] * 2]
+            buffers = [torch.zeros(size, dtype=torch.uint8).share_memory_() for size in sizes]
+            changes = 1
+            opts["records"] = ([codec, Raw(), Raw()], torch.zeros(numel).share_memory_())
+            opts["part_size_bytes"] = codec.record * (DEFAULT_PART_SIZE_BYTES // codec.record)
+    # a dead group member is given up on after next_chunk_timeout as a sender, twice that as a reducer (its
+    # parts then stay un-averaged), within the round's averaging_timeout. A live reducer's first results come
+    # only once every sender's part reached it: on a saturated link nearly the whole transfer, so the
+    # reducer's limit (2/3 of averaging_timeout) must exceed it, or a slow round ends partial for a peer
+    # (measured at 10 Mbit/s with a limit of half the timeout: 185 s against 192 s)
+    chunk_timeout = max(5.0, averaging_timeout / 3)
+    # the changes go as --grad-compression says; the outer state at least in fp16 (never 8-bit: its average
+    # must stay where the peers already agree)
+    n = (len(buffers) - changes) // 2
+    roles = [TensorRole.GRADIENT] * changes + [TensorRole.PARAMETER] * n + [TensorRole.OPTIMIZER] * n
+    outer_state = NoCompression() if isinstance(compression, NoCompression) else Float16Compression()
+    if codec is not None:  # records travel as they are
+        compression = outer_state = NoCompression()
+    averager = OuterAverager(
+        buffers,
+        dht,
+        changes=changes,
+        periodic_state=codec is None,
+        aggregation=aggregation,
+        prefix=outer_averager_prefix(run_id),
+        min_matchmaking_time=matchmaking_time,
+        request_timeout=request_timeout,
+        allreduce_timeout=averaging_timeout,
+        next_chunk_timeout=chunk_timeout,
+        compression=RoleAdaptiveCompression(
+            gradient=compression, parameter=outer_state, optimizer=outer_state, default=compression
+        ),
+        tensor_infos=[
+            CompressionInfo.from_tensor(t, key=i, role=role)
+            for i, (t, role) in enumerate(zip(buffers, roles, strict=True))
+        ],
+        client_mode=client_mode,
+        auxiliary=auxiliary,
+        start=True,
+        **opts,
+    )
+    averager.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
+    return averager

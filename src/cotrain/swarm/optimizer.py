@@ -17,6 +17,7 @@ from hivemind.compression import (
 )
 
 from cotrain.swarm import internals
+from cotrain.swarm.auxiliary import contributors
 from cotrain.swarm.internals.hooks import Optimizer
 from cotrain.swarm.liveness import RoundWatch, WatchedRounds
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers
@@ -73,6 +74,7 @@ class SwarmOptimizer(Optimizer):
             target_batch_size=target_batch_size,
             client_mode=self.client_mode,
             status_loglevel=self.status_loglevel,
+            follows_clients=self.auxiliary,
             start=True,
             **kwargs,
         )
@@ -106,7 +108,7 @@ class SwarmOptimizer(Optimizer):
         if maybe_step_control is not None:
             try:
                 if maybe_step_control.done() and maybe_step_control.exception() is None:
-                    size = len(maybe_step_control.result())
+                    size = contributors(maybe_step_control.result())
                     self.rounds_averaged += 1
                 else:
                     self.rounds_failed += 1

@@ -44,7 +44,7 @@ from hivemind.optim.progress_tracker import (
     TrainingProgressSchema,
 )
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from cotrain.swarm.internals.hooks import Tracker
 
@@ -92,7 +92,14 @@ class SwarmProgressTracker(Tracker):
     """hivemind's ProgressTracker that leaves out the peers found gone (``leave_out``) until they report
     again."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    follows_clients = False  # an auxiliary reducer's tracker: client-mode peers' epochs count too
+    _clients = 0  # client-mode peers in the last read, for a tracker that follows them
+
+    def __init__(self, *args: Any, follows_clients: bool = False, **kwargs: Any) -> None:
+        """``follows_clients``: the tracker of an auxiliary reducer (cotrain.swarm.auxiliary), which serves
+        client-mode peers: their epochs count toward the swarm's as full peers' do (hivemind counts full
+        peers' only, and in a swarm of clients a reducer would stay at its own epoch)."""
+        self.follows_clients = follows_clients
         self._gone: dict[bytes, float] = {}  # peer id -> the time of its record when it was found gone
         self._gone_lock = threading.Lock()
         self._last_metadata: Any = None
@@ -124,6 +131,8 @@ class SwarmProgressTracker(Tracker):
         if isinstance(metadata, dict):
             metadata = one_vote_each(metadata, voters_of(getattr(self, "dht", None)), newest=_record_time)
         self._last_metadata = metadata
+        if self.follows_clients and isinstance(metadata, dict):
+            metadata = self._clients_as_full_peers(metadata)
         if getattr(self, "_gone", None) is None:  # hivemind's __init__ reads the progress before ours runs
             return metadata
         entries = _entries(metadata)
@@ -139,8 +148,25 @@ class SwarmProgressTracker(Tracker):
                 if _peer_of(item) is None or self._gone.get(_peer_of(item)) != entries.get(_peer_of(item))
             }
 
+    def _clients_as_full_peers(self, metadata: dict) -> dict:
+        """``metadata`` with client-mode peers' records read as full peers' (counted in ``_clients``)."""
+        out, self._clients = {}, 0
+        for key, item in metadata.items():
+            value = getattr(item, "value", None)
+            if isinstance(value, dict) and value.get("client_mode"):
+                self._clients += 1
+                item = ValueWithExpiration(dict(value, client_mode=False), item.expiration_time)
+            out[key] = item
+        return out
+
+    def with_clients(self, progress: GlobalTrainingProgress) -> GlobalTrainingProgress:
+        """``progress`` with the client-mode peers counted as such (a tracker that follows them)."""
+        if self.follows_clients:
+            progress.num_clients = self._clients
+        return progress
+
     def parse_swarm_progress(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
-        return super().parse_swarm_progress(self._live(metadata))
+        return self.with_clients(super().parse_swarm_progress(self._live(metadata)))
 
 
 def _record_time(item: Any) -> float:
@@ -207,7 +233,7 @@ class RobustProgressTracker(SwarmProgressTracker):
     def parse_swarm_progress(self, metadata: TrainingProgressSchema) -> GlobalTrainingProgress:
         metadata = self._live(metadata)
         if not isinstance(metadata, dict) or len(metadata) == 0:
-            return Tracker.parse_swarm_progress(self, metadata)
+            return self.with_clients(Tracker.parse_swarm_progress(self, metadata))
         current_time = get_dht_time()
         entries = [
             LocalTrainingProgress.parse_obj(peer_state.value)
@@ -242,7 +268,7 @@ class RobustProgressTracker(SwarmProgressTracker):
             f"{self.prefix} accumulated {total_samples} samples (capped) for epoch #{global_epoch} from "
             f"{num_peers} peers. ETA {eta:.2f} sec (refresh in {next_fetch:.2f} sec)",
         )
-        return GlobalTrainingProgress(
+        progress = GlobalTrainingProgress(
             global_epoch,
             total_samples,
             target_batch_size=self.target_batch_size,
@@ -251,6 +277,7 @@ class RobustProgressTracker(SwarmProgressTracker):
             eta_next_epoch=current_time + eta,
             next_fetch_time=current_time + next_fetch,
         )
+        return self.with_clients(progress)
 
 
 def tracker_class(robust: bool) -> type[ProgressTracker]:

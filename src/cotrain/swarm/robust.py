@@ -166,8 +166,9 @@ class RecordParts:
         parts: Sequence[torch.Tensor],
         tensors: Sequence[torch.Tensor],
         feedback: torch.Tensor,
+        carry: bool = False,
     ) -> None:
-        self.feedback = feedback
+        self.feedback, self.carry = feedback, carry
         self.codecs: list[TopK | Raw | None] = []
         self.starts: list[int] = []
         storages = {
@@ -184,15 +185,20 @@ class RecordParts:
 
     def reduced(self, part_index: int, average: torch.Tensor, senders: int) -> torch.Tensor:
         """The records of ``average``; what top-k records leave out goes to the feedback buffer, times the
-        number of ``senders`` (the next round's average divides it again)."""
+        number of ``senders`` (this peer sends it in its next round, and that round's average divides it
+        again). An auxiliary reducer (``carry``), which sends nothing, adds what it kept of these values to
+        the average itself the next time it reduces them."""
         codec = self.codecs[part_index]
+        start = self.starts[part_index] * (codec.chunk if isinstance(codec, TopK) else 0)
+        end = min(start + average.numel(), self.feedback.numel()) if isinstance(codec, TopK) else start
+        if self.carry and end > start:
+            average = average.clone()
+            average[: end - start].add_(self.feedback[start:end])
+            self.feedback[start:end].zero_()
         encoded = codec.encode(average)
-        if isinstance(codec, TopK):
+        if end > start:
             left = average - codec.decode(encoded)
-            start = self.starts[part_index] * codec.chunk
-            end = min(start + left.numel(), self.feedback.numel())
-            if end > start:
-                self.feedback[start:end].add_(left[: end - start], alpha=float(senders))
+            self.feedback[start:end].add_(left[: end - start], alpha=1.0 if self.carry else float(senders))
         return encoded
 
 
@@ -214,7 +220,10 @@ class RobustAllReduceRunner(Runner):
         parts = None
         if records is not None:
             codecs, feedback = records
-            parts = RecordParts(codecs, self.parts_for_local_averaging, kwargs["tensors"], feedback)
+            auxiliary = self.modes[self.ordered_peer_ids.index(self.peer_id)] == AveragingMode.AUX
+            parts = RecordParts(
+                codecs, self.parts_for_local_averaging, kwargs["tensors"], feedback, carry=auxiliary
+            )
         self.tensor_part_reducer = RobustPartReducer(
             default.part_shapes, default.num_senders, aggregation, refused, parts
         )
