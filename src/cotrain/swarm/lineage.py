@@ -139,6 +139,7 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
                     tensors,
                     group_info,
                     peer_fractions=fractions,
+                    modes=tuple(map(AveragingMode, mode_ids)),
                     tensor_infos=None if infos is None else list(infos[:count]),
                     **kwargs,
                 )
