@@ -36,6 +36,7 @@ def at_least(real: int, sample: int) -> int:
 # The seed documents (the original recipe's guides), or their command lines kept in the repository.
 SEEDS_DIR = SHARED / "seeds" if (SHARED / "seeds").is_dir() else ASSETS / "seeds"
 LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGvMubipKpiSJAGyrUfBEqBNQZAuACmdnb8437fXoXL7t"  # nothing answers
 # timeouts shrunk so that a multi-peer run takes seconds on 2 loaded cores
 FAST = [
     "--matchmaking-time",

@@ -7,6 +7,7 @@ import torch
 from hivemind.optim.progress_tracker import GlobalTrainingProgress
 
 from conftest import (
+    DEAD_PEER,
     FAST,
     LOCALHOST,
     Role,
@@ -16,6 +17,7 @@ from conftest import (
     trainer_rows,
     wait_until,
 )
+from cotrain.swarm import reachability
 from cotrain.swarm.auxiliary import AUX_GATHER, contributors, is_auxiliary, needed
 from cotrain.swarm.robust import RecordParts
 from cotrain.swarm.sparse import TopK
@@ -66,11 +68,38 @@ def test_an_auxiliary_reducer_carries_what_its_records_left_out_into_its_next_av
     assert aux.feedback[codec.chunk :].abs().sum() == 0  # the other chunk was not this part's
 
 
+def test_a_dial_back_request_is_checked_before_anything_is_dialed():
+    ok = reachability.checked_addresses(
+        "/ip4/10.1.2.3/tcp/4001\n/ip6/::1/udp/4001/quic\n/dns4/a.example/tcp/1"
+    )
+    assert [str(a) for a in ok][0] == "/ip4/10.1.2.3/tcp/4001" and len(ok) == 3
+    for bad in (
+        "",
+        "\n".join(["/ip4/10.0.0.1/tcp/1"] * (reachability.MAX_ADDRESSES + 1)),
+        "/ip4/10.0.0.1/tcp/1/p2p/12D3KooWGvMubipKpiSJAGyrUfBEqBNQZAuACmdnb8437fXoXL7t",
+        "/ip4/10.0.0.1/tcp/1/p2p-circuit",
+        "/unix/tmp/socket",
+        "/ip4/10.0.0.1",
+        "not an address",
+        "/dns4/" + "a" * reachability.MAX_ADDRESS_CHARS + "/tcp/1",
+    ):
+        with pytest.raises(ValueError):
+            reachability.checked_addresses(bad)
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_nobody_answers_returns_at_once_and_assumes_nothing():
+    found = reachability.dial_back([DEAD_PEER], [LOCALHOST], [], timeout=5.0)
+    assert found.reached is None and found.peer == "" and found.addresses
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("strategy", ["sync", "diloco"])
 def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tmp_path):
-    """Two trainers in client mode and no other full peer: only the monitor can reduce their parts."""
+    """Two trainers in client mode and no other full peer: only the monitor can reduce their parts. With sync
+    they are given --client-mode; with diloco no flag, and the dial-back probe finds them unreachable (a
+    closed port stands for their NAT), so they join as clients by themselves."""
     common = ["--preset", "albert-tiny", "--run-id", f"aux-{strategy}", "--host-maddrs", LOCALHOST, *FAST]
     common += ["--strategy", strategy]
     if strategy == "diloco":  # sparse rounds: the reducer decodes, averages and re-encodes the records
@@ -83,9 +112,12 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
     roles = [monitor]
     try:
         initial = monitor_address(tmp_path / "monitor", 90)
+        flag, env = (
+            (["--client-mode"], None) if strategy == "sync" else ([], {"COTRAIN_DEBUG_UNREACHABLE": "1"})
+        )
         for i in range(2):
-            args = trainer_args(common, initial, demo_data, i + 1, tmp_path / f"t{i}", "--client-mode")
-            roles.append(Role([*args, "--max-steps", str(steps)], tmp_path / f"trainer{i}.log"))
+            args = trainer_args(common, initial, demo_data, i + 1, tmp_path / f"t{i}", *flag)
+            roles.append(Role([*args, "--max-steps", str(steps)], tmp_path / f"trainer{i}.log", env=env))
         for trainer in roles[1:]:
             wait_until(lambda t=trainer: t.proc.poll() is not None, 300, what="the trainers to finish")
             assert trainer.proc.returncode == 0, trainer.text()[-3000:]
@@ -105,5 +137,8 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
     for rs in rows:
         assert rs[-1]["step"] >= steps and rs[-1]["loss"] < rs[0]["loss"], rs
     for trainer in roles[1:]:
-        assert "Traceback" not in trainer.log_path.read_text()
+        log = trainer.log_path.read_text()
+        assert "Traceback" not in log
+        if strategy == "diloco":  # it found out by itself, and said so in one line
+            assert "could not reach it at /ip4/127.0.0.1/tcp/1" in log and "joining as a client" in log, log
     assert "Traceback" not in text

@@ -59,6 +59,12 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "call",
     ),
     ("negative max steps", [*TRAIN, "--max-steps", "-1"], "must not be negative", "call"),
+    (
+        "client and public",
+        [*TRAIN, "--client-mode", "--public"],
+        "--client-mode and --public contradict each other",
+        "call",
+    ),
     ("run id with a dot", [*TRAIN, "--run-id", "my.run"], "run_id 'my.run' must be non-empty", "call"),
     ("unknown flag", [*TRAIN, "--frobnicate", "3"], "unrecognized arguments: --frobnicate", "call"),
     ("unknown command", ["fly"], "invalid choice: 'fly'", "call"),

@@ -8,6 +8,8 @@ Each hook is switched on by an environment variable of the peer's process and do
   diverging optimizer step would leave it.
 - ``COTRAIN_DEBUG_SAVE_ON_START``: a trainer saves a local checkpoint right after catching up with the swarm.
 - ``COTRAIN_DEBUG_SAVE_EVALUATED``: the evaluation peer also saves each state it evaluated.
+- ``COTRAIN_DEBUG_UNREACHABLE``: the reachability probe asks to be dialed back at a closed port of 127.0.0.1,
+  as a peer behind NAT is dialed in vain at the addresses it announces (``unreachable_addresses``).
 - ``COTRAIN_FAULT=checkpoint-before-rename[:N]``: the process exits after writing a checkpoint's temporary
   folder, before renaming it into place (at a save into a folder that holds N checkpoints already), as a
   crash mid-write would.
@@ -36,10 +38,18 @@ CORRUPT_PARAMS_AT_STEP = "COTRAIN_DEBUG_CORRUPT_PARAMS_AT_STEP"
 SAVE_ON_START = "COTRAIN_DEBUG_SAVE_ON_START"
 SAVE_EVALUATED = "COTRAIN_DEBUG_SAVE_EVALUATED"
 CHECKPOINT = "COTRAIN_FAULT"
+UNREACHABLE = "COTRAIN_DEBUG_UNREACHABLE"
+CLOSED_PORT = "/ip4/127.0.0.1/tcp/1"  # nothing listens on port 1 (tcpmux) on a test machine
 
 
 def enabled(name: str) -> bool:
     return bool(os.environ.get(name))
+
+
+def unreachable_addresses(addresses: list[str]) -> list[str]:
+    """The addresses a reachability probe asks to be dialed back at: ``addresses``, or with
+    COTRAIN_DEBUG_UNREACHABLE a closed port."""
+    return [CLOSED_PORT] if enabled(UNREACHABLE) else list(addresses)
 
 
 def _step_of(name: str) -> int | None:

@@ -122,12 +122,11 @@ def describe(state: dict) -> str:
     ]
     if state["peers"]:
         extra = f"{'inner':>8}{'sent/round':>12}" if diloco else ""
-        lines.append(
-            f"{'peer':<14}{'mode':<8}{'step':>6}{'samples/s':>12}{'contribution':>14}{'last seen':>12}{extra}"
-        )
+        head = f"{'peer':<14}{'reach':<8}{'step':>6}{'samples/s':>12}{'contribution':>14}{'last seen':>12}"
+        lines.append(head + extra)
         for p in state["peers"]:
             line = (
-                f"{p['short_id']:<14}{'client' if p.get('client_mode') else 'full':<8}{p['step']:>6}"
+                f"{p['short_id']:<14}{'client' if p.get('client_mode') else 'public':<8}{p['step']:>6}"
                 f"{p.get('samples_per_second', 0.0):>12.1f}{p['contribution']:>14}{p['seconds_ago']:>10.0f} s"
             )
             if diloco:

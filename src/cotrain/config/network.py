@@ -58,6 +58,13 @@ class NetworkConfig:
         roles=("train",),
         seed="--client_mode",
     )
+    public: bool = opt(
+        False,
+        "This peer can be dialed by others (a public IP, or a port forwarded to it): join as a full peer "
+        "without the reachability probe. Without it (and without --client-mode) a peer asks an initial peer "
+        "to dial it back first, and joins as a client when it cannot.",
+        roles=("train", "monitor"),
+    )
     use_ipfs: bool = opt(
         False, "Bootstrap through the public IPFS network.", roles=("train", "monitor"), seed="--use_ipfs"
     )
@@ -98,4 +105,10 @@ class NetworkConfig:
     )
 
     def problems(self) -> list[str]:
-        return not_positive(self, "startup_timeout")
+        problems = not_positive(self, "startup_timeout")
+        if self.client_mode and self.public:
+            problems.append(
+                "--client-mode and --public contradict each other (a client accepts no connections): "
+                "choose one, or neither to let the peer find out"
+            )
+        return problems

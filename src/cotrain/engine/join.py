@@ -46,12 +46,17 @@ class SwarmConnection:
         self.watcher: Any = None
         validators, self.public_key = make_validators(run_id)
         self.access = _access(run_id, peer, role)
+        client_mode = peer.client_mode if client_mode is None else client_mode
+        self.reachability = None
+        if not client_mode and role in PROBED and peer.initial_peers and not peer.public:
+            self.reachability = _probe(peer, role)
+            client_mode = self.reachability.reached is False
         self.dht = create_dht(
             initial_peers=peer.initial_peers,
             host_maddrs=peer.host_maddrs,
             announce_maddrs=peer.announce_maddrs,
             identity_path=peer.identity_path,
-            client_mode=peer.client_mode if client_mode is None else client_mode,
+            client_mode=client_mode,
             use_google_dns=peer.use_google_dns,
             use_ipfs=peer.use_ipfs,
             nat_port_map=peer.nat_port_map,
@@ -66,6 +71,10 @@ class SwarmConnection:
             from cotrain.access.voters import Voters
 
             Voters.of(self.dht)
+        if not client_mode:  # newcomers ask it to dial them back
+            from cotrain.swarm.reachability import serve_dial_back
+
+            serve_dial_back(self.dht)
         if self.access is not None and role != "monitor":  # a token holder stops when it is refused
             from cotrain.access import AccessWatcher
 
@@ -197,6 +206,41 @@ class SwarmConnection:
             except Exception as e:
                 logger.debug(f"DHT shutdown: {e!r}")
             self.dht = None
+
+
+PROBED = ("trainer", "api", "monitor")  # roles that find out whether others can dial them before joining
+
+
+def _probe(peer: PeerConfig, role: str) -> Any:
+    """Ask an initial peer to dial this one back (cotrain.swarm.reachability) and say in one line what was
+    found and what this peer does about it. A monitor that cannot be dialed cannot reduce for others: a
+    UserError unless --no-reduce."""
+    from cotrain.swarm.reachability import ASK_TIMEOUT, dial_back
+
+    found = dial_back(peer.initial_peers, peer.host_maddrs, peer.announce_maddrs)
+    where = ", ".join(found.addresses) or "its addresses"
+    if found.reached is None:
+        logger.info(
+            f"No initial peer answered the reachability probe within {ASK_TIMEOUT:.0f} s: assuming others "
+            "can dial this peer (--client-mode if they cannot)"
+        )
+    elif found.reached:
+        logger.info(f"Initial peer {found.peer} dialed this peer back at {where}: joining as a full peer")
+    elif role == "monitor" and peer.reduce:
+        raise UserError(
+            f"other peers cannot dial this monitor (initial peer {found.peer} could not reach it at {where}: "
+            f"{found.detail or 'no answer'}), so it cannot reduce for them: run it on a public machine, open "
+            "a port (--host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT, PORT "
+            "forwarded to this machine), or pass --no-reduce"
+        )
+    else:
+        logger.info(
+            f"Other peers cannot dial this peer (initial peer {found.peer} could not reach it at {where}: "
+            f"{found.detail or 'no answer'}): joining as a client, which sends its parts and receives the "
+            "averages through peers that can be dialed. To reduce for others too, forward a port to this "
+            "machine (--host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT --public)"
+        )
+    return found
 
 
 def _access(run_id: str, peer: PeerConfig, role: str) -> Any:

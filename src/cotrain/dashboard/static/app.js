@@ -99,7 +99,7 @@ function renderPeers(peers, diloco) {
     const tr = document.createElement("tr");
     tr.dataset.peerId = p.peer_id || "";
     const cells = [
-      [p.short_id || "?", ""], [p.client_mode ? "client" : "full", ""], [fmt(p.step), "num"],
+      [p.short_id || "?", ""], [p.client_mode ? "client" : "public", ""], [fmt(p.step), "num"],
       [fmt(p.samples_per_second, 1), "num"], [fmt(p.contribution), "num"], [ago(p.seconds_ago), ""],
     ];
     if (diloco) cells.push([fmt(p.inner_steps), "num"], [megabytes(p.round_bytes), "num"]);
