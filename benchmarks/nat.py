@@ -17,13 +17,19 @@ cotrain's own roles, ``albert-tiny`` on the built-in demo corpus, one CPU thread
   docs/deploy.md, section 4 (a client listens on nothing others can reach anyway);
 - ``relay``: a full peer with ``--use-auto-relay``, reachable through a libp2p relay among the swarm's public
   peers (docs/deploy.md, section 5);
-- ``plain``: a full peer with neither, as a volunteer who forgot the flag would join.
+- ``plain``: no flag, as a volunteer who knows nothing about NAT joins: the trainer asks the monitor to dial
+  it back, cannot be reached, and joins as a client by itself (cotrain.swarm.reachability).
+
+The monitor reduces the clients' parts as an auxiliary peer (cotrain.swarm.auxiliary). ``--no-public-trainer``
+leaves the public trainer out: the monitor is then the swarm's only public machine, the usual volunteer set-up
+(one small cloud VM). ``--strategy diloco`` trains with DiLoCo (2 local steps per round).
 
 Reported per mode and trainer, from the trainers' OUTPUT_DIR/metrics.jsonl: whether it joined and when (its
 first global step), its global steps and how many of them it averaged with every trainer (a group of all
 of them) and with at least one other, its rounds averaged and failed; and the swarm's global steps.
 
-    python benchmarks/nat.py [--modes client relay plain] [--homes 2] [--minutes 3] [--rate 100] [--keep-logs]
+    python benchmarks/nat.py [--modes client relay plain] [--homes 2] [--minutes 3] [--rate 100]
+        [--strategy sync|diloco] [--no-public-trainer] [--keep-logs]
 
 Needs root, iproute2 and nftables (``apt-get install nftables``). The last line is
 ``{"event": "nat_summary", "modes": {"client": {"joined": ..., "with_all_share": ...}, ...}}`` (the home
@@ -51,16 +57,20 @@ MODES = {"client": ["--client-mode"], "relay": ["--use-auto-relay"], "plain": []
 LISTEN = {"client": "127.0.0.1"}  # the address a mode's home trainer listens on, if not its own
 
 
-def trainer_summary(rows: list[dict], started: float, everyone: int) -> dict:
+def trainer_summary(
+    rows: list[dict], started: float, everyone: int, window: tuple[float, float] | None = None
+) -> dict:
     """What a trainer's metrics lines say: its global steps, how many it averaged with another peer and with
     ``everyone`` (a group of every trainer), its rounds averaged and failed (the last line's counters), and
-    seconds from ``started`` (wall clock) to its first step."""
+    seconds from ``started`` (wall clock) to its first step. With a ``window`` (wall clock: from the last
+    trainer's first step to the first trainer's stop), also its steps within it and the share of them it
+    averaged with everyone: the steps it took while every trainer was training."""
     steps = [r for r in rows if isinstance(r.get("step"), int) and "group_size" in r]
     if not steps:
         return {"joined": False, "steps": 0, "averaged": 0, "with_all": 0, "with_all_share": 0.0,
                 "rounds_averaged": 0, "rounds_failed": 0, "first_step_s": None}  # fmt: skip
     with_all = sum(1 for r in steps if r["group_size"] >= everyone)
-    return {
+    out = {
         "joined": True,
         "steps": len(steps),
         "averaged": sum(1 for r in steps if r["group_size"] >= 2),
@@ -70,6 +80,23 @@ def trainer_summary(rows: list[dict], started: float, everyone: int) -> dict:
         "rounds_failed": steps[-1].get("rounds_failed", 0),
         "first_step_s": round(steps[0]["time"] - started, 1) if "time" in steps[0] else None,
     }
+    if window is not None:
+        inside = [r for r in steps if window[0] <= r.get("time", -1.0) <= window[1]]
+        out["steps_while_all"] = len(inside)
+        together = sum(1 for r in inside if r["group_size"] >= everyone)
+        out["with_all_while_all_share"] = round(together / len(inside), 3) if inside else 0.0
+    return out
+
+
+def _said(log: Path, what: str = "joining as a client") -> str:
+    """The first line of a role's log that says ``what`` (the reachability probe's verdict, the monitor's
+    count of the rounds it reduced), from ``what`` on; "" when none does."""
+    if not log.exists():
+        return ""
+    for line in log.read_text(errors="replace").splitlines():
+        if what in line:
+            return line[line.index(what) - (0 if what == "Reduced " else 60) :][:200].strip()
+    return ""
 
 
 def nat_reach(net: _netns.Network, homes: list[int]) -> dict:
@@ -108,7 +135,8 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
             procs.append(_netns.start_in_ns(net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
 
         try:
-            start("monitor", MONITOR, ["monitor", "--dashboard-port", "-1", "--refresh-period", "2"])
+            start("monitor", MONITOR, ["monitor", "--dashboard-port", "-1", "--refresh-period", "2",
+                                       "--strategy", args.strategy])  # fmt: skip
             peers_file = out / "monitor" / "initial_peers.txt"
             deadline = time.monotonic() + 180
             while not peers_file.exists():
@@ -117,28 +145,43 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
                 time.sleep(0.5)
             initial = [a for a in peers_file.read_text().split() if f"/{net.address(MONITOR)}/" in a]
             started = time.time()
-            trainers = [("public", PUBLIC, [], "")]
+            trainers = [("public", PUBLIC, [], "")] if args.public_trainer else []
             trainers += [(f"home{k}", h, MODES[mode], LISTEN.get(mode, "")) for k, h in enumerate(homes)]
+            strategy = [
+                "--strategy",
+                args.strategy,
+                *(["--local-steps", "2"] if args.strategy == "diloco" else []),
+            ]
             for name, host, extra, listen in trainers:
                 start(name, host, ["train", "--initial-peers", *initial, "--per-device-train-batch-size", "8",
-                                   "--seed", str(host), *extra], listen)  # fmt: skip
+                                   "--seed", str(host), *strategy, *extra], listen)  # fmt: skip
             end = time.monotonic() + args.minutes * 60
             while time.monotonic() < end and all(p.poll() is None for p in procs):
                 time.sleep(2)
             names = ["monitor", *(t[0] for t in trainers)]
             crashed = [n for n, p in zip(names, procs, strict=True) if p.poll() is not None]
+            stopping_at = time.time()
         finally:
             net.remember_pids()
             for proc in reversed(procs):  # the trainers first: the monitor serves them until they are gone
                 _netns.stop_process(proc, grace=20)
+    said = {name: _said(out / f"{name}.log") for name, *_ in trainers}
+    rows = {name: read_jsonl(out / name / "metrics.jsonl") for name, *_ in trainers}
+    firsts = [
+        min((r["time"] for r in rs if "group_size" in r and "time" in r), default=None)
+        for rs in rows.values()
+    ]
+    window = (max(firsts), stopping_at) if firsts and None not in firsts else None
     result = {
         "mode": mode,
+        "strategy": args.strategy,
         "flags": " ".join(MODES[mode]) or "(none)",
+        "said": said,
+        "monitor_reduced": _said(out / "monitor.log", "Reduced "),
         "reach": reach,
         "crashed": crashed,
         "trainers": {
-            name: trainer_summary(read_jsonl(out / name / "metrics.jsonl"), started, len(trainers))
-            for name, *_ in trainers
+            name: trainer_summary(rows[name], started, len(trainers), window) for name, *_ in trainers
         },
     }
     monitor_rows = read_jsonl(out / "monitor" / "metrics.jsonl")
@@ -156,6 +199,14 @@ def main() -> int:
     ap.add_argument("--preset", default="albert-tiny")
     ap.add_argument("--matchmaking-time", type=float, default=5.0)
     ap.add_argument("--averaging-timeout", type=float, default=30.0)
+    ap.add_argument("--strategy", choices=["sync", "diloco"], default="sync")
+    ap.add_argument(
+        "--public-trainer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a trainer on a public host beside the home ones (--no-public-trainer: the monitor is the "
+        "swarm's only public machine, as in a volunteer swarm of one cloud VM)",
+    )
     ap.add_argument("--keep-logs", action="store_true", help="keep the roles' logs and metrics")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
@@ -174,30 +225,39 @@ def main() -> int:
             results[mode] = run_mode(mode, args, data, root)
             for name, t in results[mode]["trainers"].items():
                 print(f"  {name}: {json.dumps(t)}", flush=True)
+                if results[mode]["said"].get(name):
+                    print(f"    said: {results[mode]['said'][name]}", flush=True)
+            print(f"  monitor: {results[mode]['monitor_reduced'] or 'reduced nothing'}", flush=True)
             print(
                 f"  global steps {results[mode]['global_steps']}, crashed {results[mode]['crashed']}",
                 flush=True,
             )
     print(
         f"\n{'mode':8s} {'trainer':8s} {'joined':>6s} {'first step s':>12s} {'steps':>6s} "
-        f"{'with all':>14s} {'with one or more':>16s} {'rounds ok/failed':>16s} {'global steps':>12s}"
+        f"{'with all':>14s} {'with all, all up':>17s} {'with one or more':>16s} {'rounds ok/failed':>16s} "
+        f"{'global steps':>12s}"
     )
     for mode, r in results.items():
         for name, t in r["trainers"].items():
+            up = f"{100 * t.get('with_all_while_all_share', 0):3.0f}% of {t.get('steps_while_all', 0)}"
             print(
                 f"{mode:8s} {name:8s} {str(t['joined']):>6s} {t['first_step_s'] or '-':>12} {t['steps']:>6d} "
-                f"{t['with_all']:>7d} ({100 * t['with_all_share']:3.0f}%) {t['averaged']:>16d} "
+                f"{t['with_all']:>7d} ({100 * t['with_all_share']:3.0f}%) {up:>17s} {t['averaged']:>16d} "
                 f"{t['rounds_averaged']:>8d}/{t['rounds_failed']:<7d} {r['global_steps']:>12d}"
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     _netns.print_finished(started)
-    summary = {"event": "nat_summary", "homes": args.homes, "modes": {}}
+    summary = {"event": "nat_summary", "homes": args.homes, "strategy": args.strategy, "modes": {}}
+    summary["public_trainer"] = args.public_trainer
     for mode, r in results.items():
         homes = [t for name, t in r["trainers"].items() if name.startswith("home")]
         summary["modes"][mode] = {
             "joined": all(t["joined"] for t in homes),
             "with_all_share": min(t["with_all_share"] for t in homes),
+            "with_all_while_all_share": min(t.get("with_all_while_all_share", 0.0) for t in homes),
+            "first_step_s": max((t["first_step_s"] or 1e9) for t in homes),
+            "rounds_failed": sum(t["rounds_failed"] for t in homes),
             "global_steps": r["global_steps"],
         }
     print(json.dumps(summary), flush=True)

@@ -351,6 +351,9 @@ def test_the_nat_benchmark_counts_the_steps_a_trainer_averaged_with_others_and_w
     assert got == {"joined": True, "steps": 3, "averaged": 2, "with_all": 1, "with_all_share": 0.333,
                    "rounds_averaged": 2, "rounds_failed": 1, "first_step_s": 10.0}  # fmt: skip
     assert nat.trainer_summary([], started=100.0, everyone=3)["joined"] is False
+    # the steps while every trainer was up (from the last one's first step to the first one's stop)
+    windowed = nat.trainer_summary(rows, started=100.0, everyone=3, window=(115.0, 135.0))
+    assert windowed["steps_while_all"] == 2 and windowed["with_all_while_all_share"] == 0.5
 
 
 def test_the_allreduce_table_puts_the_libp2p_arm_beside_the_direct_one(capsys):

@@ -352,6 +352,7 @@ class SyncStrategy(HivemindStrategy):
             min_matchmaking_time=peer.matchmaking_time,
             request_timeout=request_timeout(peer.matchmaking_time),
             allow_state_sharing=False,  # until there is a state worth serving
+            keeps_state=True,  # it answers downloads only (the monitor's reducer answers its all-reduces)
             status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
             start=True,
         )
@@ -501,6 +502,7 @@ class DiLoCoStrategy(HivemindStrategy):
             min_matchmaking_time=peer.matchmaking_time,
             request_timeout=request_timeout(peer.matchmaking_time),
             allow_state_sharing=False,
+            keeps_state=True,
             status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
             start=True,
         )

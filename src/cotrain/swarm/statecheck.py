@@ -268,11 +268,21 @@ class CheckedStateDownloads(Averager):
     fingerprints others published (see the module's doc). The first tensors of the served state, the
     optimizer's parameters and the extra tensors, are the ones fingerprinted."""
 
-    def __init__(self, *args: Any, progress_key: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, progress_key: str | None = None, keeps_state: bool = False, **kwargs: Any
+    ) -> None:
         """``progress_key``: the run's progress records (cotrain.swarm.keys.progress_key), given where the
         swarm's progress is counted robustly: donors beyond the epoch that two other full peers reached are
-        then not asked while one within it serves (``within_witnessed``)."""
+        then not asked while one within it serves (``within_witnessed``). ``keeps_state``: the copy of a
+        monitor (or evaluation peer), which never averages: it answers state downloads only. An auxiliary
+        reducer's (``auxiliary=True``) answers all-reduces only, and publishes no fingerprint: the state it
+        holds is not the swarm's (it reduces for others and never steps)."""
         from cotrain.faults import PoisonedState
+
+        if keeps_state:
+            self.serve_only(frozenset({"rpc_download_state"}))
+        elif kwargs.get("auxiliary"):
+            self.serve_only(frozenset({"rpc_join_group", "rpc_aggregate_part", "rpc_direct_offer"}))
 
         self.progress_key = progress_key
         self.poisoned = PoisonedState.from_env()  # fault injection: serve a corrupted copy
@@ -281,8 +291,9 @@ class CheckedStateDownloads(Averager):
         self.unreachable: dict[str, float] = {}  # the same, for donors that could not be reached
         self._held = mp.Value(ctypes.c_double, -1.0)  # the step held at the last download, for the averager
         super().__init__(*args, **kwargs)
-        self.fingerprints = FingerprintPublisher(self)
-        self.fingerprints.start()
+        self.fingerprints = None if kwargs.get("auxiliary") else FingerprintPublisher(self)
+        if self.fingerprints is not None:
+            self.fingerprints.start()
 
     state_optimizers = (
         1  # optimizers whose statistics ride along in the served state (DiLoCo: the inner one too)

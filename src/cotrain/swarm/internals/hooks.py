@@ -60,6 +60,15 @@ class Averager(DecentralizedAverager):
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
+    def serve_only(self, methods: frozenset[str]) -> None:
+        """Register (and at shutdown remove) only these of the averager's ``rpc_*`` handlers (call it before
+        the averager starts). Two averagers of one prefix in one peer answer disjoint sets: the monitor's copy
+        of the state serves downloads, its auxiliary reducer's state averager the all-reduces (hivemind names
+        a handler after the prefix and the method, so both would claim the same names)."""
+        ServicerBase._collect_rpc_handlers.__func__(type(self))
+        # an instance attribute in front of the class's list, which hivemind's add and remove iterate
+        self._rpc_handlers = [h for h in type(self)._rpc_handlers if h.method_name in methods]
+
     def ask_serving_loop(self, method: str, **kwargs: Any) -> None:
         """Run ``self.<method>(**kwargs)`` (a coroutine method) in the averager's serving loop, as hivemind's
         own requests do (pass a ``future`` to get an answer)."""

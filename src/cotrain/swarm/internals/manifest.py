@@ -193,6 +193,14 @@ MANIFEST: tuple[Touch, ...] = (
         "771183d83e9de9ef",
     ),
     Touch(
+        "hivemind.p2p.servicer.ServicerBase._collect_rpc_handlers",
+        "called",
+        f"{HOOKS}.Averager.serve_only",
+        "an averager registers some of its handlers only (two of one prefix in the monitor: keeper, reducer)",
+        "420cdc249473cc36",
+        ("_rpc_handlers",),
+    ),
+    Touch(
         f"{STATE}._load_local_tensors_into_averager_",
         "called",
         f"{HOOKS}.load_local_tensors",
