@@ -135,8 +135,14 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
             procs.append(_netns.start_in_ns(net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
 
         try:
-            start("monitor", MONITOR, ["monitor", "--dashboard-port", "-1", "--refresh-period", "2",
-                                       "--strategy", args.strategy])  # fmt: skip
+            strategy = [
+                "--strategy",
+                args.strategy,
+                *(["--local-steps", "2"] if args.strategy == "diloco" else []),
+            ]
+            start(
+                "monitor", MONITOR, ["monitor", "--dashboard-port", "-1", "--refresh-period", "2", *strategy]
+            )
             peers_file = out / "monitor" / "initial_peers.txt"
             deadline = time.monotonic() + 180
             while not peers_file.exists():
@@ -147,11 +153,6 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
             started = time.time()
             trainers = [("public", PUBLIC, [], "")] if args.public_trainer else []
             trainers += [(f"home{k}", h, MODES[mode], LISTEN.get(mode, "")) for k, h in enumerate(homes)]
-            strategy = [
-                "--strategy",
-                args.strategy,
-                *(["--local-steps", "2"] if args.strategy == "diloco" else []),
-            ]
             for name, host, extra, listen in trainers:
                 start(name, host, ["train", "--initial-peers", *initial, "--per-device-train-batch-size", "8",
                                    "--seed", str(host), *strategy, *extra], listen)  # fmt: skip

@@ -104,7 +104,7 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
     common += ["--strategy", strategy]
     if strategy == "diloco":  # sparse rounds: the reducer decodes, averages and re-encodes the records
         common += ["--local-steps", "2", "--outer-compression", "topk"]
-    steps = 6
+    steps = 4
     monitor = Role(
         monitor_args(common, tmp_path / "monitor", "--dataset-path", str(demo_data), "--save-every", "0"),
         tmp_path / "monitor.log",
@@ -121,6 +121,14 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
         for trainer in roles[1:]:
             wait_until(lambda t=trainer: t.proc.poll() is not None, 300, what="the trainers to finish")
             assert trainer.proc.returncode == 0, trainer.text()[-3000:]
+        if strategy == "diloco":  # a second monitor that nobody can dial could reduce nothing: it refuses
+            second = tmp_path / "second"
+            args = monitor_args(common, second, "--initial-peers", *initial, "--dataset-path", str(demo_data))
+            refused = Role(args, tmp_path / "second.log", env={"COTRAIN_DEBUG_UNREACHABLE": "1"})
+            assert refused.proc.wait(timeout=120) != 0
+            lines = [line for line in refused.text().splitlines() if line.strip()]
+            assert "cannot dial this monitor" in lines[-1] and "--no-reduce" in lines[-1], lines
+            assert not (second / "initial_peers.txt").exists() and "Traceback" not in refused.text()
     finally:
         for role in roles:
             role.stop()

@@ -50,7 +50,8 @@ class SwarmConnection:
         self.reachability = None
         if not client_mode and role in PROBED and peer.initial_peers and not peer.public:
             self.reachability = _probe(peer, role)
-            client_mode = self.reachability.reached is False
+            # a monitor stays a full peer (it serves the run's settings and state): _probe warned or refused
+            client_mode = self.reachability.reached is False and role != "monitor"
         self.dht = create_dht(
             initial_peers=peer.initial_peers,
             host_maddrs=peer.host_maddrs,
@@ -232,6 +233,11 @@ def _probe(peer: PeerConfig, role: str) -> Any:
             f"{found.detail or 'no answer'}), so it cannot reduce for them: run it on a public machine, open "
             "a port (--host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT, PORT "
             "forwarded to this machine), or pass --no-reduce"
+        )
+    elif role == "monitor":
+        logger.warning(
+            f"Other peers cannot dial this monitor (initial peer {found.peer} could not reach it at "
+            f"{where}): newcomers cannot take the run's settings or state from it; run it on a public machine"
         )
     else:
         logger.info(

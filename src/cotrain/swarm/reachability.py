@@ -20,6 +20,7 @@ effect.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -162,7 +163,10 @@ def dial_back(
 ) -> Reachability:
     """Ask the initial peers, in order, to dial this peer back at the addresses it will announce (from a
     short-lived host listening where the peer will listen); the first answer counts."""
-    return asyncio.run(_dial_back(initial_peers, host_maddrs, announce_maddrs, timeout))
+    # a thread of its own: the caller may run an event loop already (a notebook's kernel)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dial-back") as pool:
+        probe = _dial_back(initial_peers, host_maddrs, announce_maddrs, timeout)
+        return pool.submit(asyncio.run, probe).result()
 
 
 async def _dial_back(
