@@ -48,10 +48,13 @@ CHUNK = 1 << 20
 # --- the peers (run inside the namespaces: python relay.py --role ...) ----------------------------------
 
 
-async def _host(listen: str, relay: str | None, private: bool):
+async def _host(listen: str, relay: str | None, private: bool, no_listen: bool = False):
     from hivemind.p2p import P2P
 
     options = {"force_reachability": "private" if private else "public", "nat_port_map": False}
+    if no_listen:  # a host that listens on nothing (libp2p then relies on relays and reversed dials)
+        relays = {"initial_peers": [relay], "trusted_relays": [relay], "use_auto_relay": True}
+        return await P2P.create(host_maddrs=[], no_listen=True, use_relay=True, **options, **relays)
     if relay:
         options["initial_peers"] = [relay]
     if relay and private:  # (the daemon refuses trusted relays without auto-relay)
@@ -69,7 +72,7 @@ async def relay_role(args) -> None:
 
 async def receiver_role(args) -> None:
     """A: reserve a slot on the relay, announce the circuit address, count what each stream brings."""
-    p2p = await _host(args.listen, args.relay, private=True)
+    p2p = await _host(args.listen, args.relay, private=True, no_listen=args.no_listen)
     received: list[dict] = []
 
     async def handler(info, reader, writer) -> None:
@@ -95,7 +98,11 @@ async def receiver_role(args) -> None:
     started = time.monotonic()
     circuit: list[str] = []
     while time.monotonic() - started < args.wait and not circuit:
-        circuit = [str(m) for m in await p2p.get_visible_maddrs(latest=True) if "p2p-circuit" in str(m)]
+        try:
+            visible = await p2p.get_visible_maddrs(latest=True)
+        except ValueError:  # none yet (a host that listens on nothing)
+            visible = []
+        circuit = [str(m) for m in visible if "p2p-circuit" in str(m)]
         await asyncio.sleep(1.0)
     after = round(time.monotonic() - started, 1) if circuit else None
     _write(args.out, {"id": str(p2p.peer_id), "circuit": circuit, "circuit_after_s": after})
@@ -202,7 +209,11 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             relay_info = _wait_file(root / "relay.json", 60, procs)
             relay = next(m for m in relay_info["maddrs"] if f"/{net.address(RELAY)}/" in m)
             relay = relay if "/p2p/" in relay else f"{relay}/p2p/{relay_info['id']}"
-            start("receiver", home_a, ["--relay", relay, "--wait", str(args.wait)])
+            start(
+                "receiver",
+                home_a,
+                ["--relay", relay, "--wait", str(args.wait), *(["--no-listen"] if args.no_listen else [])],
+            )
             target = _wait_file(root / "receiver.json", args.wait + 60, procs)
             results["circuit"] = {"announced": bool(target["circuit"]), "after_s": target["circuit_after_s"],
                                   "addresses": target["circuit"]}  # fmt: skip
@@ -235,6 +246,9 @@ def main() -> int:
     ap.add_argument("--megabytes", type=int, default=200, help="MiB each sender streams")
     ap.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every link, each way")
     ap.add_argument("--wait", type=float, default=60.0, help="seconds A waits for its circuit address")
+    ap.add_argument(
+        "--no-listen", action="store_true", help="A listens on nothing (hivemind's own relay test)"
+    )
     ap.add_argument("--keep-logs", action="store_true", help="keep the peers' logs")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()

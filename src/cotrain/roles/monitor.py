@@ -334,8 +334,8 @@ class Monitor:
     def close(self) -> None:
         if self.reducer is not None:
             done, failed = self.reducer.rounds
-            self.reducer.close()
             logger.info(f"Reduced {done} {self.reducer.what} for the trainers ({failed} failed)")
+            self.reducer.close()
         if self.keeper is not None:
             self.keeper.shutdown()
         if self.dashboard is not None:

@@ -95,9 +95,13 @@ class Reducer(threading.Thread):
 
     def close(self) -> None:
         self._closed.set()
+        self.cancel_rounds()  # a tick waiting on a round returns
         if self.is_alive():
-            self.join(timeout=10)
+            self.join(timeout=5)
         self.shutdown()
+
+    def cancel_rounds(self) -> None:
+        """Cancel the rounds in progress (nothing by default: a tick that waits looks at ``_closed``)."""
 
     def shutdown(self) -> None:
         raise NotImplementedError
@@ -125,6 +129,14 @@ class GradientReducer(Reducer):
             opt.state_averager.local_epoch = swarm
             follow(opt.tracker, swarm)
         opt.step()
+
+    def cancel_rounds(self) -> None:
+        for control in (self.opt.scheduled_grads, self.opt.scheduled_state):
+            try:
+                if control is not None and not control.done():
+                    control.cancel()
+            except Exception as e:
+                logger.debug(f"cancelling an averaging round: {e!r}")
 
     def shutdown(self) -> None:
         self.opt.shutdown()
