@@ -216,17 +216,24 @@ def _probe(peer: PeerConfig, role: str) -> Any:
     """Ask an initial peer to dial this one back (cotrain.swarm.reachability) and say in one line what was
     found and what this peer does about it. A monitor that cannot be dialed cannot reduce for others: a
     UserError unless --no-reduce."""
+    from cotrain.swarm.dht import parse_maddrs
     from cotrain.swarm.reachability import ASK_TIMEOUT, dial_back
 
-    found = dial_back(peer.initial_peers, peer.host_maddrs, peer.announce_maddrs)
+    # checked as the DHT checks them (a malformed address is one line, before anything starts)
+    initial = parse_maddrs(list(peer.initial_peers), "initial peer")
+    hosts = parse_maddrs(list(peer.host_maddrs), "listen")
+    found = dial_back(initial, hosts, parse_maddrs(list(peer.announce_maddrs), "announce"))
     where = ", ".join(found.addresses) or "its addresses"
-    if found.reached is None:
+    if found.reached is None and not found.connected:  # the DHT's join says why, in one line
+        logger.debug("No initial peer could be connected to for the reachability probe")
+    elif found.reached is None:
         logger.info(
             f"No initial peer answered the reachability probe within {ASK_TIMEOUT:.0f} s: assuming others "
             "can dial this peer (--client-mode if they cannot)"
         )
     elif found.reached:
-        logger.info(f"Initial peer {found.peer} dialed this peer back at {where}: joining as a full peer")
+        # said only where it matters (a client, an assumption): a full peer is what a user expects
+        logger.debug(f"Initial peer {found.peer} dialed this peer back at {where}: joining as a full peer")
     elif role == "monitor" and peer.reduce:
         raise UserError(
             f"other peers cannot dial this monitor (initial peer {found.peer} could not reach it at {where}: "

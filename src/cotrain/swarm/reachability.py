@@ -59,12 +59,13 @@ def messages():
 class Reachability:
     """What the dial-back probe found: ``reached`` True (others can dial this peer), False (they cannot), None
     (nobody answered); ``peer``: the initial peer that answered; ``addresses``: those it was asked to dial;
-    ``detail``: why its dial failed."""
+    ``detail``: why its dial failed; ``connected``: whether an initial peer could be connected to at all."""
 
     reached: bool | None
     peer: str = ""
     addresses: tuple[str, ...] = ()
     detail: str = ""
+    connected: bool = False  # whether any initial peer could be connected to (None: it did not answer)
 
 
 def checked_addresses(text: str) -> list[Any]:
@@ -188,6 +189,7 @@ async def _dial_back(
         own = [str(a).split("/p2p/")[0] for a in await host.get_visible_maddrs()]
         addresses = unreachable_addresses(own)[:MAX_ADDRESSES]  # fault injection (tests): a closed port
         request = m.DialBackRequest(addresses="\n".join(addresses))
+        connected = False
         for maddr in initial_peers:
             if "/p2p/" not in maddr:
                 continue
@@ -197,6 +199,7 @@ async def _dial_back(
                 await asyncio.wait_for(
                     p2p_client(host).connect(peer_id, [Multiaddr(maddr.split("/p2p/")[0])]), DIAL_TIMEOUT
                 )
+                connected = True
                 reply = await asyncio.wait_for(
                     host.call_protobuf_handler(peer_id, DIAL_BACK_HANDLE, request, m.DialBackReply), timeout
                 )
@@ -204,7 +207,7 @@ async def _dial_back(
                 logger.debug(f"initial peer {peer} did not answer the dial-back request: {e!r}")
                 continue
             detail = " ".join(reply.detail[:MAX_DETAIL].split())  # one line of another peer's text
-            return Reachability(bool(reply.reached), peer, tuple(addresses), detail)
-        return Reachability(None, addresses=tuple(addresses))
+            return Reachability(bool(reply.reached), peer, tuple(addresses), detail, connected=True)
+        return Reachability(None, addresses=tuple(addresses), connected=connected)
     finally:
         await host.shutdown()
