@@ -231,12 +231,14 @@ class Monitor:
         """(The run's tokenizer, saved among the checkpoints that carry it, a LayoutModel of the run's model)
         where checkpoints or the auxiliary reducer need the model's shapes; None where neither does or where
         there is no tokenizer to be had (said in one line)."""
-        if not self._checkpointing() and not self.config.peer.reduce:
+        peer = self.config.peer
+        if not self._checkpointing() and not peer.reduce:
             return None
         from cotrain.host.layout import run_state_layout
 
         root = out / "checkpoints"
-        found = run_state_layout(self.config, root, root / "tokenizer")
+        sources = peer.tokenizer_path or peer.dataset_path or peer.dataset_url or peer.resume
+        found = run_state_layout(self.config, root, root / "tokenizer") if sources else None
         if found is None:
             logger.info(
                 "Checkpoints and reducing for client-mode trainers are off: the monitor needs the model's "
