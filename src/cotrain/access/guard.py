@@ -68,11 +68,19 @@ class GuardedP2P(P2P):
     def setup_guard(self, access: AccessControl, dht=None) -> GuardedP2P:
         """``dht`` (to read the revocation list from) may be None for a short-lived client."""
         self.access, self.dht = access, dht
-        self._admitted: dict[tuple[str, PeerID], tuple[float, frozenset[str]]] = {}
+        # what the handshake admitted, and the namespaces whose handshake is served, are shared by the
+        # guarded P2Ps of one DHT: two averagers of one prefix in one peer (the monitor's keeper and reducer)
+        # answer behind one handshake, which the daemon registers once
+        shared = getattr(dht, "cotrain_guard", None) if dht is not None else None
+        if shared is None:
+            shared = ({}, set())
+            if dht is not None:
+                dht.cotrain_guard = shared
+        self._admitted: dict[tuple[str, PeerID], tuple[float, frozenset[str]]] = shared[0]
         self._trusted: dict[tuple[str, PeerID], float] = {}
         self._pending: dict[tuple[str, PeerID], asyncio.Future] = {}
         self._nonces = TimedStorage()
-        self._namespaces: set[str] = set()
+        self._namespaces: set[str] = shared[1]
         self._revocations_read = 0.0
         self._refreshing: asyncio.Task | None = None
         self._logged: dict[tuple[PeerID, str], float] = {}
