@@ -304,12 +304,9 @@ class SyncStrategy(HivemindStrategy):
 
     def cancel_rounds(self) -> None:
         """Cancel pending averaging rounds, so a blocked step returns and shutdown proceeds in order."""
-        for control in (self.opt.scheduled_grads, self.opt.scheduled_state):
-            try:
-                if control is not None and not control.done():
-                    control.cancel()
-            except Exception as e:
-                logger.debug(f"cancelling an averaging round: {e!r}")
+        from cotrain.swarm.liveness import cancel_controls
+
+        cancel_controls(self.opt.scheduled_grads, self.opt.scheduled_state)
 
     @contextlib.contextmanager
     def training_state(self) -> Iterator[tuple[torch.optim.Optimizer, Any, list[torch.Tensor]]]:

@@ -32,6 +32,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from cotrain.swarm.lineage import round_bits
+from cotrain.swarm.liveness import cancel_controls
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +132,7 @@ class GradientReducer(Reducer):
         opt.step()
 
     def cancel_rounds(self) -> None:
-        for control in (self.opt.scheduled_grads, self.opt.scheduled_state):
-            try:
-                if control is not None and not control.done():
-                    control.cancel()
-            except Exception as e:
-                logger.debug(f"cancelling an averaging round: {e!r}")
+        cancel_controls(self.opt.scheduled_grads, self.opt.scheduled_state)
 
     def shutdown(self) -> None:
         self.opt.shutdown()

@@ -62,7 +62,7 @@ from cotrain.swarm.lineage import (
     round_averager,
     round_bits,
 )
-from cotrain.swarm.liveness import RoundWatch
+from cotrain.swarm.liveness import RoundWatch, cancel_controls
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, tracker_class
 from cotrain.swarm.sparse import Raw, TopK
@@ -499,13 +499,7 @@ class DiLoCoOptimizer:
             control.cancel()
 
     def cancel_rounds(self) -> None:
-        for name in ("_scheduled", "_pending"):
-            control = getattr(self, name)
-            try:
-                if control is not None and not control.done():
-                    control.cancel()
-            except Exception as e:
-                logger.debug(f"cancelling an averaging round: {e!r}")
+        cancel_controls(self._scheduled, self._pending)
         self._scheduled = None
 
     def resumed_at(self, round_: int) -> None:

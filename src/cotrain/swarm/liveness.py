@@ -114,3 +114,14 @@ class RoundWatch(threading.Thread):
 
     def close(self) -> None:
         self._closed.set()
+
+
+def cancel_controls(*controls: Any) -> None:
+    """Cancel the averaging rounds (hivemind StepControls, or None) that have not ended, so that a step
+    waiting on one returns (a control that is ending already is left to end)."""
+    for control in controls:
+        try:
+            if control is not None and not control.done():
+                control.cancel()
+        except Exception as e:
+            logger.debug(f"cancelling an averaging round: {e!r}")
