@@ -15,16 +15,16 @@ from conftest import wait_until
 from cotrain.config.run import RunConfig
 from cotrain.swarm.aggregation import Mean
 from cotrain.swarm.robust import RecordParts, RobustPartReducer
-from cotrain.swarm.sparse import CHUNK, Raw, TopK
+from cotrain.swarm.sparse import CHUNK, Raw, TopK, pack_indices, unpack_indices
 from test_diloco import by_round, joint_rounds
 
 
 def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not_sent():
     codec = TopK()
-    assert (codec.k, codec.record) == (64, 148) and 2 * CHUNK / codec.record > 55
+    assert (codec.k, codec.record) == (64, 116) and 2 * CHUNK / codec.record > 70
     values = torch.randn(3 * CHUNK + 100, generator=torch.Generator().manual_seed(0))
     records = codec.encode(values)
-    assert records.dtype == torch.uint8 and records.numel() == codec.encoded_size(values.numel()) == 4 * 148
+    assert records.dtype == torch.uint8 and records.numel() == codec.encoded_size(values.numel()) == 4 * 116
     assert codec.problem(records) == ""
     sent = codec.decode(records, values.numel())
     assert sent.shape == values.shape
@@ -46,7 +46,7 @@ def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not
     assert torch.equal(feedback[~kept], values[~kept])
     # 4 bits round 5 times finer
     four = TopK(bits=4)
-    assert four.record == 2 * 64 + 32 + 4
+    assert four.record == 96 + 32 + 4
     fine = four.decode(four.encode(values), values.numel())
     assert ((fine - values)[fine != 0].abs().max()) <= values.abs().max() / 15 + 1e-6
     # an all-zero vector: zero scales, zero values; fewer values than a chunk
@@ -61,11 +61,13 @@ def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not
 
 def _with(records: torch.Tensor, codec: TopK, field: str, value: int) -> torch.Tensor:
     bad = records.clone().view(-1, codec.record)
+    index = unpack_indices(bad[:, : 3 * codec.k // 2])
     if field == "index-high":
-        bad[0, 1] = 0xFF  # the first index's high byte: beyond the chunk
+        index[0, 0] = 4095  # 12 bits can say it: beyond a chunk of 1024
     elif field == "repeat":
-        bad[0, 2:4] = bad[0, 0:2]  # the second index equals the first
-    elif field == "scale":
+        index[0, 1] = index[0, 0]  # the second index equals the first
+    bad[:, : 3 * codec.k // 2] = pack_indices(index)
+    if field == "scale":
         bad[0, -4:] = torch.tensor([float("nan")]).view(torch.uint8)
     return bad.view(-1)
 
@@ -81,8 +83,8 @@ def _with(records: torch.Tensor, codec: TopK, field: str, value: int) -> torch.T
     ],
 )
 def test_malformed_records_are_named(make, words):
-    codec = TopK()
-    records = codec.encode(torch.randn(2 * CHUNK))
+    codec = TopK(chunk=1024)
+    records = codec.encode(torch.randn(2 * 1024))
     assert words in codec.problem(make(records, codec))
 
 

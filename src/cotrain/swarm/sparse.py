@@ -7,9 +7,10 @@ magnitude in each (``k``: ``--topk-density`` of the chunk, a multiple of 8), qua
 bits with a per-chunk scale (the largest kept magnitude; levels spread evenly over [-scale, scale]), and keeps
 what it did not send (the values left out and the rounding of those sent) in its buffer for the next round.
 
-A chunk travels as one fixed-size record: ``k`` indices within the chunk (uint16, strictly increasing), the
-``k`` codes packed ``8 // bits`` to a byte, and the scale (float32): ``2k + k * bits / 8 + 4`` bytes against
-``2 * CHUNK`` in fp16 (at the defaults, k = 64 of 4096 at 2 bits: 148 bytes, 55x less). The encoded vector is
+A chunk travels as one fixed-size record: ``k`` indices within the chunk (12 bits each, two to three bytes,
+strictly increasing), the ``k`` codes packed ``8 // bits`` to a byte, and the scale (float32): ``3k / 2 + k *
+bits / 8 + 4`` bytes against ``2 * CHUNK`` in fp16 (at the defaults, k = 64 of 4096 at 2 bits: 116 bytes, 70x
+less). The encoded vector is
 a uint8 tensor that hivemind's all-reduce splits on record boundaries (its parts are a whole number of
 records). The reducer of a span decodes every sender's records (refusing malformed ones:
 cotrain.swarm.robust), averages them densely, and encodes the average again with the same codec: every peer of
@@ -28,7 +29,24 @@ from dataclasses import dataclass
 import torch
 
 BITS = (2, 4, 8)  # the bits per value a codec can send (the run config checks --topk-bits against the same)
-CHUNK = 4096  # values per chunk (indices within a chunk fit 16 bits)
+CHUNK = 4096  # values per chunk (indices within a chunk fit 12 bits)
+
+
+def pack_indices(index: torch.Tensor) -> torch.Tensor:
+    """Indices below 4096, (m, k) with k even, as 12 bits each: every two of them in three bytes (uint8, (m,
+    3k / 2))."""
+    i = index.to(torch.int32)
+    first, second = i[:, 0::2], i[:, 1::2]
+    packed = torch.stack([first & 0xFF, (first >> 8) | ((second & 0xF) << 4), second >> 4], dim=2)
+    return packed.reshape(i.shape[0], -1).to(torch.uint8)
+
+
+def unpack_indices(data: torch.Tensor) -> torch.Tensor:
+    """The (m, k) int64 indices that ``pack_indices`` wrote into ``data`` (uint8, (m, 3k / 2))."""
+    t = data.reshape(data.shape[0], -1, 3).to(torch.int64)
+    first = t[..., 0] | ((t[..., 1] & 0xF) << 8)
+    second = (t[..., 1] >> 4) | (t[..., 2] << 4)
+    return torch.stack([first, second], dim=2).reshape(data.shape[0], -1)
 
 
 @dataclass(frozen=True)
@@ -44,8 +62,8 @@ class TopK:
             raise ValueError(f"topk bits must be one of {BITS}, got {self.bits}")
         if not 0 < self.density <= 0.5:
             raise ValueError(f"topk density must be in (0, 0.5], got {self.density}")
-        if not 8 <= self.chunk <= 1 << 16:
-            raise ValueError(f"chunk must be between 8 and 65536 values, got {self.chunk}")
+        if not 8 <= self.chunk <= CHUNK:
+            raise ValueError(f"chunk must be between 8 and {CHUNK} values, got {self.chunk}")
 
     @property
     def k(self) -> int:
@@ -54,8 +72,8 @@ class TopK:
 
     @property
     def record(self) -> int:
-        """Bytes per chunk: indices, packed codes, scale."""
-        return 2 * self.k + self.k * self.bits // 8 + 4
+        """Bytes per chunk: indices (12 bits each), packed codes, scale."""
+        return 3 * self.k // 2 + self.k * self.bits // 8 + 4
 
     def chunks(self, numel: int) -> int:
         return max(1, math.ceil(numel / self.chunk))
@@ -86,7 +104,7 @@ class TopK:
         per = 8 // self.bits
         shifts = torch.arange(per, dtype=torch.int32) * self.bits
         packed = (codes.view(m, k // per, per) << shifts).sum(dim=2).to(torch.uint8)
-        index_bytes = torch.stack([index & 0xFF, index >> 8], dim=2).view(m, 2 * k).to(torch.uint8)
+        index_bytes = pack_indices(index)
         scale_bytes = scale.contiguous().view(torch.uint8).view(m, 4)
         return torch.cat([index_bytes, packed, scale_bytes], dim=1).reshape(-1)
 
@@ -94,11 +112,10 @@ class TopK:
         """(indices (m, k) int64, codes (m, k) int32, scales (m,) float32) of whole records."""
         m, k = data.numel() // self.record, self.k
         rows = data.reshape(m, self.record)
-        pairs = rows[:, : 2 * k].reshape(m, k, 2).to(torch.int64)
-        index = pairs[..., 0] | (pairs[..., 1] << 8)
+        index = unpack_indices(rows[:, : 3 * k // 2])
         per = 8 // self.bits
         shifts = torch.arange(per, dtype=torch.int32) * self.bits
-        packed = rows[:, 2 * k : 2 * k + k // per].to(torch.int32)
+        packed = rows[:, 3 * k // 2 : 3 * k // 2 + k // per].to(torch.int32)
         codes = ((packed[..., None] >> shifts) & self.levels).reshape(m, k)
         scale = rows[:, -4:].contiguous().view(torch.float32).reshape(m)
         return index, codes, scale
