@@ -131,14 +131,17 @@ def peer_main(args: argparse.Namespace) -> None:
                 "initial_peers": [args.initial_peer] if args.initial_peer else [],
                 "per_device_train_batch_size": args.micro_batch,
                 "gradient_accumulation_steps": args.accumulation,
+                "client_mode": args.client_mode,
                 **peer_settings,
             },
         },
     )
     run, peer = config.run, config.peer
-    connection = SwarmConnection(run.run_id, peer, role="trainer")
+    connection = SwarmConnection(run.run_id, peer, role="monitor" if args.aux else "trainer")
     say(maddrs=connection.maddrs())
     model = build_model(run, vocab_size=30000)
+    if args.aux:
+        return reducer_main(args, connection, run, peer, model)
     samples = peer.per_device_train_batch_size * peer.gradient_accumulation_steps
     swarm = simulated_peer(run, peer, model, connection)
     fixed_gradients(model, args.index)
@@ -191,6 +194,22 @@ def peer_main(args: argparse.Namespace) -> None:
             )
     say(done=epoch)
     swarm.shutdown()
+
+
+def reducer_main(args: argparse.Namespace, connection, run, peer, model) -> None:
+    """A public peer that trains nothing and reduces the others' parts as an auxiliary peer, as the monitor
+    does (the strategy's own reducer); at "quit" it says how many rounds it reduced and failed."""
+    from cotrain.registry import strategy_class
+
+    reducer = strategy_class(run.strategy).reducer(connection.dht, run, peer, model)
+    reducer.start()
+    say(ready=True)
+    for line in sys.stdin:
+        if "quit" in line:
+            break
+    say(reduced=list(reducer.rounds))
+    reducer.close()
+    connection.close()
 
 
 # ------------------------------------------------------------------------------------------- orchestration
@@ -418,6 +437,8 @@ def main() -> None:
     ap.add_argument("--stop-at", type=int, default=4, help=argparse.SUPPRESS)
     ap.add_argument("--peer-limit", type=float, default=1500.0, help=argparse.SUPPRESS)
     ap.add_argument("--expect-peers", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--client-mode", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--aux", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.target_batch_size, args.steps, args.local_steps = 1024, 2, 10

@@ -97,28 +97,38 @@ def test_a_probe_nobody_answers_returns_at_once_and_assumes_nothing():
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("strategy", ["sync", "diloco"])
 def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tmp_path):
-    """Two trainers in client mode and no other full peer: only the monitor can reduce their parts. With sync
-    they are given --client-mode; with diloco no flag, and the dial-back probe finds them unreachable (a
-    closed port stands for their NAT), so they join as clients by themselves."""
+    """Two trainers in client mode and no other full peer: only a public monitor can reduce their parts. With
+    sync they are given --client-mode, and the first monitor reduces nothing (--no-reduce): a second monitor,
+    a public machine with no dataset (a tokenizer only) and no checkpoints, reduces for them. With diloco no
+    flag: the dial-back probe finds the trainers unreachable (a closed port stands for their NAT), so they
+    join as clients by themselves, and the first monitor reduces."""
     common = ["--preset", "albert-tiny", "--run-id", f"aux-{strategy}", "--host-maddrs", LOCALHOST, *FAST]
     common += ["--strategy", strategy]
     if strategy == "diloco":  # sparse rounds: the reducer decodes, averages and re-encodes the records
         common += ["--local-steps", "2", "--outer-compression", "topk"]
     steps = 4
-    monitor = Role(
-        monitor_args(common, tmp_path / "monitor", "--dataset-path", str(demo_data), "--save-every", "0"),
-        tmp_path / "monitor.log",
-    )
+    first = ["--dataset-path", str(demo_data), "--save-every", "0"]
+    first += ["--no-reduce"] if strategy == "sync" else []
+    monitor = Role(monitor_args(common, tmp_path / "monitor", *first), tmp_path / "monitor.log")
     roles = [monitor]
     try:
         initial = monitor_address(tmp_path / "monitor", 90)
+        reducer = monitor
+        if strategy == "sync":  # a second public machine: no dataset, no checkpoints, no dashboard
+            args = ["--initial-peers", *initial, "--tokenizer-path", str(demo_data / "tokenizer")]
+            reducer = Role(
+                monitor_args(common, tmp_path / "second", *args, "--save-every", "0"), tmp_path / "second.log"
+            )
+            roles.append(reducer)
+            monitor_address(tmp_path / "second", 90, what="the second monitor's address")
         flag, env = (
             (["--client-mode"], None) if strategy == "sync" else ([], {"COTRAIN_DEBUG_UNREACHABLE": "1"})
         )
         for i in range(2):
             args = trainer_args(common, initial, demo_data, i + 1, tmp_path / f"t{i}", *flag)
             roles.append(Role([*args, "--max-steps", str(steps)], tmp_path / f"trainer{i}.log", env=env))
-        for trainer in roles[1:]:
+        trainers = roles[-2:]
+        for trainer in trainers:
             wait_until(lambda t=trainer: t.proc.poll() is not None, 300, what="the trainers to finish")
             assert trainer.proc.returncode == 0, trainer.text()[-3000:]
         if strategy == "diloco":  # a second monitor that nobody can dial could reduce nothing: it refuses
@@ -132,10 +142,15 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
     finally:
         for role in roles:
             role.stop()
-    text = monitor.log_path.read_text()
+    text = reducer.log_path.read_text()
     assert "Reducing the trainers'" in text and "as an auxiliary peer" in text, text[-3000:]
     reduced = int(text.split("Reduced ", 1)[1].split()[0])  # its last line: rounds it took part in
-    rows = [trainer_rows(t) for t in roles[1:]]
+    if strategy == "sync":
+        first_text = monitor.log_path.read_text()
+        assert "Not reducing for client-mode trainers (--no-reduce)" in first_text, first_text[-3000:]
+        assert "Reduced " not in first_text and "Traceback" not in first_text
+        assert "Checkpoints are off" in text  # the second machine only reduces (and logs the swarm)
+    rows = [trainer_rows(t) for t in trainers]
     together = [{r["step"] for r in rs if r["group_size"] == 2} for rs in rows]
     # clients cannot reduce for each other: every step they averaged together went through the monitor,
     # which counts for no one in the group's size
@@ -144,7 +159,7 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
     assert all(r["group_size"] <= 2 for rs in rows for r in rs), rows
     for rs in rows:
         assert rs[-1]["step"] >= steps and rs[-1]["loss"] < rs[0]["loss"], rs
-    for trainer in roles[1:]:
+    for trainer in trainers:
         log = trainer.log_path.read_text()
         assert "Traceback" not in log
         if strategy == "diloco":  # it found out by itself, and said so in one line

@@ -19,75 +19,10 @@ from conftest import Role, alive, monitor_address, wait_until
 pytestmark = [pytest.mark.slow]
 
 
-@pytest.mark.timeout(600)
-def test_the_diloco_demo_averages_outer_rounds_and_reports_its_strategy(tmp_path):
-    """`cotrain demo --strategy diloco`: without --local-steps the demo's rounds are 5 x 64 samples (not
-    50 x 64); the two trainers average their parameter changes in groups of 2 and the loss falls. The
-    monitor's rows carry the strategy, the inner steps (5 per round) and the bytes each peer sent."""
-    from conftest import read_rows
-
-    role = Role(
-        [
-            "demo",
-            "--strategy",
-            "diloco",
-            "--steps",
-            "4",
-            "--output-dir",
-            str(tmp_path),
-            "--dashboard-port",
-            "-1",
-        ],
-        tmp_path / "demo.log",
-    )
-    try:
-        # while it trains: `cotrain status` given a preset still shows the swarm's strategy and its rounds
-        wait_until(lambda: "outer round 1: loss" in role.text(), 400, what="the demo's first outer round")
-        monitor = monitor_address(tmp_path / "demo" / "monitor", 10)
-        args = ["status", "--preset", "albert-tiny", "--json", "--initial-peers", *monitor]
-        status = subprocess.run(
-            [sys.executable, "-m", "cotrain", *args], capture_output=True, text=True, timeout=120
-        )
-        role.proc.wait(timeout=480)
-        text = role.text()
-    finally:
-        role.stop()
-    assert status.returncode == 0, status.stderr
-    state = json.loads(status.stdout)
-    assert (state["strategy"], state["local_steps"], state["step_samples"]) == ("diloco", 5, 320), state
-    assert state["global_step"] >= 1 and state["num_peers"] == 2, state
-    summary = json.loads(
-        [line for line in text.splitlines() if line.startswith('{"event": "demo_summary"')][-1]
-    )
-    assert role.proc.returncode == 0, text
-    assert summary["strategy"] == "diloco" and summary["peers"] == 2 and summary["global_steps"] >= 4
-    assert summary["max_group_size"] >= 2
-    assert summary["loss_last"] < summary["loss_first"]
-    assert "--local-steps 5 (the demo's" in text and "outer round 1: loss" in text
-    root = tmp_path / "demo"
-    rows = [r for r in read_rows(root / "monitor" / "metrics.jsonl") if r.get("loss") is not None]
-    assert {r["strategy"] for r in rows} == {"diloco"}
-    averaged = [r for r in rows if r["max_group_size"] >= 2]
-    assert averaged and all(r["round_bytes"] > 0 and r["inner_steps"] >= 5 for r in averaged), rows
-    for name in ("trainer0", "trainer1"):
-        trained = read_rows(root / name / "metrics.jsonl")
-        assert trained and {r["strategy"] for r in trained} == {"diloco"}, name
-        inner = [r["inner_steps"] for r in trained]
-        assert inner == sorted(inner) and inner[-1] >= 5 * trained[-1]["step"], trained
-    for name in ("monitor", "trainer0", "trainer1"):
-        assert "Traceback" not in (root / f"{name}.log").read_text(), name
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_ctrl_c_or_sigterm_stops_the_whole_demo_within_15_seconds(tmp_path, how):
-    """Ctrl+C in a terminal (SIGINT to the whole process group), or SIGTERM to the demo's process alone (`kill
-    PID`, a service manager): every peer of the demo stops with it, nothing is left behind."""
-    started = time.time()
-    role = Role(
-        ["demo", "--peers", "2", "--steps", "1000", "--output-dir", str(tmp_path)], tmp_path / "demo.log"
-    )
-    wait_until(lambda: "[demo] global step " in role.text(), 240, what="the demo's first global step")
+def _stop_the_demo(role: Role, how: str, started: float) -> None:
+    """Stop a running demo as a user does: Ctrl+C in a terminal (SIGINT to the whole process group), or
+    SIGTERM to the demo's process alone (`kill PID`, a service manager). Every peer of the demo stops with it
+    within 15 s, and nothing is left behind: no process, no file in /dev/shm."""
     pids = role.tree()
     assert len(pids) >= 9, pids  # demo, 3 supervisors, 3 workers, their DHT processes and daemons
     commands = {}  # pid -> its command line, to name the process of any file left in /dev/shm
@@ -127,6 +62,68 @@ def test_ctrl_c_or_sigterm_stops_the_whole_demo_within_15_seconds(tmp_path, how)
         assert role.proc.returncode == 128 + signal.SIGTERM and "SIGTERM: stopping the swarm" in text, text
     else:  # also where the shell that started the demo ignored SIGINT (a background job of a script)
         assert role.proc.returncode == 128 + signal.SIGINT and "interrupted: stopping the swarm" in text, text
+
+
+@pytest.mark.timeout(600)
+def test_the_diloco_demo_averages_outer_rounds_reports_its_strategy_and_stops_on_sigterm(tmp_path):
+    """`cotrain demo --strategy diloco`: without --local-steps the demo's rounds are 5 x 64 samples (not
+    50 x 64); the two trainers average their parameter changes in groups of 2 and the loss falls. The
+    monitor's rows carry the strategy, the inner steps (5 per round) and the bytes each peer sent. After four
+    rounds the demo gets SIGTERM, and the whole swarm stops with it."""
+    from conftest import read_rows
+    from cotrain.demo import summarize
+
+    started = time.time()
+    args = ["demo", "--strategy", "diloco", "--steps", "1000", "--output-dir", str(tmp_path)]
+    role = Role([*args, "--dashboard-port", "-1"], tmp_path / "demo.log")
+    try:
+        # while it trains: `cotrain status` given a preset still shows the swarm's strategy and its rounds
+        wait_until(lambda: "outer round 1: loss" in role.text(), 400, what="the demo's first outer round")
+        monitor = monitor_address(tmp_path / "demo" / "monitor", 10)
+        args = ["status", "--preset", "albert-tiny", "--json", "--initial-peers", *monitor]
+        status = subprocess.run(
+            [sys.executable, "-m", "cotrain", *args], capture_output=True, text=True, timeout=120
+        )
+        wait_until(lambda: "outer round 4: loss" in role.text(), 400, what="the demo's fourth outer round")
+        _stop_the_demo(role, "sigterm", started)
+        text = role.text()
+    finally:
+        role.stop()
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert (state["strategy"], state["local_steps"], state["step_samples"]) == ("diloco", 5, 320), state
+    assert state["global_step"] >= 1 and state["num_peers"] == 2, state
+    assert "--local-steps 5 (the demo's" in text and "outer round 1: loss" in text
+    root = tmp_path / "demo"
+    rows = [r for r in read_rows(root / "monitor" / "metrics.jsonl") if r.get("loss") is not None]
+    summary = summarize(rows, peers=2, seconds=1.0, strategy="diloco")
+    assert summary["global_steps"] >= 4 and summary["max_group_size"] >= 2, rows
+    assert summary["loss_last"] < summary["loss_first"], rows
+    assert {r["strategy"] for r in rows} == {"diloco"}
+    averaged = [r for r in rows if r["max_group_size"] >= 2]
+    assert averaged and all(r["round_bytes"] > 0 and r["inner_steps"] >= 5 for r in averaged), rows
+    for name in ("trainer0", "trainer1"):
+        trained = read_rows(root / name / "metrics.jsonl")
+        assert trained and {r["strategy"] for r in trained} == {"diloco"}, name
+        inner = [r["inner_steps"] for r in trained]
+        assert inner == sorted(inner) and inner[-1] >= 5 * trained[-1]["step"], trained
+    for name in ("monitor", "trainer0", "trainer1"):
+        assert "Traceback" not in (root / f"{name}.log").read_text(), name
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_the_whole_demo_within_15_seconds(tmp_path):
+    """Ctrl+C in a terminal while the demo trains: every peer stops with it, nothing is left behind (SIGTERM
+    is the DiLoCo demo's test)."""
+    started = time.time()
+    role = Role(
+        ["demo", "--peers", "2", "--steps", "1000", "--output-dir", str(tmp_path)], tmp_path / "demo.log"
+    )
+    try:
+        wait_until(lambda: "[demo] global step " in role.text(), 240, what="the demo's first global step")
+        _stop_the_demo(role, "ctrl-c", started)
+    finally:
+        role.stop()
 
 
 @pytest.mark.timeout(600)
