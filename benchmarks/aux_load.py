@@ -117,6 +117,22 @@ def run_config(mode: str, clients: int, args, logdir: Path) -> dict:
             net.remember_pids()
             peers.stop()
             counters.close()
+    return summarize(mode, marks, counters, reducers, (a, b), args.rate, reduced)
+
+
+def summarize(
+    mode: str,
+    marks: dict[int, dict[int, dict]],
+    counters,
+    reducers: list[int],
+    window: tuple[int, int],
+    rate_mbit: float,
+    reduced: list[list[int]],
+) -> dict:
+    """One configuration's figures per round, between the trainers' marks at rounds ``window`` (the hosts'
+    link counters ``counters``: a ``LinkCounters``)."""
+    a, b = window
+    trainers = sorted(marks)
     t0 = min(marks[i][a]["t"] for i in trainers)
     t1 = max(marks[i][b]["t"] for i in trainers)
     links = counters.between(t0, t1)
@@ -125,22 +141,20 @@ def run_config(mode: str, clients: int, args, logdir: Path) -> dict:
     def per_round(key: str) -> float:  # the trainers' mean of a counter's growth over the window, per round
         return statistics.mean((marks[i][b][key] - marks[i][a][key]) / rounds for i in trainers)
 
-    waited = per_round("in_step") - per_round("on_device")
     round_bytes = statistics.mean(marks[i][b]["round_bytes"] for i in trainers)
-    rate = args.rate * 1e6 / 8
     return {
         "mode": mode,
-        "clients": clients,
+        "clients": len(trainers),
         "reducers": len(reducers),
         "ok": True,
         "seconds_per_round": (t1 - t0) / rounds,
         "compute_per_round": per_round("compute") + per_round("on_device"),
-        "waited_per_round": waited,
+        "waited_per_round": per_round("in_step") - per_round("on_device"),
         "reducer_received_per_round": sum(links[r][1] for r in reducers) / rounds,
         "reducer_sent_per_round": sum(links[r][0] for r in reducers) / rounds,
         "client_sent_per_round": statistics.mean(links[i][0] for i in trainers) / rounds,
         "round_bytes": round_bytes,
-        "bound_s": clients * round_bytes / (len(reducers) * rate),
+        "bound_s": len(trainers) * round_bytes / (len(reducers) * rate_mbit * 1e6 / 8),
         "reduced": reduced,
         "failed_rounds": sum(marks[i][b]["rounds"][1] - marks[i][a]["rounds"][1] for i in trainers),
     }

@@ -85,6 +85,9 @@ def trainer_summary(
         out["steps_while_all"] = len(inside)
         together = sum(1 for r in inside if r["group_size"] >= everyone)
         out["with_all_while_all_share"] = round(together / len(inside), 3) if inside else 0.0
+        before = [r for r in steps if r.get("time", -1.0) < window[0]]  # the counters as the window opened
+        base = before[-1].get("rounds_failed", 0) if before else 0
+        out["rounds_failed_while_all"] = inside[-1].get("rounds_failed", 0) - base if inside else 0
     return out
 
 
@@ -259,6 +262,7 @@ def main() -> int:
             "with_all_while_all_share": min(t.get("with_all_while_all_share", 0.0) for t in homes),
             "first_step_s": max((t["first_step_s"] or 1e9) for t in homes),
             "rounds_failed": sum(t["rounds_failed"] for t in homes),
+            "rounds_failed_while_all": sum(t.get("rounds_failed_while_all", 0) for t in homes),
             "global_steps": r["global_steps"],
         }
     print(json.dumps(summary), flush=True)

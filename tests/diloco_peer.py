@@ -77,7 +77,7 @@ def main() -> None:
         row.update(lineage_before=lineage, lineage=opt.lineage.hex(), carried=base is not None)
         row["partial"] = opt.last_round_partial and size > 1
         if base is not None:  # the group's average outer state: global parameters, then momentum
-            row["averaged_global"] = flat(base[: len(base) // 2])
+            row["averaged_global"] = flat(base[: len(opt.parameters)])
         emit(event="average", round=opt.local_epoch, began=began, ended=time.time(), **row)
         return averaged, base, size
 
@@ -86,7 +86,7 @@ def main() -> None:
         n = len(sa.global_parameters)
         before = flat(base[:n]) if base is not None else flat(sa.global_parameters)
         momentum = opt._outer_state()[n:]  # zeros where SGD keeps no buffer (momentum 0)
-        momentum_before = flat(base[n:]) if base is not None else flat(momentum)
+        momentum_before = flat(base[n:]) if base is not None and len(base) > n else flat(momentum)
         outer_step(averaged, base)
         momentum = opt._outer_state()[n:]
         emit(

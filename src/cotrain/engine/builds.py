@@ -94,6 +94,7 @@ def diloco_reducer(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.M
         averaging_timeout=peer.averaging_timeout,
         averager_opts=averager_opts,
         auxiliary=True,
+        momentum=run.outer_momentum > 0,
     )
     tracker = tracker_class(aggregation.robust)(
         dht=dht,

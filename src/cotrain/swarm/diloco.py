@@ -153,7 +153,9 @@ class DiLoCoOptimizer:
             averaging_timeout=averaging_timeout,
             averager_opts=averager_opts,
             client_mode=self.client_mode,
+            momentum=outer_momentum > 0,
         )
+        self.momentum = outer_momentum > 0  # whether the outer state carries momentum buffers
         self.changes, self.state_bytes = self.outer_averager.changes, self.outer_averager.state_bytes
         self.feedback = self.outer_averager.feedback  # with a codec: what this peer did not send (_payload)
         self.tracker = tracker_class(aggregation.robust)(
@@ -378,7 +380,7 @@ class DiLoCoOptimizer:
                 timeout=self.averaging_timeout, wait=False, require_trigger=True, gather=self._gather()
             )
         with self.outer_averager.get_tensors() as tensors, self.state_averager.lock_averaged_tensors:
-            state = self._outer_state()
+            state = self._carried_state()
             if self.codec is not None:
                 n = len(self.parameters)
                 state = [Raw().encode(_flat(part)) for part in (state[:n], state[n:])]
@@ -402,6 +404,12 @@ class DiLoCoOptimizer:
         buffers = [state[p].get("momentum_buffer") for p in glob]
         return [*glob, *(torch.zeros_like(p) if b is None else b for b, p in zip(buffers, glob, strict=True))]
 
+    def _carried_state(self) -> list[torch.Tensor]:
+        """What a round that carries the outer state averages of it: the global parameters, then the momentum
+        buffers where there is momentum (``_outer_state``; at outer momentum 0, the parameters alone)."""
+        state = self._outer_state()
+        return state if self.momentum else state[: len(self.parameters)]
+
     def _count_round(self, size: int, full: bool) -> int:
         """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
         self.rounds_averaged += 1
@@ -410,7 +418,7 @@ class DiLoCoOptimizer:
         # carried, the outer state (global parameters and momentum, state_bytes each): a peer sends (n-1)/n of
         # its vector, and the averages of its part to the n-1 others
         changes = self.numel * per_value if self.codec is None else self.codec.encoded_size(self.numel)
-        vector = changes + (self.numel * 2 * self.state_bytes if full else 0)
+        vector = changes + (self.numel * (1 + self.momentum) * self.state_bytes if full else 0)
         sent = int(2 * vector * (size - 1) / size) if size > 1 else 0
         self.last_round_bytes = sent
         self.bytes_sent += sent
@@ -423,7 +431,7 @@ class DiLoCoOptimizer:
         sa = self.state_averager
         with sa.lock_averaged_tensors:
             if base is not None:
-                for mine, value in zip(self._outer_state(), base, strict=True):
+                for mine, value in zip(self._carried_state(), base, strict=True):
                     mine.copy_(value)
             for param, change in zip(sa.global_parameters, averaged, strict=True):
                 if param.grad is None:

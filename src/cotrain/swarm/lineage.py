@@ -167,24 +167,27 @@ def round_averager(
     averager_opts: dict,
     client_mode: bool = False,
     auxiliary: bool = False,
+    momentum: bool = True,
 ) -> OuterAverager:
     """The averager of a DiLoCo run's rounds for ``parameters`` (their shapes and types; its buffers are in
     host memory), as the run's trainers and its auxiliary reducers build it alike (the all-reduce cuts every
-    member's tensors into the same parts): the changes, the global parameters, the outer momentum; with a
-    ``codec``, as records: the changes' top-k records, the global parameters' and momentum's float32 bytes
-    (sparse.Raw), and a feedback buffer (``.feedback``) for what this peer did not send and, as a reducer,
-    what the averages' records left out."""
+    member's tensors into the same parts): the changes, the global parameters, the outer momentum (unless
+    ``momentum`` is False: a run whose outer step keeps none); with a ``codec``, as records: the changes'
+    top-k records, the global parameters' and momentum's float32 bytes (sparse.Raw), and a feedback buffer
+    (``.feedback``) for what this peer did not send and, as a reducer, what the averages' records left
+    out."""
     numel = sum(p.numel() for p in parameters)
     opts = dict(averager_opts)
+    kinds = 2 if momentum else 1  # the outer state: the global parameters, and the momentum if any
     with torch.no_grad():
         if codec is None:
-            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in [*parameters] * 3]
+            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in [*parameters] * (1 + kinds)]
             changes = len(parameters)
         else:
-            sizes = [codec.encoded_size(numel), *[Raw().encoded_size(numel)] * 2]
+            sizes = [codec.encoded_size(numel), *[Raw().encoded_size(numel)] * kinds]
             buffers = [torch.zeros(size, dtype=torch.uint8).share_memory_() for size in sizes]
             changes = 1
-            opts["records"] = ([codec, Raw(), Raw()], torch.zeros(numel).share_memory_())
+            opts["records"] = ([codec, *[Raw()] * kinds], torch.zeros(numel).share_memory_())
             opts["part_size_bytes"] = codec.record * (DEFAULT_PART_SIZE_BYTES // codec.record)
     # a dead group member is given up on after next_chunk_timeout as a sender, twice that as a reducer (its
     # parts then stay un-averaged), within the round's averaging_timeout. A live reducer's first results come
@@ -194,8 +197,9 @@ def round_averager(
     chunk_timeout = max(5.0, averaging_timeout / 3)
     # the changes go as --grad-compression says; the outer state at least in fp16 (never 8-bit: its average
     # must stay where the peers already agree)
-    n = (len(buffers) - changes) // 2
-    roles = [TensorRole.GRADIENT] * changes + [TensorRole.PARAMETER] * n + [TensorRole.OPTIMIZER] * n
+    n = (len(buffers) - changes) // kinds
+    roles = [TensorRole.GRADIENT] * changes + [TensorRole.PARAMETER] * n
+    roles += [TensorRole.OPTIMIZER] * (len(buffers) - len(roles))
     outer_state = NoCompression() if isinstance(compression, NoCompression) else Float16Compression()
     if codec is not None:  # records travel as they are
         compression = outer_state = NoCompression()
