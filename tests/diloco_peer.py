@@ -114,7 +114,9 @@ def main() -> None:
 
     opt._average, opt._outer_step, opt._averaged = recorded_average, recorded_outer_step, recorded_averaged
     with peer:
-        emit(event="ready", maddrs=peer.maddrs, step=peer.global_step, peer_id=peer.peer_id)
+        # a latecomer has downloaded the state by now, in the lineage its donor vouched for (if any)
+        ready = dict(maddrs=peer.maddrs, step=peer.global_step, peer_id=peer.peer_id)
+        emit(event="ready", **ready, lineage=opt.lineage.hex())
         print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
         start = peer.global_step
         while peer.global_step < start + args.rounds or (args.until and not Path(args.until).exists()):

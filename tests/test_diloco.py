@@ -391,3 +391,31 @@ def test_overlapped_rounds_keep_the_global_parameters_together(peers, tmp_path):
         torch.testing.assert_close(first, second, atol=2 * FP16_TOL * scale + glob_tol, rtol=0)
     losses = [s["loss"] for s in a.rows("step") if s["loss"] is not None]
     assert losses[-1] < losses[0], losses
+
+
+def test_a_served_state_carries_the_lineage_its_holder_vouched_for_and_no_other():
+    """A holder vouches for its global parameters after a round, a download or a resume; a state served at
+    that round with the same values carries its lineage. Another round, values written since (a restored
+    backup), a round in progress (the outer step drops the vouch) or overlapped rounds: no lineage."""
+    import threading
+    from types import SimpleNamespace
+
+    from cotrain.swarm.diloco import DiLoCoOptimizer
+
+    params = [torch.randn(10, 4), torch.randn(7)]
+    opt = DiLoCoOptimizer.__new__(DiLoCoOptimizer)
+    opt.state_averager = SimpleNamespace(
+        lock_averaged_tensors=threading.Lock(), global_parameters=params, local_epoch=3
+    )
+    opt.parameters, opt.overlap, opt.lineage, opt._vouched = params, False, fresh_lineage(), None
+    assert opt._served_lineage(3, params) is None  # nothing vouched for yet
+    opt._vouch()
+    served = [p.clone() for p in params]
+    assert opt._served_lineage(3, served) == opt.lineage
+    assert opt._served_lineage(3, [*served, torch.zeros(3)]) == opt.lineage  # the optimizer's tensors follow
+    assert opt._served_lineage(2, served) is None and opt._served_lineage(3, served[:1]) is None
+    params[0].add_(1.0)  # written from outside since
+    assert opt._served_lineage(3, [p.clone() for p in params]) is None
+    opt.overlap = True
+    opt._vouch()
+    assert opt._served_lineage(3, [p.clone() for p in params]) is None

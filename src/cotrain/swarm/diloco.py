@@ -53,6 +53,7 @@ from cotrain.swarm.diloco_state import (
     outer_optimizer_factory,
     set_schedule,
 )
+from cotrain.swarm.fingerprint import sampled_values
 from cotrain.swarm.internals.hooks import apply_optimizer_parameters
 from cotrain.swarm.keys import progress_key, state_averager_prefix
 from cotrain.swarm.lineage import (
@@ -140,6 +141,8 @@ class DiLoCoOptimizer:
             start=True,
         )
         self.state_averager.on_loaded = self._after_download
+        self._vouched: tuple[int, bytes, torch.Tensor] | None = None  # see _vouch
+        self.state_averager.served_lineage = self._served_lineage
         self.numel = sum(p.numel() for p in self.parameters)
         self.outer_averager = round_averager(
             self.parameters,
@@ -277,6 +280,7 @@ class DiLoCoOptimizer:
                 self._outer_step(averaged, base)
                 apply_optimizer_parameters(self.state_averager)  # the peer trains from the new global
             self._next_round()
+            self._vouch()
 
     @torch.no_grad()
     def _own_change(self) -> list[torch.Tensor]:
@@ -430,6 +434,7 @@ class DiLoCoOptimizer:
         global parameters and momentum) when given."""
         sa = self.state_averager
         with sa.lock_averaged_tensors:
+            self._vouched = None  # until _vouch: a state served meanwhile goes without a lineage
             if base is not None:
                 for mine, value in zip(self._carried_state(), base, strict=True):
                     mine.copy_(value)
@@ -485,20 +490,48 @@ class DiLoCoOptimizer:
 
     # --- downloads, shutdown -------------------------------------------------------------------------
 
-    def _after_download(self) -> None:
-        """A downloaded state replaces this peer's: the round starts again from the global parameters."""
+    def _after_download(self, lineage: bytes | None = None) -> None:
+        """A downloaded state replaces this peer's: the round starts again from the global parameters, in
+        the ``lineage`` its donor vouched for (a fresh one without)."""
         if self._pending is not None and not self._pending.done():
             self._pending.cancel()
         self._pending = self._pending_own = None
-        self.lineage = fresh_lineage()
+        self.lineage = lineage if lineage is not None and not self.overlap else fresh_lineage()
         if self.overlap:
             self._start = [p.detach().cpu().clone() for p in self.state_averager.global_parameters]
         self.samples = self.inner_steps_this_round = 0
+        self._vouch()
+
+    def _vouch(self) -> None:
+        """Vouch for the global parameters as they are now (after a round's outer step, a download or a
+        resume): a newcomer that downloads them in this round takes this peer's lineage too, so that its
+        first round with the group need not carry the outer state. Kept with their sampled values
+        (cotrain.swarm.fingerprint): a served state whose values differ (an outside write since) is served
+        without a lineage. Not with overlap, where the global parameters and the lineage a round sends are
+        a round apart."""
+        if self.overlap:
+            return
+        sa = self.state_averager
+        with sa.lock_averaged_tensors:
+            samples = sampled_values(sa.global_parameters, self.local_epoch)
+            self._vouched = (self.local_epoch, self.lineage, samples)
+
+    def _served_lineage(self, epoch: Any, tensors: list[torch.Tensor]) -> bytes | None:
+        """The lineage to serve with a state of round ``epoch`` whose first tensors are the global parameters
+        ``tensors`` (the caller holds the state's lock): the one vouched for, where the round and the sampled
+        values are the same."""
+        vouched = self._vouched
+        if vouched is None or vouched[0] != epoch or len(tensors) < len(self.parameters):
+            return None
+        if not torch.equal(sampled_values(tensors[: len(self.parameters)], epoch), vouched[2]):
+            return None
+        return vouched[1]
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         """Download the swarm's state, bounded by load_state_timeout (cotrain.swarm.optimizer)."""
         from cotrain.swarm.optimizer import load_state_bounded
 
+        self._vouched = None
         self.cancel_rounds()
         load_state_bounded(self, self.load_state_timeout, self.should_stop)
 

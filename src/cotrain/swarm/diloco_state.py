@@ -21,6 +21,7 @@ from hivemind.optim.state_averager import (
 
 from cotrain.swarm.internals.hooks import Averager, apply_optimizer_parameters
 from cotrain.swarm.internals.hosting import ServedInThread
+from cotrain.swarm.lineage import LINEAGE_BYTES
 from cotrain.swarm.statecheck import CheckedStateDownloads
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,11 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
         self.local_steps = local_steps
         self.lock_inner = threading.Lock()
         self.inner_steps = 0  # the inner schedule's position (the swarm's inner steps, local_steps per round)
-        self.on_loaded: Callable[[], None] = lambda: None  # the optimizer resets its round after a download
+        # the optimizer resets its round after a download, given the lineage the donor served with it (if any)
+        self.on_loaded: Callable[[bytes | None], None] = lambda lineage: None
+        # the lineage of a served state (its round, its tensors), where the optimizer vouches for it: a
+        # newcomer that downloads it takes the lineage too, and its first round need not carry the state
+        self.served_lineage: Callable[[Any, list[torch.Tensor]], bytes | None] = lambda epoch, tensors: None
         initialize_state(inner_optimizer)
         super().__init__(offload_optimizer=True, custom_gradients=True, reuse_tensors=True, **kwargs)
 
@@ -105,6 +110,11 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
 
     def get_current_state(self):
         metadata, tensors, infos = super().get_current_state()
+        with self.lock_averaged_tensors:  # no outer step, download or outside write runs meanwhile
+            lineage = self.served_lineage(metadata.get("epoch"), list(tensors))
+            if lineage is not None:  # the values the lineage vouches for, copied before anything moves them
+                tensors = [t.detach().clone() for t in tensors]
+                metadata["lineage"] = lineage
         with self.lock_inner:
             inner_meta, inner_tensors = dump_optimizer_state(self.inner_optimizer)
             inner_tensors = [t.detach().cpu().clone() for t in inner_tensors]
@@ -156,5 +166,6 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
             set_schedule(self.inner_scheduler, self.inner_steps)
         apply_optimizer_parameters(self)
         self.local_epoch = epoch
-        self.on_loaded()
+        lineage = metadata.get("lineage")
+        self.on_loaded(lineage if isinstance(lineage, bytes) and len(lineage) == LINEAGE_BYTES else None)
         return True

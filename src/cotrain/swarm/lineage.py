@@ -45,6 +45,7 @@ from cotrain.swarm.sparse import Raw, TopK
 
 logger = logging.getLogger(__name__)
 
+LINEAGE_BYTES = 8  # a lineage's length
 OUTER_STATE_EVERY = 10  # rounds: the outer state rides along at least this often (see the module's doc)
 ROUND_BITS = 8  # low bits of the round in the matchmaking key: peers average only with peers of their round
 
@@ -52,7 +53,7 @@ ROUND_BITS = 8  # low bits of the round in the matchmaking key: peers average on
 def fresh_lineage() -> bytes:
     """The lineage of a peer whose outer state no other peer is known to share (a start, a round alone, a
     download)."""
-    return os.urandom(8)
+    return os.urandom(LINEAGE_BYTES)
 
 
 def carries_outer_state(gathered: Iterable[Any], periodic: bool = True) -> bool:
@@ -79,7 +80,7 @@ def round_bits(round_: int) -> str:
 def next_lineage(round_: int, gathered: dict[Any, Any]) -> bytes:
     """The lineage every member of a group that averaged in round ``round_`` takes: a digest of the round, the
     members and their lineages, the same on each of them (``gathered``: member's peer id -> what it sent)."""
-    digest = hashlib.blake2b(str(int(round_)).encode(), digest_size=8)
+    digest = hashlib.blake2b(str(int(round_)).encode(), digest_size=LINEAGE_BYTES)
     for peer_id in sorted(gathered, key=lambda p: p.to_bytes()):
         item = gathered[peer_id]
         lineage = item.get("lineage") if isinstance(item, dict) else None
