@@ -2,8 +2,9 @@
 
 Peers that diverged (a round alone, another group, a fresh download) must step from the same outer state
 again. Each peer keeps a *lineage*: a digest that all members of a group derive alike from the group's
-members and their previous lineages after averaging together, and that a round alone or a download replaces
-with a fresh random one. Peers of the same lineage hold the same global parameters and momentum (up to the
+members and their previous lineages after averaging together, that a round alone replaces with a fresh random
+one, and that a download takes from its donor where the donor vouches for the state it served (else a fresh
+one: cotrain.swarm.diloco). Peers of the same lineage hold the same global parameters and momentum (up to the
 rounding of the compressed averages), so their all-reduce carries the pseudo-gradients alone; when a group's
 lineages differ, and every ``OUTER_STATE_EVERY`` rounds (against the slow drift of that rounding), the same
 all-reduce also averages the outer state. The choice is made in the all-reduce itself from what the members
