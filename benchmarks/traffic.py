@@ -87,6 +87,7 @@ def run_config(name: str, mode: str, local_steps: int, timed: int, args, logdir:
         "bytes_per_target_sample": sent
         / (timed * args.target_batch_size * (local_steps if utilization.is_diloco(mode) else 1)),
         "sent_per_peer_per_step": sent / len(links) / timed,
+        "received_per_peer_per_step": sum(r for _, r in links) / len(links) / timed,
         "engine_bytes_per_sample": engine / samples if utilization.is_diloco(mode) else None,
         "round_bytes": (
             statistics.mean(m[b]["round_bytes"] for m in complete) if utilization.is_diloco(mode) else None
@@ -109,7 +110,7 @@ def print_table(rows: list[dict], args) -> None:
     print()
     print("| config | window (steps) | samples trained (per step) | bytes sent, all links | bytes per sample "
           "| vs sync | goal (>= H/2) | vs sync, per target sample "
-          "| per peer per step: sent (engine's round_bytes) "
+          "| per peer per step: sent (engine's round_bytes), received "
           "| engine's bytes per sample | failed rounds |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     sync = next((r for r in rows if r["config"] == "sync" and r["ok"]), None)
@@ -126,13 +127,14 @@ def print_table(rows: list[dict], args) -> None:
             r["goal_met"] = ratio >= r["local_steps"] / 2
             goal = f"{'met' if r['goal_met'] else 'NOT met'} ({r['local_steps'] / 2:g}x)"
         engine = f"{r['engine_bytes_per_sample']:,.0f}" if r["engine_bytes_per_sample"] is not None else "-"
-        round_bytes = f" ({r['round_bytes'] / 1e6:.1f} MB)" if r["round_bytes"] is not None else ""
+        round_bytes = f" ({r['round_bytes'] / 1e6:.2f} MB)" if r["round_bytes"] is not None else ""
         print(
             f"| {r['config']} | {r['window'][0]}-{r['window'][1]} | {r['samples']:,} "
             f"({r['samples_per_step']:,.0f}) | {r['bytes_sent'] / 1e6:,.1f} MB "
             f"| **{r['bytes_per_sample']:,.0f}** "
             f"| {ratio:.1f}x less | {goal} | {per_target:.1f}x less "
-            f"| {r['sent_per_peer_per_step'] / 1e6:.1f} MB{round_bytes} "
+            f"| {r['sent_per_peer_per_step'] / 1e6:.2f} MB{round_bytes}, "
+            f"{r['received_per_peer_per_step'] / 1e6:.2f} MB "
             f"| {engine} | {r['failed_rounds']} |"
         )
 
@@ -144,6 +146,7 @@ def main() -> None:
     ap.add_argument("--local-steps", type=int, nargs="+", default=[10, 50, 100], help="DiLoCo's H values")
     ap.add_argument("--no-sync", action="store_true", help="skip the synchronous configuration")
     ap.add_argument("--topk", action="store_true", help="also DiLoCo with --outer-compression topk, per H")
+    ap.add_argument("--no-dense", action="store_true", help="with --topk: the sparse DiLoCo runs alone")
     ap.add_argument("--keep-logs", action="store_true", help="cotrain's info lines in the peers' logs")
     ap.add_argument("--target-batch-size", type=int, default=0,
                     help="swarm batch per sync step / DiLoCo inner step (default: peers x micro-batch x "
@@ -176,7 +179,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cotrain-traffic-"))
     configs = [] if args.no_sync else [("sync", "sync", args.local_steps[0], args.steps)]
     for h in args.local_steps:
-        configs.append((f"diloco H={h}", "diloco", h, args.rounds))
+        if not (args.no_dense and args.topk):
+            configs.append((f"diloco H={h}", "diloco", h, args.rounds))
         if args.topk:
             configs.append((f"diloco-topk H={h}", "diloco-topk", h, args.rounds))
     rows = []
