@@ -240,9 +240,14 @@ class Monitor:
         sources = peer.tokenizer_path or peer.dataset_path or peer.dataset_url or peer.resume
         found = run_state_layout(self.config, root, root / "tokenizer") if sources else None
         if found is None:
+            what = {
+                (True, True): "Checkpoints and reducing for client-mode trainers are",
+                (True, False): "Checkpoints are",
+                (False, True): "Reducing for client-mode trainers is",
+            }[(self._checkpointing(), bool(peer.reduce))]
             logger.info(
-                "Checkpoints and reducing for client-mode trainers are off: the monitor needs the model's "
-                "shapes; give --dataset-path, --dataset-url or --tokenizer-path"
+                f"{what} off: the monitor needs the model's shapes; give --dataset-path, --dataset-url or "
+                "--tokenizer-path"
             )
         return found
 
