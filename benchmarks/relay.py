@@ -15,12 +15,17 @@ dials A at that address (or, where A announced none, at ``RELAY/p2p-circuit/p2p/
 - ``public``: the sender is the public peer (one side can listen: the daemon may reverse the connection);
 - ``nat``: the sender is the other home peer B, behind its own NAT (a direct connection needs hole punching).
 
+With ``--dht`` every peer is a hivemind ``DHT`` set up as hivemind's own relay test sets its peers up (the
+relay with ``use_relay``, ``use_auto_relay`` and ``force_reachability="public"``; A and the senders with
+``use_relay`` and ``use_auto_relay``, the relay their initial peer), and a sender finds A by its peer id alone
+(DHT pings, for up to a minute, as that test does) before it opens the stream.
+
 Reported per arm: whether A announced a circuit address and after how long, whether the sender connected,
 the bytes A received, the seconds the transfer took, and the addresses of the connection the stream used
 (``/p2p-circuit`` in it: relayed; otherwise direct, i.e. reversed or punched). A transfer that stops short
 says where and why (go-libp2p's relay v2 limits a relayed connection to 128 KiB or 2 minutes by default).
 
-    python benchmarks/relay.py [--megabytes 200] [--rate 100] [--keep-logs]
+    python benchmarks/relay.py [--megabytes 200] [--rate 100] [--no-listen] [--dht] [--keep-logs]
 
 Needs root, iproute2 and nftables. The last line is ``{"event": "relay_summary", "arms": {"public": {...},
 "nat": {...}}}``.
@@ -163,6 +168,114 @@ async def sender_role(args) -> None:
         await p2p.shutdown()
 
 
+def _dht(listen: str, relay: str | None, public: bool, no_listen: bool = False):
+    """A hivemind DHT as hivemind's relay test starts its peers (``--dht``)."""
+    import hivemind
+
+    options = {"use_relay": True, "use_auto_relay": True, "nat_port_map": False, "start": True}
+    if public:
+        options["force_reachability"] = "public"
+    if relay:
+        options["initial_peers"] = [relay]
+    if no_listen:
+        options.update(host_maddrs=[], no_listen=True)
+    else:
+        options["host_maddrs"] = [f"/ip4/{listen}/tcp/0"]
+    return hivemind.DHT(**options)
+
+
+async def _count_streams(dht, node, out: str) -> list[str]:
+    """(In A's DHT process) count what each stream brings, as ``receiver_role`` does; A's addresses."""
+    received: list[dict] = []
+
+    async def handler(info, reader, writer) -> None:
+        started, count = time.monotonic(), 0
+        try:
+            while data := await reader.read(CHUNK):
+                count += len(data)
+            writer.write(count.to_bytes(8, "big"))
+            await writer.drain()
+            received.append({"bytes": count, "seconds": round(time.monotonic() - started, 2)})
+        except Exception as e:
+            received.append({"bytes": count, "error": f"{type(e).__name__}: {e}"[:300]})
+        received[-1]["addr"] = str(info.addr)
+        _write(out + ".received", received)
+        writer.close()
+
+    await node.p2p.add_binary_stream_handler(HANDLE, handler)
+    try:
+        return [str(m) for m in await node.p2p.get_visible_maddrs(latest=True)]
+    except ValueError:
+        return []
+
+
+async def _ping(dht, node, peer_id: str) -> bool:
+    from hivemind.p2p import PeerID
+
+    return bool(await node.protocol.call_ping(PeerID.from_base58(peer_id)))
+
+
+async def _stream(dht, node, peer_id: str, megabytes: int) -> dict:
+    from hivemind.p2p import PeerID
+
+    peer, result = PeerID.from_base58(peer_id), {"bytes_sent": 0}
+    started = time.monotonic()
+    try:
+        info, reader, writer = await asyncio.wait_for(node.p2p.call_binary_stream_handler(peer, HANDLE), 60)
+        result["stream_opened"], result["stream_addr"] = True, str(info.addr)
+        chunk = b"\0" * CHUNK
+        for _ in range(megabytes):
+            writer.write(chunk)
+            await asyncio.wait_for(writer.drain(), 120)
+            result["bytes_sent"] += CHUNK
+        writer.write_eof()
+        count = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), 120), "big")
+        result["bytes_received_by_target"] = count
+        result["seconds"] = round(time.monotonic() - started, 2)
+        result["mbit_s"] = round(count * 8 / 1e6 / max(result["seconds"], 1e-9), 1)
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"[:400]
+        result["seconds"] = round(time.monotonic() - started, 2)
+    peers = await node.p2p.list_peers()
+    result["connections_to_target"] = [str(a) for p in peers if str(p.peer_id) == peer_id for a in p.addrs]
+    return result
+
+
+def dht_role(args) -> None:
+    """``--dht``: the relay, A or a sender as a hivemind DHT."""
+    from functools import partial
+
+    public = args.role == "relay" or (args.role == "sender" and not args.private)
+    no_listen = args.role == "receiver" and args.no_listen
+    dht = _dht(args.listen, args.relay, public=public, no_listen=no_listen)
+    if args.role == "relay":
+        _write(args.out, {"id": str(dht.peer_id), "maddrs": [str(m) for m in dht.get_visible_maddrs()]})
+    elif args.role == "receiver":
+        time.sleep(5)  # as hivemind's test waits before its other peer starts
+        addresses = dht.run_coroutine(partial(_count_streams, out=args.out))
+        circuit = [a for a in addresses if "p2p-circuit" in a]
+        after = 5.0 if circuit else None
+        _write(args.out, {"id": str(dht.peer_id), "circuit": circuit, "circuit_after_s": after,
+                          "addresses": addresses})  # fmt: skip
+    else:
+        target = json.loads(Path(args.target).read_text())
+        result: dict = {"connected": False}
+        started = time.monotonic()
+        while time.monotonic() - started < 60 and not result["connected"]:
+            try:
+                result["connected"] = dht.run_coroutine(partial(_ping, peer_id=target["id"]))
+            except Exception as e:
+                result["ping_error"] = f"{type(e).__name__}: {e}"[:300]
+            if not result["connected"]:
+                time.sleep(2)
+        result["connect_s"] = round(time.monotonic() - started, 2)
+        result.update(dht.run_coroutine(partial(_stream, peer_id=target["id"], megabytes=args.megabytes)))
+        _write(args.out, result)
+    while args.role != "sender" and not Path(args.stop).exists():
+        time.sleep(0.5)
+    dht.shutdown()
+
+
 def _write(path: str, value) -> None:
     tmp = Path(path + ".tmp")
     tmp.write_text(json.dumps(value))
@@ -201,7 +314,8 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             log = open(root / f"{name}.log", "w")
             listen = "0.0.0.0" if host in net.nat else net.address(host)
             argv = [*me, "--role", name.split("-")[0], "--stop", str(stop), "--out",
-                    str(root / f"{name}.json"), "--listen", listen, *extra]  # fmt: skip
+                    str(root / f"{name}.json"), "--listen", listen, *(["--dht"] if args.dht else []),
+                    *extra]  # fmt: skip
             procs.append(_netns.start_in_ns(net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
 
         try:
@@ -249,9 +363,15 @@ def main() -> int:
     ap.add_argument(
         "--no-listen", action="store_true", help="A listens on nothing (hivemind's own relay test)"
     )
+    ap.add_argument(
+        "--dht", action="store_true", help="the peers are hivemind DHTs, set up as in hivemind's relay test"
+    )
     ap.add_argument("--keep-logs", action="store_true", help="keep the peers' logs")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
+    if args.role and args.dht:
+        dht_role(args)
+        return 0
     if args.role:
         role = {"relay": relay_role, "receiver": receiver_role, "sender": sender_role}[args.role]
         asyncio.run(role(args))

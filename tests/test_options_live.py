@@ -25,7 +25,6 @@ from conftest import (
     monitor_args,
     read_rows,
     saw_peers,
-    trainer_args,
     trainer_rows,
     wait_until,
 )
@@ -296,7 +295,7 @@ def swarm(demo_data, tmp_path_factory):
             )
 
         wait_until(done, 600, interval=1.0, what=f"{STEPS} global steps")
-        yield {"out": out, "roles": roles, "metrics": metrics}
+        yield {"out": out, "roles": roles, "metrics": metrics, "initial": initial}
     finally:
         for role in roles.values():
             if role.proc.poll() is None:
@@ -367,62 +366,35 @@ def colab_line() -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_the_seed_colab_line_joins_a_swarm_with_another_matchmaking_time(demo_data, tmp_path):
+def test_the_seed_colab_line_joins_a_swarm_with_another_matchmaking_time(swarm, demo_data, tmp_path):
     """The Colab trainer line as written (client mode, --averaging_expiration 10, --batch_size_lead 300, no
-    preset), plus a dataset, a local address and a lead below the CPU-sized target, joins a swarm whose
-    monitor and other trainer wait 2 s for matchmaking, and averages with them: it takes the run's settings
-    (the tiny preset) from the swarm, and matchmaking time, averaging timeout and batch lead are each peer's
-    own, not part of the run's agreed settings."""
-    run, tiny = "colab-line", ["--preset", "albert-tiny", "--host-maddrs", LOCALHOST]
-    roles: list[Role] = []
+    preset), plus a dataset, a local address and a lead below the CPU-sized target, joins the seed lines'
+    swarm, whose peers wait 2 s for matchmaking, and averages with them: it takes the run's settings (the
+    tiny preset) from the swarm, and matchmaking time, averaging timeout and batch lead are each peer's own,
+    not part of the run's agreed settings."""
+    initial = swarm["initial"]
+    colab = localized(
+        colab_line(),
+        {
+            PEER: initial[0],
+            "EXPERIMENT_NAME_HERE": RUN,
+            "./outputs": str(tmp_path / "colab"),
+            "./logs": str(tmp_path / "colab-logs"),
+        },
+    )
+    assert colab[colab.index("--averaging_expiration") + 1] == "10" and "--client_mode" in colab
+    extra = ["--dataset_path", str(demo_data), "--host-maddrs", LOCALHOST, "--batch_size_lead", "16"]
+    role = Role([*colab, *extra, "--torch-threads", "1"], tmp_path / "colab.log")
     try:
-        roles.append(
-            Role(monitor_args([*tiny, *FAST, "--run-id", run], tmp_path / "monitor"), tmp_path / "m.log")
-        )
-        initial = monitor_address(tmp_path / "monitor", 120)
-        check_announced(initial)
-        colab = localized(
-            colab_line(),
-            {
-                PEER: initial[0],
-                "EXPERIMENT_NAME_HERE": run,
-                "./outputs": str(tmp_path / "colab"),
-                "./logs": str(tmp_path / "colab-logs"),
-            },
-        )
-        assert colab[colab.index("--averaging_expiration") + 1] == "10" and "--client_mode" in colab
-        roles.append(
-            Role(
-                [
-                    *colab,
-                    "--dataset_path",
-                    str(demo_data),
-                    "--host-maddrs",
-                    LOCALHOST,
-                    "--batch_size_lead",
-                    "16",
-                    "--torch-threads",
-                    "1",
-                ],
-                tmp_path / "colab.log",
-            )
-        )
-        roles.append(
-            Role(
-                trainer_args([*tiny, *FAST, "--run-id", run], initial, demo_data, 1, tmp_path / "other"),
-                tmp_path / "other.log",
-            )
-        )
 
         def averaged() -> bool:
-            assert all(r.proc.poll() is None for r in roles), [r.text()[-2000:] for r in roles]
+            assert role.proc.poll() is None, role.text()[-2000:]
             rows = read_rows(tmp_path / "colab" / "metrics.jsonl")
             return any(r.get("group_size", 0) >= 2 for r in rows)
 
         wait_until(averaged, 200, interval=1.0, what="the Colab-line trainer to average in a group of 2+")
-        text = roles[1].text()
+        text = role.text()
         assert "differs from the swarm" not in text and "Traceback" not in text
         assert "settings from initial peer" in text and "preset albert-tiny" in text, text[-3000:]
     finally:
-        for role in roles:
-            role.stop()
+        role.stop()
