@@ -315,9 +315,17 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
     trio = joint_rounds([a, b, c])
     assert trio, [p.rows("average") for p in (a, b, c)]
     check_rounds([a, b, c], trio)
-    # a newcomer's first round with the others carries the outer state (it downloaded: a lineage of its own);
+    # a newcomer downloads the state as it joins: once a peer has ended a round (alone too), it serves its
+    # state with its lineage, and the newcomer takes it (its rounds with them then leave the outer state out);
+    # before that, nothing is vouched for: a lineage of its own, and its first round with them carries it
+    for newcomer, others, first in ((b, [a], pairs[0]), (c, [a, b], trio[0])):
+        joined = newcomer.rows("ready")[0]
+        if joined["step"] == 0:
+            assert by_round(newcomer, "average")[first]["carried"], newcomer.rows("average")
+            continue
+        held = {r["lineage"] for p in others for r in p.rows("average") if r["round"] == joined["step"] - 1}
+        assert joined["lineage"] in held, (joined, held)
     # rounds among peers that already averaged together carry the pseudo-gradients alone
-    assert by_round(b, "average")[pairs[0]]["carried"] and by_round(c, "average")[trio[0]]["carried"]
     joint = [by_round(b, "average")[r] for r in pairs + trio]
     assert any(not row["carried"] for row in joint), joint
     # the newcomers started at the swarm's round, from its global parameters

@@ -387,7 +387,8 @@ class DiLoCoOptimizer:
             state = self._carried_state()
             if self.codec is not None:
                 n = len(self.parameters)
-                state = [Raw().encode(_flat(part)) for part in (state[:n], state[n:])]
+                kinds = (state[:n], state[n:]) if self.momentum else (state,)
+                state = [Raw().encode(_flat(part)) for part in kinds]
             for buffer, value in zip(tensors, [*sent, *state], strict=True):
                 buffer.copy_(value)
         control.weight = float(max(weight, 1))
