@@ -83,10 +83,8 @@ async def receiver_role(args) -> None:
     async def handler(info, reader, writer) -> None:
         started, count = time.monotonic(), 0
         try:
-            while True:
-                data = await reader.read(CHUNK)
-                if not data:
-                    break
+            total = int.from_bytes(await reader.readexactly(8), "big")  # the sender says how much comes
+            while count < total and (data := await reader.read(min(CHUNK, total - count))):
                 count += len(data)
             writer.write(count.to_bytes(8, "big"))
             await writer.drain()
@@ -146,11 +144,11 @@ async def sender_role(args) -> None:
         result["stream_addr"] = str(info.addr)
         chunk = b"\0" * CHUNK
         started = time.monotonic()
+        writer.write((args.megabytes * CHUNK).to_bytes(8, "big"))  # no half-close: the length comes first
         for _ in range(args.megabytes):
             writer.write(chunk)
             await asyncio.wait_for(writer.drain(), 120)
             result["bytes_sent"] += CHUNK
-        writer.write_eof()
         count = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), 120), "big")
         result["bytes_received_by_target"] = count
         result["seconds"] = round(time.monotonic() - started, 2)
@@ -191,7 +189,8 @@ async def _count_streams(dht, node, out: str) -> list[str]:
     async def handler(info, reader, writer) -> None:
         started, count = time.monotonic(), 0
         try:
-            while data := await reader.read(CHUNK):
+            total = int.from_bytes(await reader.readexactly(8), "big")  # the sender says how much comes
+            while count < total and (data := await reader.read(min(CHUNK, total - count))):
                 count += len(data)
             writer.write(count.to_bytes(8, "big"))
             await writer.drain()
@@ -224,11 +223,11 @@ async def _stream(dht, node, peer_id: str, megabytes: int) -> dict:
         info, reader, writer = await asyncio.wait_for(node.p2p.call_binary_stream_handler(peer, HANDLE), 60)
         result["stream_opened"], result["stream_addr"] = True, str(info.addr)
         chunk = b"\0" * CHUNK
+        writer.write((megabytes * CHUNK).to_bytes(8, "big"))  # no half-close: the length comes first
         for _ in range(megabytes):
             writer.write(chunk)
             await asyncio.wait_for(writer.drain(), 120)
             result["bytes_sent"] += CHUNK
-        writer.write_eof()
         count = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), 120), "big")
         result["bytes_received_by_target"] = count
         result["seconds"] = round(time.monotonic() - started, 2)
