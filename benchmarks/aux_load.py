@@ -36,7 +36,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,34 +45,6 @@ from _netns import LinkCounters, Peers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = utilization.ALBERT_LARGE_PARAMS
-
-
-def collect(peers: Peers, trainers: list[int], until: int, label: str) -> dict[int, dict[int, dict]]:
-    """Each trainer's messages at its global steps until every trainer has reached step ``until``."""
-    marks: dict[int, dict[int, dict]] = {i: {} for i in trainers}
-    started, done = time.monotonic(), set()
-    while len(done) < len(trainers):
-        for i in trainers:
-            if i in done:
-                continue
-            if until in marks[i]:
-                done.add(i)
-                continue
-            try:
-                msg = peers.receive(i, 0.2)
-            except RuntimeError as e:
-                if "did not answer" not in str(e):
-                    raise
-                if peers.procs[i].poll() is not None:
-                    raise RuntimeError(f"peer {i} exited with code {peers.procs[i].returncode}") from None
-                continue
-            if "epoch" in msg:
-                marks[i][msg["epoch"]] = msg
-                print(f"  {label}: client {i} reached round {msg['epoch']} at {msg['t'] - started:.0f} s",
-                      flush=True)  # fmt: skip
-            elif "done" in msg:
-                done.add(i)
-    return marks
 
 
 def run_config(mode: str, clients: int, args, logdir: Path) -> dict:
@@ -106,7 +77,7 @@ def run_config(mode: str, clients: int, args, logdir: Path) -> dict:
                 peers.receive(i, 300)  # ready
             peers.send({"op": "go"})
             net.remember_pids()
-            marks = collect(peers, trainers, b, label)
+            marks = utilization.collect_marks(peers, trainers, b, label)
             for i in reducers:
                 peers.send({"op": "quit"}, only=i)
                 reduced.append(peers.receive(i, 60)["reduced"])

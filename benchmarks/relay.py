@@ -67,6 +67,44 @@ async def _host(listen: str, relay: str | None, private: bool, no_listen: bool =
     return await P2P.create(host_maddrs=[f"/ip4/{listen}/tcp/0"], use_relay=True, **options)
 
 
+def stream_counter(out: str):
+    """A's stream handler: read the length a sender announces, then that many bytes, answer the count, and
+    write what each stream brought (bytes, seconds or error, the connection's address) to ``out``."""
+    received: list[dict] = []
+
+    async def handler(info, reader, writer) -> None:
+        started, count = time.monotonic(), 0
+        try:
+            total = int.from_bytes(await reader.readexactly(8), "big")  # the sender says how much comes
+            while count < total and (data := await reader.read(min(CHUNK, total - count))):
+                count += len(data)
+            writer.write(count.to_bytes(8, "big"))
+            await writer.drain()
+            received.append({"bytes": count, "seconds": round(time.monotonic() - started, 2)})
+        except Exception as e:
+            received.append({"bytes": count, "error": f"{type(e).__name__}: {e}"[:300]})
+        received[-1]["addr"] = str(info.addr)
+        _write(out, received)
+        writer.close()
+
+    return handler
+
+
+async def send_counted(reader, writer, megabytes: int, result: dict, started: float) -> None:
+    """Stream ``megabytes`` MiB to A's ``stream_counter`` (the length first: no half-close) and read the count
+    it answers, into ``result``."""
+    chunk = b"\0" * CHUNK
+    writer.write((megabytes * CHUNK).to_bytes(8, "big"))
+    for _ in range(megabytes):
+        writer.write(chunk)
+        await asyncio.wait_for(writer.drain(), 120)
+        result["bytes_sent"] += CHUNK
+    count = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), 120), "big")
+    result["bytes_received_by_target"] = count
+    result["seconds"] = round(time.monotonic() - started, 2)
+    result["mbit_s"] = round(count * 8 / 1e6 / max(result["seconds"], 1e-9), 1)
+
+
 async def relay_role(args) -> None:
     p2p = await _host(args.listen, None, private=False)
     _write(args.out, {"id": str(p2p.peer_id), "maddrs": [str(m) for m in await p2p.get_visible_maddrs()]})
@@ -78,26 +116,7 @@ async def relay_role(args) -> None:
 async def receiver_role(args) -> None:
     """A: reserve a slot on the relay, announce the circuit address, count what each stream brings."""
     p2p = await _host(args.listen, args.relay, private=True, no_listen=args.no_listen)
-    received: list[dict] = []
-
-    async def handler(info, reader, writer) -> None:
-        started, count = time.monotonic(), 0
-        try:
-            total = int.from_bytes(await reader.readexactly(8), "big")  # the sender says how much comes
-            while count < total and (data := await reader.read(min(CHUNK, total - count))):
-                count += len(data)
-            writer.write(count.to_bytes(8, "big"))
-            await writer.drain()
-        except Exception as e:
-            received.append({"bytes": count, "error": f"{type(e).__name__}: {e}"[:300]})
-        else:
-            received.append({"bytes": count, "seconds": round(time.monotonic() - started, 2)})
-        finally:
-            received[-1]["addr"] = str(info.addr)
-            _write(args.out + ".received", received)
-            writer.close()
-
-    await p2p.add_binary_stream_handler(HANDLE, handler)
+    await p2p.add_binary_stream_handler(HANDLE, stream_counter(args.out + ".received"))
     started = time.monotonic()
     circuit: list[str] = []
     while time.monotonic() - started < args.wait and not circuit:
@@ -142,17 +161,8 @@ async def sender_role(args) -> None:
         info, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer, HANDLE), 60)
         result["stream_opened"] = True
         result["stream_addr"] = str(info.addr)
-        chunk = b"\0" * CHUNK
         started = time.monotonic()
-        writer.write((args.megabytes * CHUNK).to_bytes(8, "big"))  # no half-close: the length comes first
-        for _ in range(args.megabytes):
-            writer.write(chunk)
-            await asyncio.wait_for(writer.drain(), 120)
-            result["bytes_sent"] += CHUNK
-        count = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), 120), "big")
-        result["bytes_received_by_target"] = count
-        result["seconds"] = round(time.monotonic() - started, 2)
-        result["mbit_s"] = round(count * 8 / 1e6 / max(result["seconds"], 1e-9), 1)
+        await send_counted(reader, writer, args.megabytes, result, started)
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"[:400]
         result["seconds"] = round(time.monotonic() - started, 2)
@@ -184,24 +194,7 @@ def _dht(listen: str, relay: str | None, public: bool, no_listen: bool = False):
 
 async def _count_streams(dht, node, out: str) -> list[str]:
     """(In A's DHT process) count what each stream brings, as ``receiver_role`` does; A's addresses."""
-    received: list[dict] = []
-
-    async def handler(info, reader, writer) -> None:
-        started, count = time.monotonic(), 0
-        try:
-            total = int.from_bytes(await reader.readexactly(8), "big")  # the sender says how much comes
-            while count < total and (data := await reader.read(min(CHUNK, total - count))):
-                count += len(data)
-            writer.write(count.to_bytes(8, "big"))
-            await writer.drain()
-            received.append({"bytes": count, "seconds": round(time.monotonic() - started, 2)})
-        except Exception as e:
-            received.append({"bytes": count, "error": f"{type(e).__name__}: {e}"[:300]})
-        received[-1]["addr"] = str(info.addr)
-        _write(out + ".received", received)
-        writer.close()
-
-    await node.p2p.add_binary_stream_handler(HANDLE, handler)
+    await node.p2p.add_binary_stream_handler(HANDLE, stream_counter(out + ".received"))
     try:
         return [str(m) for m in await node.p2p.get_visible_maddrs(latest=True)]
     except ValueError:
@@ -222,16 +215,7 @@ async def _stream(dht, node, peer_id: str, megabytes: int) -> dict:
     try:
         info, reader, writer = await asyncio.wait_for(node.p2p.call_binary_stream_handler(peer, HANDLE), 60)
         result["stream_opened"], result["stream_addr"] = True, str(info.addr)
-        chunk = b"\0" * CHUNK
-        writer.write((megabytes * CHUNK).to_bytes(8, "big"))  # no half-close: the length comes first
-        for _ in range(megabytes):
-            writer.write(chunk)
-            await asyncio.wait_for(writer.drain(), 120)
-            result["bytes_sent"] += CHUNK
-        count = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), 120), "big")
-        result["bytes_received_by_target"] = count
-        result["seconds"] = round(time.monotonic() - started, 2)
-        result["mbit_s"] = round(count * 8 / 1e6 / max(result["seconds"], 1e-9), 1)
+        await send_counted(reader, writer, megabytes, result, started)
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"[:400]
         result["seconds"] = round(time.monotonic() - started, 2)

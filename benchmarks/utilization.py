@@ -252,7 +252,6 @@ def run_swarm(
     n = net.hosts
     peers = Peers(net, worker, logdir, cwd=REPO)
     peers.logdir.mkdir(parents=True, exist_ok=True)
-    marks: list[dict[int, dict]] = [{} for _ in range(n)]
     try:
         peers.start(0, [])
         first = peers.receive(0, 300)["maddrs"][0]
@@ -265,34 +264,42 @@ def run_swarm(
         peers.send({"op": "go"})
         on_go(peers)
         net.remember_pids()  # every peer's processes run now
-        started = time.monotonic()
-        done = set()
-        while len(done) < n:
-            for i in range(n):
-                if i in done:
-                    continue
-                if until in marks[i]:
-                    done.add(i)
-                    continue
-                try:
-                    msg = peers.receive(i, 0.2)
-                except RuntimeError as e:
-                    if "did not answer" not in str(e):
-                        raise
-                    code = peers.procs[i].poll()  # its stdout may stay open in an orphaned child
-                    if code is not None:
-                        cause = " (SIGKILL: out of memory?)" if code == -9 else ""
-                        raise RuntimeError(f"peer {i} exited with code {code}{cause}; see {logdir}") from None
-                    continue
-                if "epoch" in msg:
-                    marks[i][msg["epoch"]] = msg
-                    print(f"  {label}: peer {i} reached step {msg['epoch']} "
-                          f"at {msg['t'] - started:.0f} s", flush=True)  # fmt: skip
-                elif "done" in msg:
-                    done.add(i)
+        found = collect_marks(peers, list(range(n)), until, label)
+        marks = [found[i] for i in range(n)]
     finally:
         net.remember_pids()
         peers.stop()
+    return marks
+
+
+def collect_marks(peers: Peers, which: list[int], until: int, label: str) -> dict[int, dict[int, dict]]:
+    """Peer i's messages at its global steps, for each i in ``which``, until each has reached step ``until``
+    (or said it is done): marks[i][step]."""
+    marks: dict[int, dict[int, dict]] = {i: {} for i in which}
+    started, done = time.monotonic(), set()
+    while len(done) < len(which):
+        for i in which:
+            if i in done:
+                continue
+            if until in marks[i]:
+                done.add(i)
+                continue
+            try:
+                msg = peers.receive(i, 0.2)
+            except RuntimeError as e:
+                if "did not answer" not in str(e):
+                    raise
+                code = peers.procs[i].poll()  # its stdout may stay open in an orphaned child
+                if code is not None:
+                    cause = " (SIGKILL: out of memory?)" if code == -9 else ""
+                    raise RuntimeError(f"peer {i} exited with code {code}{cause}; see {peers.logdir}") from e
+                continue
+            if "epoch" in msg:
+                marks[i][msg["epoch"]] = msg
+                print(f"  {label}: peer {i} reached step {msg['epoch']} "
+                      f"at {msg['t'] - started:.0f} s", flush=True)  # fmt: skip
+            elif "done" in msg:
+                done.add(i)
     return marks
 
 
