@@ -158,8 +158,8 @@ class DiLoCoOptimizer:
             client_mode=self.client_mode,
             momentum=outer_momentum > 0,
         )
-        self.momentum = outer_momentum > 0  # whether the outer state carries momentum buffers
         self.changes, self.state_bytes = self.outer_averager.changes, self.outer_averager.state_bytes
+        self.momentum = self.outer_averager.momentum  # whether the outer state carries momentum buffers
         self.feedback = self.outer_averager.feedback  # with a codec: what this peer did not send (_payload)
         self.tracker = tracker_class(aggregation.robust)(
             dht=dht,

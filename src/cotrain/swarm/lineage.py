@@ -112,6 +112,7 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
         self.records = records  # (codec per tensor, feedback buffer) where tensors travel as records
         self.feedback = None if records is None else records[1]
         self.state_bytes = 4  # bytes per value of the outer state on the wire (round_averager sets it)
+        self.momentum = True  # whether the outer state holds momentum buffers (round_averager sets it)
         super().__init__(tensors, dht, **kwargs)
 
     async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -229,4 +230,5 @@ def round_averager(
         **opts,
     )
     averager.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
+    averager.momentum = momentum
     return averager

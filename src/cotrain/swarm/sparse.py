@@ -10,9 +10,8 @@ what it did not send (the values left out and the rounding of those sent) in its
 A chunk travels as one fixed-size record: ``k`` indices within the chunk (12 bits each, two to three bytes,
 strictly increasing), the ``k`` codes packed ``8 // bits`` to a byte, and the scale (float32): ``3k / 2 + k *
 bits / 8 + 4`` bytes against ``2 * CHUNK`` in fp16 (at the defaults, k = 64 of 4096 at 2 bits: 116 bytes, 70x
-less). The encoded vector is
-a uint8 tensor that hivemind's all-reduce splits on record boundaries (its parts are a whole number of
-records). The reducer of a span decodes every sender's records (refusing malformed ones:
+less). The encoded vector is a uint8 tensor that hivemind's all-reduce splits on record boundaries (its parts
+are a whole number of records). The reducer of a span decodes every sender's records (refusing malformed ones:
 cotrain.swarm.robust), averages them densely, and encodes the average again with the same codec: every peer of
 the group receives the same bytes for the span and decodes the same update, so the replicas stay
 bit-identical. The average of n sparse contributions holds up to n k values per chunk; what its re-encoding
