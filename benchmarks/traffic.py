@@ -190,7 +190,10 @@ def main() -> None:
     except BaseException:
         print(f"peers' logs kept in {tmp}", file=sys.stderr)
         raise
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep_logs:
+        print(f"peers' logs kept in {tmp}", flush=True)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows, args)
     _netns.print_finished(started)
     summary = {

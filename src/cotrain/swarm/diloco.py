@@ -65,7 +65,7 @@ from cotrain.swarm.lineage import (
 )
 from cotrain.swarm.liveness import RoundWatch, cancel_controls
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
-from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, tracker_class
+from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, round_pace, tracker_class
 from cotrain.swarm.sparse import Raw, TopK
 
 logger = logging.getLogger(__name__)
@@ -168,9 +168,11 @@ class DiLoCoOptimizer:
             client_mode=self.client_mode,
             status_loglevel=loglevel,
             performance_ema_alpha=performance_ema_alpha,
+            pace=round_pace(matchmaking_time),  # a round's progress, not an inner step's (progress.py)
             start=True,
             **(tracker_opts or {}),
         )
+        self._round_began = time.monotonic()
         self.rounds_averaged = self.rounds_failed = 0
         self.last_group_size = 1
         self.last_round_bytes = 0  # payload sent in its last all-reduce (from the sizes and the compression)
@@ -485,6 +487,9 @@ class DiLoCoOptimizer:
             sa.inner_steps = self.local_epoch * self.local_steps
             set_schedule(self.inner_scheduler, sa.inner_steps)
         self.samples = self.inner_steps_this_round = 0
+        now, expiration = time.monotonic(), self.tracker.metadata_expiration
+        self.tracker.pace = round_pace(self.matchmaking_time, now - self._round_began, expiration)
+        self._round_began = now
         self.tracker.update_epoch(new_epoch=self.local_epoch)
         if not self.client_mode:
             sa.state_sharing_priority = self.local_epoch

@@ -14,6 +14,7 @@ GradientAverager, Averager)`` puts ``Averager`` after ``GradientAverager`` and b
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -170,7 +171,14 @@ class Optimizer(hivemind.Optimizer):
 
 
 class Tracker(ProgressTracker):
-    """ProgressTracker's private reading of the peers' progress records, as a hook."""
+    """ProgressTracker's private reading of the peers' progress records, and the signal to its reporter, as
+    hooks."""
+
+    def signal_reports_with(self, event: threading.Event) -> None:
+        """Let ``event`` be the signal that makes the tracker's reporter store this peer's progress record:
+        ``report_local_progress`` sets it at every call and the reporter stores a record each time it wakes
+        (the reporter reads the attribute again at every wait: call before ``start``)."""
+        self.should_report_progress = event
 
     def _parse_swarm_progress_data(self, metadata):
         return self.parse_swarm_progress(metadata)

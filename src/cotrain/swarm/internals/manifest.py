@@ -163,6 +163,14 @@ MANIFEST: tuple[Touch, ...] = (
         "0786ab6afe75a7e9",
     ),
     Touch(
+        "hivemind.optim.progress_tracker.ProgressTracker._progress_reporter",
+        "read",
+        f"{HOOKS}.Tracker.signal_reports_with; cotrain.swarm.progress.PacedSignal",
+        "stored a record at every report_local_progress (every inner step of DiLoCo, each store reading "
+        "every peer's record first): DiLoCo paces the signal that wakes it",
+        "1fae03054fe2177d",
+    ),
+    Touch(
         "hivemind.optim.progress_tracker.ProgressTracker._parse_swarm_progress_data",
         "copied",
         f"{HOOKS}.Tracker; cotrain.swarm.progress",
