@@ -15,16 +15,26 @@ from conftest import wait_until
 from cotrain.config.run import RunConfig
 from cotrain.swarm.aggregation import Mean
 from cotrain.swarm.robust import RecordParts, RobustPartReducer
-from cotrain.swarm.sparse import CHUNK, Raw, TopK, pack_indices, unpack_indices
+from cotrain.swarm.sparse import (
+    CHUNK,
+    Raw,
+    TopK,
+    pack_bits,
+    pack_indices,
+    unpack_bits,
+    unpack_indices,
+    upper_bytes,
+)
 from test_diloco import by_round, joint_rounds
 
 
 def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not_sent():
     codec = TopK()
-    assert (codec.k, codec.record) == (64, 116) and 2 * CHUNK / codec.record > 70
+    # Elias-Fano indices: 16 bytes of high parts in unary, 64 x 6 low bits; 16 bytes of codes; the scale
+    assert (codec.k, codec.index_bytes, codec.record) == (64, 64, 84) and 2 * CHUNK / codec.record > 97
     values = torch.randn(3 * CHUNK + 100, generator=torch.Generator().manual_seed(0))
     records = codec.encode(values)
-    assert records.dtype == torch.uint8 and records.numel() == codec.encoded_size(values.numel()) == 4 * 116
+    assert records.dtype == torch.uint8 and records.numel() == codec.encoded_size(values.numel()) == 4 * 84
     assert codec.problem(records) == ""
     sent = codec.decode(records, values.numel())
     assert sent.shape == values.shape
@@ -46,7 +56,7 @@ def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not
     assert torch.equal(feedback[~kept], values[~kept])
     # 4 bits round 5 times finer
     four = TopK(bits=4)
-    assert four.record == 96 + 32 + 4
+    assert four.record == 64 + 32 + 4
     fine = four.decode(four.encode(values), values.numel())
     assert ((fine - values)[fine != 0].abs().max()) <= values.abs().max() / 15 + 1e-6
     # an all-zero vector: zero scales, zero values; fewer values than a chunk
@@ -61,12 +71,21 @@ def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not
 
 def _with(records: torch.Tensor, codec: TopK, field: str, value: int) -> torch.Tensor:
     bad = records.clone().view(-1, codec.record)
-    index = unpack_indices(bad[:, : 3 * codec.k // 2])
-    if field == "index-high":
-        index[0, 0] = 4095  # 12 bits can say it: beyond a chunk of 1024
-    elif field == "repeat":
+    head = upper_bytes(codec.chunk, codec.k)
+    index, _ = unpack_indices(bad[:, : codec.index_bytes], codec.chunk, codec.k)
+    if field == "repeat":
         index[0, 1] = index[0, 0]  # the second index equals the first
-    bad[:, : 3 * codec.k // 2] = pack_indices(index)
+        bad[:, : codec.index_bytes] = pack_indices(index, codec.chunk)
+    upper = unpack_bits(bad[:, :head])
+    ones = torch.nonzero(upper[0]).flatten()
+    if field == "index-high":  # the last index's high part one beyond the chunk's last
+        upper[0, ones[-1]] = 0
+        upper[0, codec.k + (codec.chunk >> 6) - 1] = 1  # (a chunk of 1024, 16 kept: 6 low bits)
+    elif field == "extra":  # a 17th index
+        upper[0, torch.nonzero(upper[0] == 0).flatten()[0]] = 1
+    elif field == "missing":  # a 15th
+        upper[0, ones[0]] = 0
+    bad[:, :head] = pack_bits(upper)
     if field == "scale":
         bad[0, -4:] = torch.tensor([float("nan")]).view(torch.uint8)
     return bad.view(-1)
@@ -77,6 +96,8 @@ def _with(records: torch.Tensor, codec: TopK, field: str, value: int) -> torch.T
     [
         (lambda r, c: _with(r, c, "index-high", 0), "beyond the chunk"),
         (lambda r, c: _with(r, c, "repeat", 0), "not strictly increasing"),
+        (lambda r, c: _with(r, c, "extra", 0), "other than 16 indices"),
+        (lambda r, c: _with(r, c, "missing", 0), "other than 16 indices"),
         (lambda r, c: _with(r, c, "scale", 0), "scale"),
         (lambda r, c: r[:-1], "whole number"),
         (lambda r, c: r.float(), "dtype"),

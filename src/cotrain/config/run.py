@@ -120,7 +120,7 @@ class RunConfig:
         "dense",
         "diloco: how a round's pseudo-gradients travel: dense (as each peer's --grad-compression says) or "
         "topk (the largest --topk-density of every chunk of 4096 values, in --topk-bits bits, with error "
-        "feedback: 70x fewer bytes than fp16 at the defaults; docs/diloco.md). Swarm-wide.",
+        "feedback: 97x fewer bytes than fp16 at the defaults; docs/diloco.md). Swarm-wide.",
     )
     topk_density: float = opt(
         1 / 64, "topk: the share of each chunk's values a peer sends per round (a multiple of 8 per chunk)."
