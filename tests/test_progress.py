@@ -170,3 +170,27 @@ def until(condition, timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_a_round_every_other_peer_has_gone_past_ends_at_once_without_waiting_for_its_timeout():
+    """DiLoCo's straggler: the others finished its round (their records are at the next one), so its round's
+    group can never form; the round watch cancels the round that still looks for it."""
+    from cotrain.swarm.liveness import RoundWatch
+    from cotrain.swarm.progress import SwarmProgressTracker
+
+    t = object.__new__(SwarmProgressTracker)
+    t.dht, t._gone = SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: b"peer0")), {}
+    t._last_metadata = records((3, 0, 1.0), (4, 8, 1.0), (4, 0, 1.0))  # this peer at 3, the others at 4
+    assert t.passed_by(3) and not t.passed_by(4)
+    t._last_metadata = records((3, 0, 1.0), (4, 8, 1.0), (3, 16, 1.0))  # a third still in round 3
+    assert not t.passed_by(3)
+    t._gone = {b"peer2": 0.0}  # ... but found gone: left out
+    assert t.passed_by(3)
+    t._gone, t._last_metadata = {}, records((3, 0, 1.0))  # alone: nobody went past it
+    assert not t.passed_by(3)
+
+    cancelled = []
+    control = SimpleNamespace(done=lambda: bool(cancelled), cancel=lambda: cancelled.append(True))
+    averager = SimpleNamespace(rounds_looking_for_group=lambda _: [control])
+    watch = RoundWatch([averager], t, None, 1.0, lambda: False, left_behind=lambda: True)
+    assert watch.look() == 1 and cancelled

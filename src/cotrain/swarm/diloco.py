@@ -190,7 +190,12 @@ class DiLoCoOptimizer:
         self.should_stop: Callable[[], bool] = lambda: False
         # a round looking for a group while no other peer answers stops within a matchmaking time
         self.round_watch = RoundWatch(
-            [self.outer_averager], self.tracker, self.dht, self.matchmaking_time, lambda: self.should_stop()
+            [self.outer_averager],
+            self.tracker,
+            self.dht,
+            self.matchmaking_time,
+            lambda: self.should_stop(),
+            left_behind=self._left_behind,
         )
         self.round_watch.start()
         self.attack = Attack.from_env("diloco", announce=False)  # COTRAIN_ATTACK (cotrain.faults)
@@ -323,7 +328,7 @@ class DiLoCoOptimizer:
         when it cannot, (this peer's own change ``own``, None, 1)."""
         deadline = time.monotonic() + self.averaging_timeout
         attempt = 0
-        while self._others() and not self.should_stop():
+        while self._others() and not self.should_stop() and not self._left_behind():
             attempt += 1
             control = self._launch(sent, weight)
             try:
@@ -346,7 +351,13 @@ class DiLoCoOptimizer:
                 )
         if self._others():
             self.rounds_failed += 1
+            if self._left_behind():
+                logger.info(f"Round {self.local_epoch}: the others finished it; this peer's own change")
         return self._alone(own)
+
+    def _left_behind(self) -> bool:
+        """Every other peer has finished this round (liveness.RoundWatch): nobody is left to average with."""
+        return self.tracker.passed_by(self.local_epoch)
 
     def _gather(self) -> dict[str, Any]:
         """What this peer sends its group at matchmaking: its lineage and round (carries_outer_state)."""

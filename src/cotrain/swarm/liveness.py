@@ -15,6 +15,11 @@ looking for a group a matchmaking time (plus ``GRACE``) after its scheduled star
 the watch pings the other peers the progress counts (``forget_gone_peers``); when none is left, every such
 round is cancelled and the peer steps alone (hivemind falls back to its local gradients, and to its own
 parameters). While some peer answers, nothing is cancelled: it may still join.
+
+A round that only its own peers can join (DiLoCo's: the matchmaking key carries the round) also ends when
+``left_behind`` says that every other peer has gone past it: a trainer that reached the end of its round
+after its group had formed would otherwise look for that group until the averaging timeout, and start every
+later round that much behind the others.
 """
 
 from __future__ import annotations
@@ -74,11 +79,12 @@ class RoundWatch(threading.Thread):
         dht: Any,
         matchmaking_time: float,
         should_stop: Callable[[], bool],
+        left_behind: Callable[[], bool] = lambda: False,
     ):
         super().__init__(daemon=True, name="round-watch")
         self.averagers, self.tracker, self.dht = list(averagers), tracker, dht
         self.waited_for = matchmaking_time + GRACE
-        self.should_stop = should_stop
+        self.should_stop, self.left_behind = should_stop, left_behind
         self.cancelled = 0  # rounds cancelled so far
         self._closed = threading.Event()
 
@@ -94,11 +100,16 @@ class RoundWatch(threading.Thread):
         stuck = [c for a in self.averagers for c in a.rounds_looking_for_group(self.waited_for)]
         if not stuck or self.should_stop():
             return 0
+        if self.left_behind():
+            return self._cancel(stuck, "Every other peer has gone past this round")
         forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT)
         # someone answers (client-mode peers counted too), or this tracker cannot tell: it may still join
         if not isinstance(self.tracker, SwarmProgressTracker) or self.tracker.others(clients=True):
             self._closed.wait(PING_TIMEOUT)  # and no ping storm while it does
             return 0
+        return self._cancel(stuck, "No other peer of the swarm answers")
+
+    def _cancel(self, stuck: list[StepControl], why: str) -> int:
         cancelled = 0
         for control in stuck:
             if not control.done():
@@ -107,8 +118,7 @@ class RoundWatch(threading.Thread):
         if cancelled:
             self.cancelled += cancelled
             logger.info(
-                f"No other peer of the swarm answers: {cancelled} averaging round(s) stop looking for a "
-                "group, and this peer steps alone"
+                f"{why}: {cancelled} averaging round(s) stop looking for a group, and this peer steps alone"
             )
         return cancelled
 

@@ -195,6 +195,15 @@ class SwarmProgressTracker(Tracker):
         with self._gone_lock:
             return {peer: t for peer, t in entries.items() if peer != me and peer not in self._gone}
 
+    def passed_by(self, epoch: int) -> bool:
+        """Whether every other peer of the last read (client-mode peers too, those found gone left out) is
+        beyond ``epoch``, at least one of them: nobody is left to average ``epoch``'s round with."""
+        me = self.dht.peer_id.to_bytes()
+        epochs = [
+            e for peer, e in _epochs(self._last_metadata).items() if peer != me and peer not in self._gone
+        ]
+        return bool(epochs) and min(epochs) > epoch
+
     def leave_out(self, peers: dict[bytes, float]) -> None:
         """Stop counting ``peers`` (id -> the time of their record) until their record changes, and count the
         swarm's progress again now."""
@@ -273,6 +282,17 @@ def _entries(metadata: Any, clients: bool = True) -> dict[bytes, float]:
                 continue
             if clients or not value.get("client_mode"):
                 out[peer] = float(value["time"])
+    return out
+
+
+def _epochs(metadata: Any) -> dict[bytes, int]:
+    """Peer id -> the epoch of its progress record, for the well-formed records of a read of the DHT."""
+    out: dict[bytes, int] = {}
+    if isinstance(metadata, dict):
+        for item in metadata.values():
+            value, peer = getattr(item, "value", None), _peer_of(item)
+            if peer is not None and isinstance(value.get("epoch"), int):
+                out[peer] = value["epoch"]
     return out
 
 
