@@ -101,6 +101,24 @@ def test_bad_strategy_settings_are_named(values, message):
     assert any(message in p for p in RunConfig(**values).problems())
 
 
+def test_a_short_run_of_dense_rounds_steps_as_fedavg_unless_told_otherwise():
+    """Fewer than 100 planned rounds (--total-steps / --local-steps): lr 1 without momentum (0.5 with
+    overlap); a long run keeps the paper's Nesterov step; given settings win."""
+    from cotrain import cli
+
+    def outer(*args: str) -> tuple[float, float]:
+        _, config = cli.parse(["train", "--preset", "llama-tiny", "--strategy", "diloco", *args])
+        return config.run.outer_lr, config.run.outer_momentum
+
+    assert outer() == (1.0, 0.0)  # llama-tiny: 1000 inner steps, 50 a round: 20 rounds
+    assert outer("--outer-overlap") == (0.5, 0.0)
+    assert outer("--total-steps", "5000") == (0.7, 0.9)  # 100 rounds
+    assert outer("--local-steps", "10", "--total-steps", "999") == (1.0, 0.0)
+    assert outer("--outer-lr", "0.7", "--outer-momentum", "0.9") == (0.7, 0.9)
+    _, config = cli.parse(["train", "--preset", "llama-tiny"])  # sync: no outer step
+    assert (config.run.outer_lr, config.run.outer_momentum) == (0.7, 0.9)
+
+
 def test_the_api_refuses_a_bad_strategy_before_the_network_starts():
     import cotrain
     from cotrain.errors import UserError

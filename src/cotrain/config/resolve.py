@@ -20,7 +20,7 @@ from cotrain.config.demo import DemoConfig
 from cotrain.config.fields import AUTO, ConfigError, coerce, finite_problems
 from cotrain.config.modelfile import model_config_overrides
 from cotrain.config.peer import PeerConfig, component_of
-from cotrain.config.run import MOVED_TO_PEER, TOPK_OUTER_STEP, RunConfig
+from cotrain.config.run import MOVED_TO_PEER, RunConfig, outer_step_defaults
 
 
 @dataclass
@@ -197,8 +197,8 @@ def resolve(
         _apply(values, file_layer, str(config_file), problems, given)
     _apply(values, overrides, "command line", problems, given)
     values["run"]["preset"] = name
-    if values["run"].get("outer_compression") == "topk":  # sparse rounds' own outer step, unless given
-        values["run"].update({k: v for k, v in TOPK_OUTER_STEP.items() if k not in given})
+    # the outer step that sparse rounds or a short run choose, unless given (cotrain.config.run)
+    values["run"].update({k: v for k, v in outer_step_defaults(values["run"]).items() if k not in given})
     if values["peer"].get("model_config_path") and not problems:
         architecture = model_config_overrides(
             values["peer"]["model_config_path"], values["run"]["model_family"], problems

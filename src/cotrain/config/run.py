@@ -13,6 +13,28 @@ TOPK_BITS = (2, 4, 8)  # bits per value that --outer-compression topk can send
 # the outer step of sparse rounds unless given (SparseLoCo's): error feedback in place of momentum; a live
 # swarm with topk and the dense defaults (lr 0.7, Nesterov 0.9) diverged (docs/diloco.md)
 TOPK_OUTER_STEP = {"outer_lr": 1.0, "outer_momentum": 0.0}
+# dense rounds of a run planned for fewer than SHORT_RUN_ROUNDS outer rounds (--total-steps / --local-steps)
+# step as FedAvg does unless given: the DiLoCo paper's Nesterov step (0.7, 0.9), chosen for runs of hundreds
+# of rounds, keeps pushing along earlier rounds' direction once the inner schedule has decayed, and ended 7%
+# behind synchronous training at 10 rounds (docs/benchmarks.md); with --outer-overlap, lr 0.5 (a gain below
+# 1: a delayed step is stable only then)
+SHORT_RUN_ROUNDS = 100
+SHORT_RUN_OUTER_STEP = {"outer_lr": 1.0, "outer_momentum": 0.0}
+SHORT_RUN_OVERLAP_OUTER_STEP = {"outer_lr": 0.5, "outer_momentum": 0.0}
+
+
+def outer_step_defaults(run: dict) -> dict:
+    """The outer step's settings that the run's other settings choose where not given (``run``: the run
+    config's values): SparseLoCo's for sparse rounds, FedAvg's for a short run of dense rounds, none else."""
+    if run.get("strategy") != "diloco":
+        return {}
+    if run.get("outer_compression") == "topk":
+        return TOPK_OUTER_STEP
+    local_steps, total_steps = run.get("local_steps"), run.get("total_steps")
+    if isinstance(local_steps, int) and isinstance(total_steps, int) and local_steps > 0:
+        if total_steps < SHORT_RUN_ROUNDS * local_steps:
+            return SHORT_RUN_OVERLAP_OUTER_STEP if run.get("outer_overlap") else SHORT_RUN_OUTER_STEP
+    return {}
 
 # settings that were swarm-wide once and are each peer's own now: a [run] table (an older file or preset)
 # may still name them, and they are then read as [peer] settings
@@ -107,9 +129,15 @@ class RunConfig:
         "accumulated local_steps x target_batch_size samples; warmup_steps and total_steps count inner "
         "steps.",
     )
-    outer_lr: float = opt(0.7, "diloco: learning rate of the outer SGD (Nesterov) step (topk: 1 by default).")
+    outer_lr: float = opt(
+        0.7,
+        "diloco: learning rate of the outer SGD (Nesterov) step (topk, or a run of fewer than 100 rounds: 1 "
+        "by default; with --outer-overlap 0.5).",
+    )
     outer_momentum: float = opt(
-        0.9, "diloco: Nesterov momentum of the outer SGD step (topk: 0 by default, error feedback instead)."
+        0.9,
+        "diloco: Nesterov momentum of the outer SGD step (topk, or a run of fewer than 100 rounds, "
+        "--total-steps / --local-steps: 0 by default).",
     )
     outer_overlap: bool = opt(
         False,
