@@ -23,7 +23,14 @@ import torch
 from conftest import REPO, cotrain_env, read_rows, wait_until
 from cotrain.config import RunConfig
 from cotrain.swarm.diloco_state import initialize_state, outer_optimizer_factory, set_schedule
-from cotrain.swarm.lineage import OUTER_STATE_EVERY, carries_outer_state, fresh_lineage, next_lineage
+from cotrain.swarm.lineage import (
+    OUTER_STATE_EVERY,
+    carries_outer_state,
+    fresh_lineage,
+    initial_lineage,
+    next_lineage,
+    periodic_round,
+)
 
 PEER = REPO / "tests" / "diloco_peer.py"
 FP16_TOL = 2e-3  # relative to the pseudo-gradients' scale: what fp16 rounding of the averaged part leaves
@@ -37,9 +44,21 @@ def test_the_outer_state_rides_along_only_where_the_lineages_differ():
     assert one != other
     assert not carries_outer_state([{"lineage": one, "round": 3}, {"lineage": one, "round": 3}])
     assert carries_outer_state([{"lineage": one, "round": 3}, {"lineage": other, "round": 3}])
-    assert carries_outer_state([{"lineage": one, "round": OUTER_STATE_EVERY}] * 2)  # against rounding drift
+    # every 10th round (9, 19, ...) against rounding drift; not the first, which has had none
+    assert carries_outer_state([{"lineage": one, "round": OUTER_STATE_EVERY - 1}] * 2)
+    assert not carries_outer_state([{"lineage": one, "round": 0}] * 2)
+    assert not carries_outer_state([{"lineage": one, "round": OUTER_STATE_EVERY - 1}] * 2, periodic=False)
     assert carries_outer_state([{"lineage": one, "round": 3}, None])  # a member that sent nothing usable
     assert carries_outer_state([{"lineage": one, "round": 3}, {"round": 3}])
+
+
+def test_peers_that_start_from_the_same_weights_start_in_the_same_lineage():
+    weights = [torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), torch.zeros(5)]
+    same = [w.clone() for w in weights]
+    assert initial_lineage(weights) == initial_lineage(same)
+    same[0][1, 2] = torch.nextafter(same[0][1, 2], torch.tensor(1e9))  # one value, one ulp apart
+    assert initial_lineage(weights) != initial_lineage(same)
+    assert initial_lineage([weights[0].reshape(4, 3), weights[1]]) != initial_lineage(weights)  # the shapes
 
 
 def test_the_members_of_a_group_derive_the_same_lineage():
@@ -261,7 +280,7 @@ def check_rounds(members: list[Peer], rounds: list[int]) -> None:
         # the outer state rides along exactly when the members' lineages differ, or every OUTER_STATE_EVERY
         # rounds; peers of one lineage hold the same global parameters, to the rounding of earlier averages
         same_lineage = len({row["lineage_before"] for row in rows}) == 1
-        assert all(row["carried"] == (not same_lineage or r % OUTER_STATE_EVERY == 0) for row in rows), rows
+        assert all(row["carried"] == (not same_lineage or periodic_round(r)) for row in rows), rows
         if same_lineage and r - 1 in bounds:
             apart = spread(rows, "global")
             assert (apart <= bounds[r - 1] + 1e-5).all(), (r, apart, bounds[r - 1])
@@ -333,15 +352,15 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
     trio = joint_rounds([a, b, c])
     assert trio, [p.rows("average") for p in (a, b, c)]
     check_rounds([a, b, c], trio)
-    # a newcomer downloads the state as it joins: once a peer has ended a round (alone too), it serves its
-    # state with its lineage, and the newcomer takes it (its rounds with them then leave the outer state out);
-    # before that, nothing is vouched for: a lineage of its own, and its first round with them carries it
+    # a newcomer downloads the state as it joins: a peer serves its state with its lineage (from its start,
+    # after each round, alone too), and the newcomer takes it (its rounds with them then leave the outer
+    # state out); at round 0, without a download too, all start in the lineage of the same initial weights
     for newcomer, others, first in ((b, [a], pairs[0]), (c, [a, b], trio[0])):
         joined = newcomer.rows("ready")[0]
-        if joined["step"] == 0:
-            assert by_round(newcomer, "average")[first]["carried"], newcomer.rows("average")
-            continue
         held = {r["lineage"] for p in others for r in p.rows("average") if r["round"] == joined["step"] - 1}
+        if joined["step"] == 0:
+            held = {p.rows("ready")[0]["lineage"] for p in others}
+            assert not by_round(newcomer, "average")[first]["carried"] or periodic_round(first)
         assert joined["lineage"] in held, (joined, held)
     # rounds among peers that already averaged together carry the pseudo-gradients alone
     joint = [by_round(b, "average")[r] for r in pairs + trio]

@@ -36,6 +36,7 @@ def outer_step_defaults(run: dict) -> dict:
             return SHORT_RUN_OVERLAP_OUTER_STEP if run.get("outer_overlap") else SHORT_RUN_OUTER_STEP
     return {}
 
+
 # settings that were swarm-wide once and are each peer's own now: a [run] table (an older file or preset)
 # may still name them, and they are then read as [peer] settings
 MOVED_TO_PEER = ("matchmaking_time", "averaging_timeout", "grad_compression")

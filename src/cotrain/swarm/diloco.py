@@ -59,6 +59,7 @@ from cotrain.swarm.keys import progress_key, state_averager_prefix
 from cotrain.swarm.lineage import (
     carries_outer_state,
     fresh_lineage,
+    initial_lineage,
     next_lineage,
     round_averager,
     round_bits,
@@ -173,12 +174,12 @@ class DiLoCoOptimizer:
             **(tracker_opts or {}),
         )
         self._round_began = time.monotonic()
-        self.rounds_averaged = self.rounds_failed = 0
-        self.last_group_size = 1
+        self.rounds_averaged, self.rounds_failed, self.last_group_size = 0, 0, 1
         self.last_round_bytes = 0  # payload sent in its last all-reduce (from the sizes and the compression)
         self.last_carried_state = False  # whether the last averaged round carried the outer state
         self.last_round_partial = False  # whether it ended with a member's contribution or a part missing
-        self.lineage = fresh_lineage()
+        self.lineage = initial_lineage(self.state_averager.global_parameters)  # see cotrain.swarm.lineage
+        self._vouch()
         self.bytes_sent = 0
         self.samples = 0  # samples this peer trained on in the current round
         self.inner_steps_done = 0  # inner steps this peer took since it started
@@ -188,7 +189,6 @@ class DiLoCoOptimizer:
         self._pending_own: list[torch.Tensor] | None = None
         self._start = [p.detach().clone() for p in self.parameters] if overlap else None
         self.should_stop: Callable[[], bool] = lambda: False
-        # a round looking for a group while no other peer answers stops within a matchmaking time
         self.round_watch = RoundWatch(
             [self.outer_averager],
             self.tracker,

@@ -4,11 +4,15 @@ Peers that diverged (a round alone, another group, a fresh download) must step f
 again. Each peer keeps a *lineage*: a digest that all members of a group derive alike from the group's
 members and their previous lineages after averaging together, that a round alone replaces with a fresh random
 one, and that a download takes from its donor where the donor vouches for the state it served (else a fresh
-one: cotrain.swarm.diloco). Peers of the same lineage hold the same global parameters and momentum (up to the
-rounding of the compressed averages), so their all-reduce carries the pseudo-gradients alone; when a group's
-lineages differ, and every ``OUTER_STATE_EVERY`` rounds (against the slow drift of that rounding), the same
-all-reduce also averages the outer state. The choice is made in the all-reduce itself from what the members
-sent at matchmaking (hivemind's gathered data), so all members of a group make the same one.
+one: cotrain.swarm.diloco). A peer starts with the digest of its initial global parameters' exact bytes
+(``initial_lineage``; the outer momentum is zero then): peers that start from the same weights, as a
+preset's seeded initialization gives them, share their first round's lineage. Peers of the same lineage
+hold the same global parameters and momentum (up to the rounding of the compressed averages), so their
+all-reduce carries the pseudo-gradients alone; when a group's lineages differ, and every
+``OUTER_STATE_EVERY``-th round (rounds 9, 19, ...: against the slow drift of that rounding, which the first
+rounds have not had time for), the same all-reduce also averages the outer state. The choice is made in the
+all-reduce itself from what the members sent at matchmaking (hivemind's gathered data), so all members of a
+group make the same one.
 """
 
 from __future__ import annotations
@@ -57,6 +61,22 @@ def fresh_lineage() -> bytes:
     return os.urandom(LINEAGE_BYTES)
 
 
+def initial_lineage(global_parameters: Iterable[torch.Tensor]) -> bytes:
+    """The lineage of a peer before its first outer step: a digest of its global parameters (shapes and exact
+    bytes), so that peers that start from the same weights share it (see the module's doc)."""
+    digest = hashlib.blake2b(digest_size=LINEAGE_BYTES, person=b"cotrain-start")
+    for tensor in global_parameters:
+        flat = tensor.detach().cpu().contiguous()
+        digest.update(f"{tuple(flat.shape)}{flat.dtype}".encode())
+        digest.update(flat.reshape(-1).view(torch.uint8).numpy())
+    return digest.digest()
+
+
+def periodic_round(round_: Any) -> bool:
+    """Whether a dense round carries the outer state whatever the lineages (see the module's doc)."""
+    return not isinstance(round_, int) or round_ % OUTER_STATE_EVERY == OUTER_STATE_EVERY - 1
+
+
 def carries_outer_state(gathered: Iterable[Any], periodic: bool = True) -> bool:
     """Whether a group's all-reduce also averages the outer state: when its members' lineages differ (or one
     is missing), and (``periodic``: rounds whose averages reach each member with its own rounding) at every
@@ -70,7 +90,7 @@ def carries_outer_state(gathered: Iterable[Any], periodic: bool = True) -> bool:
         rounds.add(item.get("round"))
     if len(lineages) != 1:
         return True
-    return periodic and any(not isinstance(r, int) or r % OUTER_STATE_EVERY == 0 for r in rounds)
+    return periodic and any(periodic_round(r) for r in rounds)
 
 
 def round_bits(round_: int) -> str:
