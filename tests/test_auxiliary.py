@@ -106,7 +106,7 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
     common += ["--strategy", strategy]
     if strategy == "diloco":  # sparse rounds: the reducer decodes, averages and re-encodes the records
         common += ["--local-steps", "2", "--outer-compression", "topk"]
-    steps = 4
+    steps = 6 if strategy == "sync" else 4  # sync: a loaded machine may start one trainer two steps late
     first = ["--dataset-path", str(demo_data), "--save-every", "0"]
     first += ["--no-reduce"] if strategy == "sync" else []
     monitor = Role(monitor_args(common, tmp_path / "monitor", *first), tmp_path / "monitor.log")
@@ -154,7 +154,7 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
     together = [{r["step"] for r in rs if r["group_size"] == 2} for rs in rows]
     # clients cannot reduce for each other: every step they averaged together went through the monitor,
     # which counts for no one in the group's size
-    assert len(together[0] & together[1]) >= steps // 2, rows
+    assert len(together[0] & together[1]) >= 2, rows
     assert reduced >= len(together[0] & together[1]), text[-3000:]
     assert all(r["group_size"] <= 2 for rs in rows for r in rs), rows
     for rs in rows:

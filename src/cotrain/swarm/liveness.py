@@ -101,15 +101,15 @@ class RoundWatch(threading.Thread):
         if not stuck or self.should_stop():
             return 0
         if self.left_behind():
-            return self._cancel(stuck, "Every other peer has gone past this round")
+            return self._stop_rounds(stuck, "Every other peer has gone past this round")
         forget_gone_peers(self.tracker, self.dht, PING_TIMEOUT)
         # someone answers (client-mode peers counted too), or this tracker cannot tell: it may still join
         if not isinstance(self.tracker, SwarmProgressTracker) or self.tracker.others(clients=True):
             self._closed.wait(PING_TIMEOUT)  # and no ping storm while it does
             return 0
-        return self._cancel(stuck, "No other peer of the swarm answers")
+        return self._stop_rounds(stuck, "No other peer of the swarm answers")
 
-    def _cancel(self, stuck: list[StepControl], why: str) -> int:
+    def _stop_rounds(self, stuck: list[StepControl], why: str) -> int:
         cancelled = 0
         for control in stuck:
             if not control.done():
