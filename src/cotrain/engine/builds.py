@@ -76,7 +76,7 @@ def diloco_reducer(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.M
     from cotrain.swarm.auxiliary import RoundReducer
     from cotrain.swarm.lineage import round_averager
     from cotrain.swarm.optimizer import gradient_compression, tracker_options
-    from cotrain.swarm.progress import round_pace, tracker_class
+    from cotrain.swarm.progress import tracker_class
     from cotrain.swarm.sparse import codec_of
 
     averager_opts = averager_options(peer)
@@ -103,7 +103,6 @@ def diloco_reducer(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.M
         client_mode=False,
         status_loglevel=logging.INFO if peer.verbose else logging.DEBUG,
         follows_clients=True,
-        pace=round_pace(peer.matchmaking_time),
         start=True,
         **tracker_options(peer.matchmaking_time, tracker_settings(peer)),
     )
