@@ -555,9 +555,10 @@ def say(**msg) -> None:
     print(TAG + json.dumps(msg), flush=True)
 
 
-def simulated_peer(run, peer, model, connection):
-    """A ``cotrain.SwarmPeer`` of a peer process around ``model``, with the preset's optimizer and schedule,
-    joined through ``connection``; its compute is the benchmark's to simulate (``fixed_gradients``)."""
+def simulated_peer(run, peer, model, connection, optimizer=None):
+    """A ``cotrain.SwarmPeer`` of a peer process around ``model``, with the preset's optimizer (or
+    ``optimizer``: params -> optimizer) and schedule, joined through ``connection``; its compute is the
+    benchmark's to simulate (``fixed_gradients``)."""
     from cotrain.engine import SwarmPeer
     from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
@@ -566,10 +567,25 @@ def simulated_peer(run, peer, model, connection):
         config=(run, peer),
         connection=connection,
         params=parameter_groups(model, run.weight_decay),
-        optimizer=optimizer_factory(run),
+        optimizer=optimizer or optimizer_factory(run),
         scheduler=scheduler_factory(run),
         batch_size_per_step=peer.per_device_train_batch_size * peer.gradient_accumulation_steps,
     )
+
+
+def plain_model(parameters: int, block: int = 1 << 20):
+    """A simulated model of ``parameters`` parameters, in plain blocks of ``block`` values (the last one
+    shorter), the same on every peer (seeded, as a preset's initialization is): what a round moves, encodes
+    and averages is a model of that size; it has no forward pass (the compute is simulated)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Module()
+    sizes = [min(block, parameters - start) for start in range(0, parameters, block)]
+    model.blocks = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(n, generator=gen) * 0.02) for n in sizes
+    )
+    return model
 
 
 def fixed_gradients(model, seed: int) -> None:

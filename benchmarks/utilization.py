@@ -33,6 +33,12 @@ It is measured per peer from the moment it reaches global step ``--warmup-steps`
 - diloco-overlap: the same with ``--outer-overlap``: the all-reduce runs during the next round;
 - diloco-topk, diloco-topk-overlap: the same two with ``--outer-compression topk`` (sparse rounds).
 
+``--model-params N`` puts a simulated model of N parameters (plain blocks of 1M values, seeded alike on every
+peer: ``_netns.plain_model``) in place of ALBERT-large, with a plain SGD inner step, for the DiLoCo modes: a
+round's traffic, encoding, averaging and outer step are those of a model of that size, while the host's work
+per inner step stays what a GPU peer leaves its CPU (an inner LAMB step over N parameters on this machine's
+CPU would stand for work a GPU does in milliseconds).
+
 For DiLoCo the global step is the outer round: the window is ``--warmup-rounds`` rounds, then as many rounds
 as hold at least the samples of the synchronous window (``--steps x --target-batch-size``), unless
 ``--rounds`` is given. After its first ``opt.step`` call (in the warm-up) a peer waits until it sees all the
@@ -40,7 +46,7 @@ others' progress, so that with a small target batch the first peer does not take
 stopped once all have reached the window's end.
 
     python benchmarks/utilization.py [--rate 100] [--target-batch-size 4096] [--steps 3] [--local-steps 50]
-        [--modes sync delayed diloco diloco-overlap] [--quick]
+        [--modes sync delayed diloco diloco-overlap] [--quick] [--model-params N]
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _netns  # noqa: E402
-from _netns import CpuSampler, Peers, fixed_gradients, say, simulated_peer  # noqa: E402
+from _netns import CpuSampler, Peers, fixed_gradients, plain_model, say, simulated_peer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL = 0.90
@@ -139,11 +145,15 @@ def peer_main(args: argparse.Namespace) -> None:
     run, peer = config.run, config.peer
     connection = SwarmConnection(run.run_id, peer, role="monitor" if args.aux else "trainer")
     say(maddrs=connection.maddrs())
-    model = build_model(run, vocab_size=30000)
+    if args.model_params:  # a simulated model of that size, with a plain SGD inner step (module's doc)
+        model = plain_model(args.model_params)
+        inner = lambda params: torch.optim.SGD(params, lr=1e-3)  # noqa: E731
+    else:
+        model, inner = build_model(run, vocab_size=30000), None
     if args.aux:
         return reducer_main(args, connection, run, peer, model)
     samples = peer.per_device_train_batch_size * peer.gradient_accumulation_steps
-    swarm = simulated_peer(run, peer, model, connection)
+    swarm = simulated_peer(run, peer, model, connection, optimizer=inner)
     fixed_gradients(model, args.index)
     on_device = [0.0]  # seconds inside opt.step on work a GPU peer does on its GPU (see the module's doc)
     opt = swarm.strategy.opt
@@ -233,7 +243,8 @@ def worker_argv(mode: str, args, stop_at: int, target_batch_size: int) -> list[s
         "--matchmaking-time", str(args.matchmaking_time),
         "--micro-batch", str(args.micro_batch), "--accumulation", str(args.accumulation),
         "--step-time", str(args.step_time), "--stop-at", str(stop_at), "--peer-limit", str(args.limit),
-        "--expect-peers", str(args.peers), *(["--keep-logs"] if args.keep_logs else []),
+        "--expect-peers", str(args.peers), "--model-params", str(args.model_params),
+        *(["--keep-logs"] if args.keep_logs else []),
     ]  # fmt: skip
 
 
@@ -369,7 +380,7 @@ def print_table(rows: list[dict], args) -> None:
     compute = args.target_batch_size / (args.peers * args.micro_batch) * args.step_time
     print()
     print(
-        f"{args.peers} peers, {args.rate:g} Mbit/s links, ALBERT-large (17.8M parameters), target batch "
+        f"{args.peers} peers, {args.rate:g} Mbit/s links, {model_name(args)}, target batch "
         f"{args.target_batch_size}, micro-batch {args.micro_batch} x {args.accumulation} accumulated, "
         f"simulated compute {args.step_time:.3f} s per micro-batch ({compute:.1f} s per global step); "
         f"diloco: H = {args.local_steps} inner steps of {args.inner_batch} samples (swarm) per round; "
@@ -398,6 +409,12 @@ def print_table(rows: list[dict], args) -> None:
             print(f"Goal: >= {goal:.0%} with {mode}: {'met' if u >= goal else 'NOT met'} ({u:.1%})")
     summary = {"rate_mbit": args.rate, "peers": args.peers, "local_steps": args.local_steps, "rows": rows}
     print(json.dumps(summary))
+
+
+def model_name(args) -> str:
+    if args.model_params:
+        return f"a simulated model of {args.model_params / 1e6:.0f}M parameters (SGD inner steps)"
+    return "ALBERT-large (17.8M parameters)"
 
 
 def main() -> None:
@@ -435,6 +452,13 @@ def main() -> None:
     )
     ap.add_argument("--limit", type=float, default=1500.0, help="stop everything after this many seconds")
     ap.add_argument("--keep-logs", action="store_true", help="keep the peers' logs (cotrain's info lines)")
+    ap.add_argument(
+        "--model-params",
+        type=int,
+        default=0,
+        help="a simulated model of this many parameters in plain blocks, with SGD inner steps, in place of "
+        "ALBERT-large (for the DiLoCo modes: sync's LAMB state averaging needs the real model)",
+    )
     ap.add_argument("--quick", action="store_true", help="target batch 1024, 2 timed steps, H = 10")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="sync", help=argparse.SUPPRESS)
@@ -454,7 +478,8 @@ def main() -> None:
     if not args.averaging_timeout and not args.peer:
         # the largest all-reduce: a DiLoCo round that carries the outer state (the first) averages 3 fp16
         # vectors (change, global parameters, momentum)
-        bound = _netns.allreduce_bound_s(args.peers, 3 * 2 * ALBERT_LARGE_PARAMS, args.rate * 1e6)
+        params = args.model_params or ALBERT_LARGE_PARAMS
+        bound = _netns.allreduce_bound_s(args.peers, 3 * 2 * params, args.rate * 1e6)
         args.averaging_timeout = float(max(60, math.ceil(3 * bound)))
     if args.peer:
         return peer_main(args)

@@ -25,6 +25,7 @@ from cotrain.config import RunConfig
 from cotrain.swarm.diloco_state import initialize_state, outer_optimizer_factory, set_schedule
 from cotrain.swarm.lineage import (
     OUTER_STATE_EVERY,
+    Voucher,
     carries_outer_state,
     fresh_lineage,
     initial_lineage,
@@ -454,15 +455,18 @@ def test_a_served_state_carries_the_lineage_its_holder_vouched_for_and_no_other(
     opt.state_averager = SimpleNamespace(
         lock_averaged_tensors=threading.Lock(), global_parameters=params, local_epoch=3
     )
-    opt.parameters, opt.overlap, opt.lineage, opt._vouched = params, False, fresh_lineage(), None
-    assert opt._served_lineage(3, params) is None  # nothing vouched for yet
+    opt.parameters, opt.overlap, opt.lineage, opt.voucher = params, False, fresh_lineage(), Voucher(2)
+    assert opt.voucher.served(3, params) is None  # nothing vouched for yet
     opt._vouch()
     served = [p.clone() for p in params]
-    assert opt._served_lineage(3, served) == opt.lineage
-    assert opt._served_lineage(3, [*served, torch.zeros(3)]) == opt.lineage  # the optimizer's tensors follow
-    assert opt._served_lineage(2, served) is None and opt._served_lineage(3, served[:1]) is None
-    params[0].add_(1.0)  # written from outside since
-    assert opt._served_lineage(3, [p.clone() for p in params]) is None
-    opt.overlap = True
+    assert opt.voucher.served(3, served) == opt.lineage
+    assert opt.voucher.served(3, [*served, torch.zeros(3)]) == opt.lineage  # the optimizer's tensors follow
+    assert opt.voucher.served(2, served) is None and opt.voucher.served(3, served[:1]) is None
+    opt.voucher.withdraw()  # an outer step under way
+    assert opt.voucher.served(3, served) is None
     opt._vouch()
-    assert opt._served_lineage(3, [p.clone() for p in params]) is None
+    params[0].add_(1.0)  # written from outside since
+    assert opt.voucher.served(3, [p.clone() for p in params]) is None
+    opt.overlap, opt.voucher, opt.state_averager.global_parameters = True, Voucher(2), served
+    opt._vouch()  # with overlap it vouches for nothing
+    assert opt.voucher.served(3, served) is None

@@ -183,16 +183,70 @@ def test_a_round_every_other_peer_has_gone_past_ends_at_once_without_waiting_for
     t = object.__new__(SwarmProgressTracker)
     t.dht, t._gone = SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: b"peer0")), {}
     t._last_metadata = records((3, 0, 1.0), (4, 8, 1.0), (4, 0, 1.0))  # this peer at 3, the others at 4
-    assert t.passed_by(3) and not t.passed_by(4)
+    assert t.passed_by(3) and not t.passed_by(4) and t.others_at() == 4
     t._last_metadata = records((3, 0, 1.0), (4, 8, 1.0), (3, 16, 1.0))  # a third still in round 3
-    assert not t.passed_by(3)
+    assert not t.passed_by(3) and t.others_at() == 3
     t._gone = {b"peer2": 0.0}  # ... but found gone: left out
     assert t.passed_by(3)
     t._gone, t._last_metadata = {}, records((3, 0, 1.0))  # alone: nobody went past it
-    assert not t.passed_by(3)
+    assert not t.passed_by(3) and t.others_at() is None
 
     cancelled = []
     control = SimpleNamespace(done=lambda: bool(cancelled), cancel=lambda: cancelled.append(True))
     averager = SimpleNamespace(rounds_looking_for_group=lambda _: [control])
     watch = RoundWatch([averager], t, None, 1.0, lambda: False, left_behind=lambda: True)
     assert watch.look() == 1 and cancelled
+
+
+def test_a_peer_the_others_left_behind_joins_their_round_with_the_steps_it_took():
+    """A DiLoCo round this peer ended alone while the others went on (it joined as their round ended): once it
+    has read the swarm since, it moves to the others' round at once, keeping this round's samples and inner
+    steps, instead of staying a round behind them for good (hivemind's swarm epoch leaves client-mode peers
+    out, so a swarm of clients never says so)."""
+    import contextlib
+    import threading
+
+    import torch
+
+    from cotrain.swarm.diloco import DiLoCoOptimizer
+
+    calls: list = []
+    ahead = [5]
+    tracker = SimpleNamespace(
+        fetched_global_progress_this_epoch=threading.Event(),
+        others_at=lambda: ahead[0],
+        pause_updates=contextlib.nullcontext,
+        update_epoch=lambda new_epoch: calls.append(("epoch", new_epoch)),
+        report_local_progress=lambda epoch, samples: calls.append(("report", epoch, samples)),
+        fetch_now=lambda: calls.append("fetch"),
+    )
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 1.0 / (1 + step))
+    opt = DiLoCoOptimizer.__new__(DiLoCoOptimizer)
+    opt.tracker, opt.client_mode, opt.local_steps = tracker, False, 2
+    opt.state_averager = SimpleNamespace(
+        local_epoch=3,
+        inner_steps=6,
+        lock_inner=threading.Lock(),
+        inner_scheduler=schedule,
+        state_sharing_priority=3,
+    )
+    opt.samples, opt.inner_steps_this_round, opt._rejoining = 8, 1, False
+    opt._rejoin()  # its last round was not alone
+    opt._rejoining = True
+    opt._rejoin()  # not read since
+    assert opt.local_epoch == 3 and not calls and opt._rejoining
+    tracker.fetched_global_progress_this_epoch.set()
+    opt._rejoin()
+    assert opt.local_epoch == 5 and opt.state_averager.state_sharing_priority == 5 and not opt._rejoining
+    assert (
+        opt.inner_steps == 11 and schedule.last_epoch == 11
+    )  # 5 rounds of 2 inner steps, and the one it took
+    assert calls == [("epoch", 5), ("report", 5, 8), "fetch"]  # its samples count in the round it joins
+    calls.clear()
+    opt._rejoining = True
+    opt._rejoin()  # the others are not ahead of it: it stays
+    ahead[0] = None
+    opt._rejoining = True
+    opt._rejoin()  # nobody else: it stays
+    assert opt.local_epoch == 5 and not calls

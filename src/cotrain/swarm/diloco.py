@@ -17,8 +17,10 @@ applied one round late, at the end of the next round, and the peer then continue
 parameters plus its own change since (so its work is never thrown away, and compute never waits).
 
 A round whose all-reduce fails (a peer of the group died, the network broke) is retried with whoever is
-left until ``averaging_timeout``; then the peer applies its own change alone. Client-mode peers take part:
-hivemind's all-reduce sends their parts to the full peers, which reduce them.
+left until ``averaging_timeout``; then the peer applies its own change alone. A peer that the others left a
+round behind (it joined as their round ended) joins theirs when it reads the swarm next, with the steps it
+took in its own (``_rejoin``). Client-mode peers take part: hivemind's all-reduce sends their parts to the
+full peers, which reduce them.
 
 The state a newcomer (or the monitor) downloads is the global parameters, the outer optimizer's momentum,
 the round number, and the serving peer's inner optimizer state and inner step (cotrain.swarm.diloco_state).
@@ -53,10 +55,10 @@ from cotrain.swarm.diloco_state import (
     outer_optimizer_factory,
     set_schedule,
 )
-from cotrain.swarm.fingerprint import sampled_values
 from cotrain.swarm.internals.hooks import apply_optimizer_parameters
 from cotrain.swarm.keys import progress_key, state_averager_prefix
 from cotrain.swarm.lineage import (
+    Voucher,
     carries_outer_state,
     fresh_lineage,
     initial_lineage,
@@ -65,7 +67,7 @@ from cotrain.swarm.lineage import (
     round_bits,
 )
 from cotrain.swarm.liveness import RoundWatch, cancel_controls
-from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION
+from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION, load_state_bounded
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, round_pace, tracker_class
 from cotrain.swarm.sparse import Raw, TopK
 
@@ -113,10 +115,8 @@ class DiLoCoOptimizer:
         self.load_state_timeout, self.batch_size_per_step = load_state_timeout, batch_size_per_step
         self.compression, self.codec = compression, codec
         params = list(params)
-        if params and isinstance(params[0], dict):
-            groups = [dict(g, params=list(g["params"])) for g in params]
-        else:
-            groups = [{"params": params}]
+        dicts = bool(params) and isinstance(params[0], dict)
+        groups = [dict(g, params=list(g["params"])) for g in params] if dicts else [{"params": params}]
         self.parameters = [p for g in groups for p in g["params"]]
         loglevel = logging.INFO if verbose else logging.DEBUG
         inner = inner_optimizer([dict(g) for g in groups])
@@ -142,8 +142,8 @@ class DiLoCoOptimizer:
             start=True,
         )
         self.state_averager.on_loaded = self._after_download
-        self._vouched: tuple[int, bytes, torch.Tensor] | None = None  # see _vouch
-        self.state_averager.served_lineage = self._served_lineage
+        self.voucher = Voucher(len(self.parameters))
+        self.state_averager.served_lineage = self.voucher.served
         self.numel = sum(p.numel() for p in self.parameters)
         self.outer_averager = round_averager(
             self.parameters,
@@ -180,13 +180,12 @@ class DiLoCoOptimizer:
         self.last_round_partial = False  # whether it ended with a member's contribution or a part missing
         self.lineage = initial_lineage(self.state_averager.global_parameters)  # see cotrain.swarm.lineage
         self._vouch()
-        self.bytes_sent = 0
-        self.samples = 0  # samples this peer trained on in the current round
-        self.inner_steps_done = 0  # inner steps this peer took since it started
-        self.inner_steps_this_round = 0
+        self.bytes_sent, self.samples = 0, 0  # samples: those this peer trained on in the current round
+        self.inner_steps_done = self.inner_steps_this_round = 0  # this peer's, since it started; this round
         self._scheduled: Any = None  # matchmaking started ahead of the round's end
         self._pending: Any = None  # overlap: the previous round's all-reduce, with this peer's own change
         self._pending_own: list[torch.Tensor] | None = None
+        self._rejoining = False  # see _rejoin
         self._start = [p.detach().clone() for p in self.parameters] if overlap else None
         self.should_stop: Callable[[], bool] = lambda: False
         self.round_watch = RoundWatch(
@@ -230,6 +229,7 @@ class DiLoCoOptimizer:
             logger.info(f"The swarm is at round {self.tracker.global_epoch}: loading its state")
             self.load_state_from_peers()
             return
+        self._rejoin()
         with self.state_averager.lock_inner:
             self.inner_optimizer.step()
             # the schedule follows the swarm: local_steps per round (a peer faster than the swarm's average
@@ -253,6 +253,26 @@ class DiLoCoOptimizer:
 
     def _others(self) -> bool:
         return self.tracker.global_progress.num_peers > 1
+
+    def _rejoin(self) -> None:
+        """After a round ended alone while others were there, once the swarm was read since: a swarm ahead is
+        joined at once (else this peer could stay a round behind, see the module's doc)."""
+        if not self._rejoining or not self.tracker.fetched_global_progress_this_epoch.is_set():
+            return
+        self._rejoining, sa, epoch = False, self.state_averager, self.tracker.others_at()
+        if epoch is None or epoch <= self.local_epoch:  # every other peer (clients too) is not ahead of it
+            return
+        logger.info(f"The swarm is at round {epoch}: this peer joins it there")
+        with self.tracker.pause_updates():
+            sa.local_epoch = epoch
+            with sa.lock_inner:
+                sa.inner_steps = epoch * self.local_steps + min(self.inner_steps_this_round, self.local_steps)
+                set_schedule(self.inner_scheduler, sa.inner_steps)
+            self.tracker.update_epoch(new_epoch=epoch)
+        self.tracker.report_local_progress(epoch, self.samples)
+        self.tracker.fetch_now()  # the round's progress so far, to meet the others at its end
+        if not self.client_mode:
+            sa.state_sharing_priority = epoch
 
     def _maybe_schedule_round(self) -> None:
         """Start matchmaking ahead of the round's end (as hivemind.Optimizer does for gradients), so the
@@ -286,6 +306,7 @@ class DiLoCoOptimizer:
                 averaged, base, self.last_group_size = self._average(own, sent, self.samples)
                 self._outer_step(averaged, base)
                 apply_optimizer_parameters(self.state_averager)  # the peer trains from the new global
+            self._rejoining = self.last_group_size == 1 and self._others()
             self._next_round()
             self._vouch()
 
@@ -314,8 +335,9 @@ class DiLoCoOptimizer:
         return [t.view(p.shape) for t, p in zip(flat.split(sizes), self.parameters, strict=True)]
 
     def _alone(self, own: list[torch.Tensor]) -> tuple[list[torch.Tensor], None, int]:
-        """A round this peer applies alone: its own change (with a codec: its whole feedback is in it)."""
+        """A round alone: this peer's own change (a codec's whole feedback in it); its matchmaking ends."""
         self.lineage = fresh_lineage()
+        self.cancel_rounds()
         if self.codec is not None:
             self.feedback.zero_()
         return own, None, 1
@@ -409,9 +431,8 @@ class DiLoCoOptimizer:
         return control
 
     def _match_this_round(self) -> None:
-        """Look for a group among the peers at this round only: the matchmaking key carries the round (its
-        low bits), so a peer that missed its round's group never averages this round's change into the next
-        round's. (Set before every matchmaking: hivemind moves the bits after each group it assembles.)"""
+        """Look for a group at this round only (the key's low bits: a change never goes into another round's
+        average). Set before every matchmaking: hivemind moves the bits after each group it assembles."""
         self.outer_averager.set_group_bits(round_bits(self.local_epoch))
 
     def _outer_state(self) -> list[torch.Tensor]:
@@ -423,8 +444,7 @@ class DiLoCoOptimizer:
         return [*glob, *(torch.zeros_like(p) if b is None else b for b, p in zip(buffers, glob, strict=True))]
 
     def _carried_state(self) -> list[torch.Tensor]:
-        """What a round that carries the outer state averages of it: the global parameters, then the momentum
-        buffers where there is momentum (``_outer_state``; at outer momentum 0, the parameters alone)."""
+        """What a round that carries the outer state averages: ``_outer_state``, without momentum at 0."""
         state = self._outer_state()
         return state if self.momentum else state[: len(self.parameters)]
 
@@ -432,9 +452,8 @@ class DiLoCoOptimizer:
         """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
         self.rounds_averaged += 1
         per_value = {"Float16Compression": 2, "NoCompression": 4}.get(type(self.compression).__name__, 1)
-        # butterfly all-reduce of the changes (per_value bytes each; with a codec, its records) and, when
-        # carried, the outer state (global parameters and momentum, state_bytes each): a peer sends (n-1)/n of
-        # its vector, and the averages of its part to the n-1 others
+        # butterfly all-reduce of the changes (or the codec records) and the outer state when carried: a peer
+        # sends (n-1)/n of its vector, and the averages of its part to the n-1 others
         changes = self.numel * per_value if self.codec is None else self.codec.encoded_size(self.numel)
         vector = changes + (self.numel * (1 + self.momentum) * self.state_bytes if full else 0)
         sent = int(2 * vector * (size - 1) / size) if size > 1 else 0
@@ -448,7 +467,7 @@ class DiLoCoOptimizer:
         global parameters and momentum) when given."""
         sa = self.state_averager
         with sa.lock_averaged_tensors:
-            self._vouched = None  # until _vouch: a state served meanwhile goes without a lineage
+            self.voucher.withdraw()  # until _vouch: a state served meanwhile goes without a lineage
             if base is not None:
                 for mine, value in zip(self._carried_state(), base, strict=True):
                     mine.copy_(value)
@@ -521,34 +540,15 @@ class DiLoCoOptimizer:
 
     def _vouch(self) -> None:
         """Vouch for the global parameters as they are now (after a round's outer step, a download or a
-        resume): a newcomer that downloads them in this round takes this peer's lineage too, so that its
-        first round with the group need not carry the outer state. Kept with their sampled values
-        (cotrain.swarm.fingerprint): a served state whose values differ (an outside write since) is served
-        without a lineage. Not with overlap, where the global parameters and the lineage a round sends are
-        a round apart."""
-        if self.overlap:
-            return
-        sa = self.state_averager
-        with sa.lock_averaged_tensors:
-            samples = sampled_values(sa.global_parameters, self.local_epoch)
-            self._vouched = (self.local_epoch, self.lineage, samples)
-
-    def _served_lineage(self, epoch: Any, tensors: list[torch.Tensor]) -> bytes | None:
-        """The lineage to serve with a state of round ``epoch`` whose first tensors are the global parameters
-        ``tensors`` (the caller holds the state's lock): the one vouched for, where the round and the sampled
-        values are the same."""
-        vouched = self._vouched
-        if vouched is None or vouched[0] != epoch or len(tensors) < len(self.parameters):
-            return None
-        if not torch.equal(sampled_values(tensors[: len(self.parameters)], epoch), vouched[2]):
-            return None
-        return vouched[1]
+        resume: lineage.Voucher). Not with overlap, where the global parameters and the lineage a round sends
+        are a round apart."""
+        if not self.overlap:
+            with self.state_averager.lock_averaged_tensors:
+                self.voucher.vouch(self.local_epoch, self.lineage, self.state_averager.global_parameters)
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         """Download the swarm's state, bounded by load_state_timeout (cotrain.swarm.optimizer)."""
-        from cotrain.swarm.optimizer import load_state_bounded
-
-        self._vouched = None
+        self.voucher.withdraw()
         self.cancel_rounds()
         load_state_bounded(self, self.load_state_timeout, self.should_stop)
 

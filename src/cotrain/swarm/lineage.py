@@ -42,6 +42,7 @@ from hivemind.compression import (
 from hivemind.utils.asyncio import enter_asynchronously
 
 from cotrain.swarm.aggregation import Aggregation, Mean
+from cotrain.swarm.fingerprint import sampled_values
 from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.keys import outer_averager_prefix
 from cotrain.swarm.liveness import WatchedRounds
@@ -252,3 +253,33 @@ def round_averager(
     averager.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
     averager.momentum = momentum
     return averager
+
+
+class Voucher:
+    """The lineage a DiLoCo peer serves with its state. The peer vouches for its global parameters as they are
+    after a round's outer step, a download or a resume: a newcomer that downloads them in that round takes
+    the peer's lineage too, so that its first round with the group need not carry the outer state. Kept with
+    their sampled values (cotrain.swarm.fingerprint): a served state whose values differ (an outside write
+    since) is served without a lineage, as is one of another round."""
+
+    def __init__(self, parameters: int) -> None:
+        self.parameters = parameters  # how many global parameters lead a served state's tensors
+        self.vouched: tuple[int, bytes, torch.Tensor] | None = None
+
+    def vouch(self, epoch: int, lineage: bytes, global_parameters: Sequence[torch.Tensor]) -> None:
+        """Vouch for ``global_parameters`` at round ``epoch`` (the caller holds the state's lock)."""
+        self.vouched = (epoch, lineage, sampled_values(global_parameters, epoch))
+
+    def withdraw(self) -> None:
+        self.vouched = None
+
+    def served(self, epoch: Any, tensors: list[torch.Tensor]) -> bytes | None:
+        """The lineage to serve with a state of round ``epoch`` whose first tensors are the global parameters
+        (the caller holds the state's lock): the one vouched for, where the round and the values are the
+        same."""
+        vouched = self.vouched
+        if vouched is None or vouched[0] != epoch or len(tensors) < self.parameters:
+            return None
+        if not torch.equal(sampled_values(tensors[: self.parameters], epoch), vouched[2]):
+            return None
+        return vouched[1]

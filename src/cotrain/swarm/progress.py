@@ -195,14 +195,25 @@ class SwarmProgressTracker(Tracker):
         with self._gone_lock:
             return {peer: t for peer, t in entries.items() if peer != me and peer not in self._gone}
 
-    def passed_by(self, epoch: int) -> bool:
-        """Whether every other peer of the last read (client-mode peers too, those found gone left out) is
-        beyond ``epoch``, at least one of them: nobody is left to average ``epoch``'s round with."""
+    def fetch_now(self) -> None:
+        """Read the swarm's progress at once, not at the time hivemind planned from the previous round's."""
+        self.global_progress.next_fetch_time = get_dht_time()
+        self.global_state_updated.set()
+
+    def others_at(self) -> int | None:
+        """The lowest epoch of the other peers of the last read, client-mode peers too (hivemind's swarm epoch
+        leaves them out), those found gone left out; None when there are none."""
         me = self.dht.peer_id.to_bytes()
         epochs = [
             e for peer, e in _epochs(self._last_metadata).items() if peer != me and peer not in self._gone
         ]
-        return bool(epochs) and min(epochs) > epoch
+        return min(epochs, default=None)
+
+    def passed_by(self, epoch: int) -> bool:
+        """Whether every other peer of the last read (``others_at``) is beyond ``epoch``, one at least: nobody
+        is left to average ``epoch``'s round with."""
+        lowest = self.others_at()
+        return lowest is not None and lowest > epoch
 
     def leave_out(self, peers: dict[bytes, float]) -> None:
         """Stop counting ``peers`` (id -> the time of their record) until their record changes, and count the
