@@ -15,10 +15,11 @@ batch 4: DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md, "Pre-tra
 16G"); ALBERT-large has BERT-large's 24 layers of width 1024, so the same compute per token.
 
 Utilization is the fraction of a peer's wall time spent on work a GPU peer does on its GPU: the simulated
-forward/backward passes, and inside ``opt.step`` the work on the device's tensors (adding the gradients to
-hivemind's accumulators in sync and delayed modes; DiLoCo's inner optimizer step, whose parameters and
-statistics live on the device). Everything else in ``opt.step`` (waiting for averaging, sync's LAMB step on
-its host-memory copy, which a GPU peer also runs on the CPU) is not. The sleep alone is reported beside it.
+forward/backward passes, and inside ``opt.step`` the work on the device's tensors (the gradients' norm and
+clipping; adding the gradients to hivemind's accumulators in sync and delayed modes; DiLoCo's inner optimizer
+step, whose parameters and statistics live on the device). Everything else in ``opt.step`` (waiting for
+averaging, sync's LAMB step on its host-memory copy, which a GPU peer also runs on the CPU, and a DiLoCo
+round's encoding, decoding and outer step on the host) is not. The sleep alone is reported beside it.
 It is measured per peer from the moment it reaches global step ``--warmup-steps`` to the moment it reaches
 ``--warmup-steps + --steps``, averaged over the peers. Modes, run one after the other on the same links:
 
@@ -111,6 +112,7 @@ def timed(fn, total: list[float]):
 def peer_main(args: argparse.Namespace) -> None:
     import torch
 
+    import cotrain.engine.peer as engine_peer
     from cotrain.config import resolve
     from cotrain.engine import SwarmConnection
     from cotrain.models import build_model
@@ -157,6 +159,8 @@ def peer_main(args: argparse.Namespace) -> None:
     fixed_gradients(model, args.index)
     on_device = [0.0]  # seconds inside opt.step on work a GPU peer does on its GPU (see the module's doc)
     opt = swarm.strategy.opt
+    # the gradients' norm and clipping at every call: a GPU peer computes them on its GPU
+    engine_peer.gradient_norm = timed(engine_peer.gradient_norm, on_device)
     if swarm.strategy.name == "diloco":
         opt.inner_optimizer.step = timed(opt.inner_optimizer.step, on_device)
     else:

@@ -30,7 +30,7 @@ from test_diloco import by_round, joint_rounds
 
 def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not_sent():
     codec = TopK()
-    # Elias-Fano indices: 16 bytes of high parts in unary, 64 x 6 low bits; 16 bytes of codes; the scale
+    # Elias-Fano indices: 16 bytes of high parts in unary, 64 x 6 low bits; 16 bytes of codes; 2 levels
     assert (codec.k, codec.index_bytes, codec.record) == (64, 64, 84) and 2 * CHUNK / codec.record > 97
     values = torch.randn(3 * CHUNK + 100, generator=torch.Generator().manual_seed(0))
     records = codec.encode(values)
@@ -41,29 +41,37 @@ def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not
     # k values per chunk (the last chunk is padded with zeros: its k include none of the padding's)
     chunks = torch.nn.functional.pad(sent, (0, 4 * CHUNK - sent.numel())).view(4, CHUNK)
     assert ((chunks != 0).sum(1) == codec.k).all()
-    # the kept values are each chunk's largest, within the 2-bit rounding (a third of the chunk's scale)
+    # the kept values are each chunk's largest, each sent as the nearest of its chunk's two levels, its sign
+    # kept: the means of the kept magnitudes below and above their midpoint (bfloat16)
     kept = sent != 0
     for row, original in zip(
         chunks, torch.nn.functional.pad(values, (0, 4 * CHUNK - values.numel())).view(4, CHUNK), strict=True
     ):
         top = original.abs().topk(codec.k).indices
         assert set(top.tolist()) == set(torch.nonzero(row).flatten().tolist())
-        scale = original.abs().max()
-        assert ((row[top] - original[top]).abs() <= scale / 3 + 1e-6).all()
+        magnitudes = original[top].abs()
+        upper = magnitudes > (magnitudes.min() + magnitudes.max()) / 2
+        levels = torch.stack([magnitudes[~upper].mean(), magnitudes[upper].mean()])
+        levels = levels.to(torch.bfloat16).float()
+        nearest = levels[(magnitudes[:, None] - levels).abs().argmin(dim=1)]
+        assert torch.equal(row[top], torch.where(original[top] < 0, -nearest, nearest))
+    # levels where the kept magnitudes lie: a heavy-tailed chunk's values are sent within a quarter of their
+    # norm at 2 bits, where levels spread evenly up to its largest magnitude would be 86% off
+    heavy = torch.distributions.StudentT(3.0).sample((64 * CHUNK,))
+    for bits, bound in ((2, 0.3), (4, 0.1), (8, 0.01)):
+        coarse = TopK(bits=bits)
+        got = coarse.decode(coarse.encode(heavy), heavy.numel())
+        assert (got - heavy)[got != 0].norm() <= bound * heavy[got != 0].norm(), bits
     # error feedback: what stays behind is exactly the rest (sent + kept back = the whole)
     feedback = values - sent
     assert torch.equal(sent + feedback, values)
     assert torch.equal(feedback[~kept], values[~kept])
-    # 4 bits round 5 times finer
-    four = TopK(bits=4)
-    assert four.record == 64 + 32 + 4
-    fine = four.decode(four.encode(values), values.numel())
-    assert ((fine - values)[fine != 0].abs().max()) <= values.abs().max() / 15 + 1e-6
-    # an all-zero vector: zero scales, zero values; fewer values than a chunk
+    assert TopK(bits=4).record == 64 + 32 + 4
+    # an all-zero vector: zero levels, zero values; fewer values than a chunk: the kept zeros stay zeros
     zeros = codec.encode(torch.zeros(10))
     assert codec.problem(zeros) == "" and codec.decode(zeros, 10).abs().sum() == 0
-    few = torch.arange(1.0, 11.0)
-    assert torch.allclose(codec.decode(codec.encode(few), 10), few, atol=10 / 3)
+    few = torch.arange(-1.0, -11.0, -1.0)
+    assert torch.equal(codec.decode(codec.encode(few), 10), torch.tensor([0.0] * 4 + [-8.0] * 6))
     # the outer state's bytes: exact
     raw = Raw()
     assert torch.equal(raw.decode(raw.encode(values)), values) and raw.problem(raw.encode(values)) == ""

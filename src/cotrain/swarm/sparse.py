@@ -4,15 +4,27 @@ feedback.
 ``--outer-compression topk`` (swarm-wide: it changes the math). Each peer adds its error-feedback buffer to
 its round's pseudo-gradient, splits the sum into chunks of ``CHUNK`` values, keeps the ``k`` of largest
 magnitude in each (``k``: ``--topk-density`` of the chunk, a multiple of 8), quantizes them to ``--topk-bits``
-bits with a per-chunk scale (the largest kept magnitude; levels spread evenly over [-scale, scale]), and keeps
-what it did not send (the values left out and the rounding of those sent) in its buffer for the next round.
+bits, and keeps what it did not send (the values left out and the rounding of those sent) in its buffer for
+the next round.
+
+A code is a sign bit and ``bits - 1`` bits of magnitude: one of ``2**(bits-1)`` levels of the chunk, from
+``low`` to ``high`` (``levels``), each value to the nearest. At 4 and 8 bits ``low`` and ``high`` are the
+smallest and largest kept magnitudes and the levels between them are spaced quadratically (finer near the
+low end, where most of the kept magnitudes of a heavy-tailed chunk lie); at 2 bits the two levels are the
+means of the kept magnitudes below and above their midpoint (a step of Lloyd's algorithm). Where a kept value
+is 0 (a chunk with fewer than ``k`` values that are not) ``low`` is 0, so that zeros stay zeros. Levels
+spread evenly over [-max, max] instead would round most of a heavy-tailed chunk's kept values to a third of
+its largest at 2 bits: on Student-t values (3 degrees of freedom), an error of 86% of the kept values' norm,
+against 24% with these levels (tests/test_sparse.py).
 
 A chunk travels as one fixed-size record: its ``k`` indices (strictly increasing) in Elias-Fano form, the
-``k`` codes packed ``8 // bits`` to a byte, and the scale (float32). Elias-Fano splits each index into its
+``k`` codes packed ``8 // bits`` to a byte, and ``low`` and ``high`` (bfloat16 each: the levels are made from
+their rounded values, on the encoder as on every decoder, with the same float32 operations, so that every
+member of a group decodes the same bits). Elias-Fano splits each index into its
 low ``L = log2(chunk / k)`` bits, written as they are, and its high bits, written in unary as one bit set
 per index in a bit vector of ``k + chunk / 2**L`` bits: for a given ``k`` and chunk a fixed size, about ``2
 + L`` bits an index (8 where plain indices of 4096 take 12). At the defaults, k = 64 of 4096 at 2 bits: 64
-bytes of indices, 16 of codes and 4 of scale, 84 bytes against 8,192 in fp16, **97x less**. The encoded
+bytes of indices, 16 of codes and 4 of levels, 84 bytes against 8,192 in fp16, **97x less**. The encoded
 vector is a uint8 tensor that hivemind's all-reduce splits on record boundaries (its parts are a whole
 number of records). The reducer of a span decodes every sender's records (refusing malformed ones:
 cotrain.swarm.robust), averages them densely, and encodes the average again with the same codec: every peer of
@@ -109,7 +121,7 @@ class TopK:
 
     @property
     def record(self) -> int:
-        """Bytes per chunk: indices, packed codes, scale."""
+        """Bytes per chunk: indices, packed codes, low and high levels."""
         return self.index_bytes + self.k * self.bits // 8 + 4
 
     def chunks(self, numel: int) -> int:
@@ -120,8 +132,25 @@ class TopK:
         return self.chunks(numel) * self.record
 
     @property
-    def levels(self) -> int:
-        return (1 << self.bits) - 1
+    def levels(self) -> torch.Tensor:
+        """Where each magnitude code puts its value between ``low`` (0) and ``high`` (1): quadratic steps."""
+        n = 1 << (self.bits - 1)
+        return torch.tensor([(t / (n - 1)) ** 2 for t in range(n)], dtype=torch.float32)
+
+    def bounds(self, magnitudes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(low, high) per row of the kept ``magnitudes`` (m, k), rounded to bfloat16 (the module's doc)."""
+        low, high = magnitudes.amin(dim=1), magnitudes.amax(dim=1)
+        if self.bits == 2:  # the means below and above the midpoint; 0 where a kept value is 0
+            upper = magnitudes > ((low + high) / 2)[:, None]
+            above = upper.sum(dim=1)
+            high = torch.where(above > 0, (magnitudes * upper).sum(dim=1) / above.clamp(min=1), high)
+            below = (magnitudes * ~upper).sum(dim=1) / (self.k - above).clamp(min=1)
+            low = torch.where((above < self.k) & (low > 0), below, torch.where(above < self.k, 0.0, low))
+        return low.to(torch.bfloat16).float(), high.to(torch.bfloat16).float()
+
+    def magnitudes(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """The (m, 2**(bits-1)) magnitudes of each chunk's codes."""
+        return low[:, None] + (high - low)[:, None] * self.levels
 
     # --- encoding -----------------------------------------------------------------------------------
 
@@ -135,56 +164,62 @@ class TopK:
         rows = padded.view(m, c)
         index = rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         kept = rows.gather(1, index)
-        scale = kept.abs().amax(dim=1)
-        unit = kept / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-        codes = ((unit + 1) * (self.levels / 2)).round().clamp(0, self.levels).to(torch.int32)
+        low, high = self.bounds(kept.abs())
+        table = self.magnitudes(low, high)
+        midpoints = ((table[:, 1:] + table[:, :-1]) / 2).contiguous()
+        nearest = torch.searchsorted(midpoints, kept.abs().contiguous()).to(torch.int32)
+        codes = nearest | ((kept < 0).to(torch.int32) << (self.bits - 1))
         per = 8 // self.bits
         shifts = torch.arange(per, dtype=torch.int32) * self.bits
         packed = (codes.view(m, k // per, per) << shifts).sum(dim=2).to(torch.uint8)
         index_bytes = pack_indices(index, c)
-        scale_bytes = scale.contiguous().view(torch.uint8).view(m, 4)
-        return torch.cat([index_bytes, packed, scale_bytes], dim=1).reshape(-1)
+        bounds = torch.stack([low, high], dim=1).to(torch.bfloat16).contiguous().view(torch.uint8)
+        return torch.cat([index_bytes, packed, bounds.view(m, 4)], dim=1).reshape(-1)
 
     def _fields(self, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(indices (m, k) int64, codes (m, k) int32, scales (m,) float32, set high-part bits per record (k
-        in a valid one)) of whole records."""
+        """(indices (m, k) int64, codes (m, k) int32, (low, high) (m, 2) float32, set high-part bits per
+        record (k in a valid one)) of whole records."""
         m, k, at = data.numel() // self.record, self.k, self.index_bytes
         rows = data.reshape(m, self.record)
         index, counts = unpack_indices(rows[:, :at], self.chunk, k)
         per = 8 // self.bits
         shifts = torch.arange(per, dtype=torch.int32) * self.bits
         packed = rows[:, at : at + k // per].to(torch.int32)
-        codes = ((packed[..., None] >> shifts) & self.levels).reshape(m, k)
-        scale = rows[:, -4:].contiguous().view(torch.float32).reshape(m)
-        return index, codes, scale, counts
+        codes = ((packed[..., None] >> shifts) & ((1 << self.bits) - 1)).reshape(m, k)
+        bounds = rows[:, -4:].contiguous().view(torch.bfloat16).float().reshape(m, 2)
+        return index, codes, bounds, counts
 
     def problem(self, data: torch.Tensor) -> str:
         """Why ``data`` is not a valid encoding (an empty string when it is): its type or length, a chunk
         with more or fewer than k indices, indices out of range or not strictly increasing (a repeated
-        index), a scale that is negative, NaN or infinite."""
+        index), a low or high level that is negative, NaN or infinite, or a low level above the high one."""
         if data.dtype != torch.uint8 or data.dim() != 1:
             return f"a sparse part of dtype {data.dtype} and {data.dim()} dimension(s) (expected uint8, 1)"
         if data.numel() % self.record:
             return f"a sparse part of {data.numel()} bytes (not a whole number of {self.record}-byte records)"
         if not data.numel():
             return ""
-        index, _, scale, counts = self._fields(data)
+        index, _, bounds, counts = self._fields(data)
         if not bool((counts == self.k).all()):
             return f"a chunk with other than {self.k} indices"
         if int(index.max()) >= self.chunk:
             return f"an index beyond the chunk of {self.chunk}"
         if self.k > 1 and not bool((index[:, 1:] > index[:, :-1]).all()):
             return "indices not strictly increasing within a chunk"
-        if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
-            return "a negative, NaN or infinite scale"
+        if not bool((torch.isfinite(bounds) & (bounds >= 0)).all()):
+            return "a negative, NaN or infinite scale (a low or high level)"
+        if not bool((bounds[:, 0] <= bounds[:, 1]).all()):
+            return "a scale's low level above its high one"
         return ""
 
     @torch.no_grad()
     def decode(self, data: torch.Tensor, numel: int | None = None) -> torch.Tensor:
         """The dense float32 values of valid records (``numel`` of them; default: whole chunks)."""
         m = data.numel() // self.record
-        index, codes, scale, _ = self._fields(data)
-        values = (codes.float() * (2 / self.levels) - 1) * scale[:, None]
+        index, codes, bounds, _ = self._fields(data)
+        table = self.magnitudes(bounds[:, 0], bounds[:, 1])
+        values = table.gather(1, (codes & ((1 << (self.bits - 1)) - 1)).long())
+        values = torch.where(codes >> (self.bits - 1) == 1, -values, values)
         rows = torch.zeros(m, self.chunk)
         rows.scatter_(1, index, values)
         flat = rows.reshape(-1)
