@@ -15,7 +15,7 @@ means of the kept magnitudes below and above their midpoint (a step of Lloyd's a
 is 0 (a chunk with fewer than ``k`` values that are not) ``low`` is 0, so that zeros stay zeros. Levels
 spread evenly over [-max, max] instead would round most of a heavy-tailed chunk's kept values to a third of
 its largest at 2 bits: on Student-t values (3 degrees of freedom), an error of 86% of the kept values' norm,
-against 24% with these levels (tests/test_sparse.py).
+against 24% with these levels (docs/benchmarks.md).
 
 A chunk travels as one fixed-size record: its ``k`` indices (strictly increasing) in Elias-Fano form, the
 ``k`` codes packed ``8 // bits`` to a byte, and ``low`` and ``high`` (bfloat16 each: the levels are made from
