@@ -183,13 +183,18 @@ def test_a_round_every_other_peer_has_gone_past_ends_at_once_without_waiting_for
     t = object.__new__(SwarmProgressTracker)
     t.dht, t._gone = SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: b"peer0")), {}
     t._last_metadata = records((3, 0, 1.0), (4, 8, 1.0), (4, 0, 1.0))  # this peer at 3, the others at 4
-    assert t.passed_by(3) and not t.passed_by(4) and t.others_at() == 4
+    assert t.passed_by(3) and not t.passed_by(4) and t.others_at() == 4 and t.ahead_of(3) == 4
     t._last_metadata = records((3, 0, 1.0), (4, 8, 1.0), (3, 16, 1.0))  # a third still in round 3
-    assert not t.passed_by(3) and t.others_at() == 3
+    assert not t.passed_by(3) and t.others_at() == 3 and t.ahead_of(3) is None
     t._gone = {b"peer2": 0.0}  # ... but found gone: left out
-    assert t.passed_by(3)
+    assert t.passed_by(3) and t.ahead_of(3) == 4
     t._gone, t._last_metadata = {}, records((3, 0, 1.0))  # alone: nobody went past it
-    assert not t.passed_by(3) and t.others_at() is None
+    assert not t.passed_by(3) and t.others_at() is None and t.ahead_of(3) is None
+    # several rounds ahead: joined where two peers went, never where one alone says it is
+    t._last_metadata = records((3, 0, 1.0), (9, 8, 1.0), (7, 0, 1.0))
+    assert t.ahead_of(3) == 7 and t.ahead_of(7) is None  # (one of them is still in round 7)
+    t._last_metadata = records((3, 0, 1.0), (1000, 8, 1.0))
+    assert t.passed_by(3) and t.ahead_of(3) is None and t.ahead_of(999) == 1000
 
     cancelled = []
     control = SimpleNamespace(done=lambda: bool(cancelled), cancel=lambda: cancelled.append(True))
@@ -214,7 +219,7 @@ def test_a_peer_the_others_left_behind_joins_their_round_with_the_steps_it_took(
     ahead = [5]
     tracker = SimpleNamespace(
         fetched_global_progress_this_epoch=threading.Event(),
-        others_at=lambda: ahead[0],
+        ahead_of=lambda epoch: ahead[0] if ahead[0] is not None and ahead[0] > epoch else None,
         pause_updates=contextlib.nullcontext,
         update_epoch=lambda new_epoch: calls.append(("epoch", new_epoch)),
         report_local_progress=lambda epoch, samples: calls.append(("report", epoch, samples)),

@@ -259,8 +259,8 @@ class DiLoCoOptimizer:
         joined at once (else this peer could stay a round behind, see the module's doc)."""
         if not self._rejoining or not self.tracker.fetched_global_progress_this_epoch.is_set():
             return
-        self._rejoining, sa, epoch = False, self.state_averager, self.tracker.others_at()
-        if epoch is None or epoch <= self.local_epoch:  # every other peer (clients too) is not ahead of it
+        self._rejoining, sa, epoch = False, self.state_averager, self.tracker.ahead_of(self.local_epoch)
+        if epoch is None:  # the others (client-mode peers too) are not all ahead of it
             return
         logger.info(f"The swarm is at round {epoch}: this peer joins it there")
         with self.tracker.pause_updates():

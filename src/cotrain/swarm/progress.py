@@ -209,6 +209,17 @@ class SwarmProgressTracker(Tracker):
         ]
         return min(epochs, default=None)
 
+    def ahead_of(self, epoch: int) -> int | None:
+        """The round every other peer of the last read has gone to beyond ``epoch`` (``others_at``), where a
+        peer behind may join them: the next round, or a later one that at least WITNESSES peers reached (one
+        peer alone cannot move another further, as with the swarm's epoch: ``robust_epoch``); else None."""
+        me = self.dht.peer_id.to_bytes()
+        epochs = [
+            e for peer, e in _epochs(self._last_metadata).items() if peer != me and peer not in self._gone
+        ]
+        lowest = min(epochs, default=epoch)
+        return lowest if lowest == epoch + 1 or (lowest > epoch and len(epochs) >= WITNESSES) else None
+
     def passed_by(self, epoch: int) -> bool:
         """Whether every other peer of the last read (``others_at``) is beyond ``epoch``, one at least: nobody
         is left to average ``epoch``'s round with."""
