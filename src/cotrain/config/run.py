@@ -154,7 +154,9 @@ class RunConfig:
     topk_density: float = opt(
         1 / 64, "topk: the share of each chunk's values a peer sends per round (a multiple of 8 per chunk)."
     )
-    topk_bits: int = opt(2, "topk: bits per value sent (2, 4 or 8), with a scale per chunk.")
+    topk_bits: int = opt(
+        2, "topk: bits per value sent (2, 4 or 8): a sign and one of the chunk's levels of magnitude."
+    )
     aggregation: str = opt(
         "mean",
         "How the reducer of each part of an all-reduce combines the group's contributions (gradients; "
