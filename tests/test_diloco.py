@@ -10,6 +10,7 @@ keep the peers' global parameters together.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, cotrain_env, read_rows, wait_until
+from conftest import REPO, cotrain_env, wait_until
 from cotrain.config import RunConfig
 from cotrain.swarm.diloco_state import initialize_state, outer_optimizer_factory, set_schedule
 from cotrain.swarm.lineage import (
@@ -162,6 +163,8 @@ class Peer:
 
     def __init__(self, tmp: Path, name: str, *args: str):
         self.out = tmp / f"{name}.jsonl"
+        self.read: list[dict] = []  # the rows read so far, up to byte ``self.offset`` of ``out``
+        self.offset = 0
         self.log = open(tmp / f"{name}.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, str(PEER), "--out", str(self.out), *args],
@@ -172,7 +175,16 @@ class Peer:
         )
 
     def rows(self, event: str | None = None) -> list[dict]:
-        return [r for r in read_rows(self.out) if event is None or r["event"] == event]
+        """Its rows so far (of ``event``). Only the lines added since the last call are read: a round's rows
+        carry whole vectors, and the waits poll every half second."""
+        if self.out.exists():
+            with open(self.out, "rb") as f:
+                f.seek(self.offset)
+                added = f.read()
+            complete = added[: added.rfind(b"\n") + 1]  # a last line still being written waits
+            self.offset += len(complete)
+            self.read += [json.loads(line) for line in complete.splitlines() if line.strip()]
+        return [r for r in self.read if event is None or r["event"] == event]
 
     def address(self, timeout: float = 60) -> list[str]:
         return wait_until(lambda: self.rows("ready"), timeout, what=f"{self.out.stem} to start")[0]["maddrs"]
@@ -304,14 +316,12 @@ def check_rounds(members: list[Peer], rounds: list[int]) -> None:
 def joint_rounds(members: list[Peer]) -> list[int]:
     """Rounds in which every member averaged in a group of them all, and whole (a part that timed out on a
     loaded machine leaves the members apart by design until a later round carries the outer state)."""
-    common = set.intersection(*(set(by_round(p, "average")) for p in members))
+    averages = [by_round(p, "average") for p in members]  # each file read once: its rows are large
+    common = set.intersection(*(set(a) for a in averages))
     return [
         r
         for r in sorted(common)
-        if all(
-            by_round(p, "average")[r]["size"] == len(members) and not by_round(p, "average")[r]["partial"]
-            for p in members
-        )
+        if all(a[r]["size"] == len(members) and not a[r]["partial"] for a in averages)
     ]
 
 
@@ -366,7 +376,8 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
         held = {r["lineage"] for p in others for r in p.rows("average") if r["round"] == joined["step"] - 1}
         assert joined["lineage"] in held, (joined, held)
     # rounds among peers that already averaged together carry the pseudo-gradients alone
-    joint = [by_round(b, "average")[r] for r in pairs + trio]
+    b_averages = by_round(b, "average")
+    joint = [b_averages[r] for r in pairs + trio]
     assert any(not row["carried"] for row in joint), joint
     # the newcomers started at the swarm's round, from its global parameters
     assert c.rows("ready")[0]["step"] >= 2

@@ -255,10 +255,11 @@ def test_sparse_rounds_keep_the_members_bit_identical_a_client_a_latecomer_and_a
         "a, b, c": (joint_rounds([a, b, c]), [a, b, c]),
         "a, c after b": ([r for r in joint_rounds([a, c]) if r > left], [a, c]),
     }
+    outer = {p: by_round(p, "outer") for p in (a, b, c)}
     for name, (rounds, members) in shared.items():
         assert rounds, name
         for r in rounds:
-            outers = [by_round(p, "outer")[r] for p in members]
+            outers = [outer[p][r] for p in members]
             for key in ("applied", "after", "momentum"):
                 assert all(o[key] == outers[0][key] for o in outers), (name, r, key)
     # the payload of a round without the outer state: the records, (n - 1) / n of them each way
