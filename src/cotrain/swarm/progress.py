@@ -200,23 +200,21 @@ class SwarmProgressTracker(Tracker):
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
 
+    def other_epochs(self) -> list[int]:
+        """The epochs of the other peers of the last read, client-mode peers too (hivemind's swarm epoch
+        leaves them out), those found gone left out."""
+        me, gone = self.dht.peer_id.to_bytes(), self._gone
+        return [e for peer, e in _epochs(self._last_metadata).items() if peer != me and peer not in gone]
+
     def others_at(self) -> int | None:
-        """The lowest epoch of the other peers of the last read, client-mode peers too (hivemind's swarm epoch
-        leaves them out), those found gone left out; None when there are none."""
-        me = self.dht.peer_id.to_bytes()
-        epochs = [
-            e for peer, e in _epochs(self._last_metadata).items() if peer != me and peer not in self._gone
-        ]
-        return min(epochs, default=None)
+        """The lowest of ``other_epochs``; None when there are none."""
+        return min(self.other_epochs(), default=None)
 
     def ahead_of(self, epoch: int) -> int | None:
         """The round every other peer of the last read has gone to beyond ``epoch`` (``others_at``), where a
         peer behind may join them: the next round, or a later one that at least WITNESSES peers reached (one
         peer alone cannot move another further, as with the swarm's epoch: ``robust_epoch``); else None."""
-        me = self.dht.peer_id.to_bytes()
-        epochs = [
-            e for peer, e in _epochs(self._last_metadata).items() if peer != me and peer not in self._gone
-        ]
+        epochs = self.other_epochs()
         lowest = min(epochs, default=epoch)
         return lowest if lowest == epoch + 1 or (lowest > epoch and len(epochs) >= WITNESSES) else None
 

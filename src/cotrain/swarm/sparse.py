@@ -144,8 +144,9 @@ class TopK:
             upper = magnitudes > ((low + high) / 2)[:, None]
             above = upper.sum(dim=1)
             high = torch.where(above > 0, (magnitudes * upper).sum(dim=1) / above.clamp(min=1), high)
+            # the values below: never none (the smallest is at most the midpoint)
             below = (magnitudes * ~upper).sum(dim=1) / (self.k - above).clamp(min=1)
-            low = torch.where((above < self.k) & (low > 0), below, torch.where(above < self.k, 0.0, low))
+            low = torch.where(low > 0, below, torch.zeros_like(below))
         return low.to(torch.bfloat16).float(), high.to(torch.bfloat16).float()
 
     def magnitudes(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
