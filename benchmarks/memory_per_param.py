@@ -13,15 +13,18 @@ model's parameter count N:
   Python process using them holds whatever the model). The fixed costs of a peer (its DHT, daemon and
   averager processes, some tens of MiB) are in it: they weigh little at N of 100M and more;
 - ``tensors``: the bytes of the tensors the peer's process holds, each storage counted once, by role: the
-  model's parameters, their gradients, the optimizers' statistics (every torch optimizer's state), the
-  optimizers' own copies of the parameters (hivemind's offloaded parameters; DiLoCo's global parameters),
-  and the rest (the averagers' buffers: gradient accumulators, averaged gradients, DiLoCo's changes and
-  outer state for the all-reduce);
+  model's parameters, their gradients, the statistics of an optimizer of the model's own parameters
+  (DiLoCo's inner one), the other optimizers' statistics (hivemind's offloaded optimizer, DiLoCo's outer
+  momentum), the optimizers' own copies of the parameters (hivemind's offloaded parameters; DiLoCo's global
+  parameters), the NaN guard's backup, and the rest (the averagers' buffers: gradient accumulators, averaged
+  gradients, DiLoCo's changes and outer state for the all-reduce);
+- ``host tensors, model on a GPU``: the same less the roles that live where the model does (its parameters,
+  their gradients, the inner optimizer's statistics): what a GPU peer keeps in host memory;
 - ``device``: with ``--device cuda``, torch's peak of allocated CUDA memory (the model, its gradients and
   activations at micro-batch 1; hivemind's offloaded optimizer keeps its state on the host).
 
     python benchmarks/memory_per_param.py [--presets llama-tiny llama-150m] [--strategies sync diloco]
-        [--seq 16] [--device cpu]
+        [--outer-momentum 0.9 0] [--seq 16] [--device cpu]
 
 A table, then a JSON line per run (``{"event": "bytes_per_param", ...}``).
 """
@@ -37,7 +40,16 @@ import sys
 import time
 from pathlib import Path
 
-ROLES = ("parameters", "gradients", "optimizer statistics", "parameter copies", "averagers' buffers")
+ROLES = (
+    "parameters",
+    "gradients",
+    "inner optimizer statistics",
+    "optimizer statistics",
+    "parameter copies",
+    "NaN guard backup",
+    "averagers' buffers",
+)
+DEVICE_ROLES = ("parameters", "gradients", "inner optimizer statistics")  # on the GPU where the model is
 
 
 def tree_pss() -> int:
@@ -76,7 +88,15 @@ def tensor_bytes_by_role(model) -> dict[str, int]:
             tensors += [x for x in o if is_tensor(x)]
         elif type(o) is dict:
             tensors += [x for x in o.values() if is_tensor(x)]
-    optimizers = [o for o in objects if issubclass(type(o), torch.optim.Optimizer)]
+    # hivemind.Optimizer (cotrain's subclass too) is a torch optimizer whose state is its offloaded
+    # optimizer's, counted there
+    import hivemind
+
+    optimizers = [
+        o
+        for o in objects
+        if issubclass(type(o), torch.optim.Optimizer) and not issubclass(type(o), hivemind.Optimizer)
+    ]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors = [t for t in tensors if t.device.type != "meta"]
     role: dict[tuple[int, str], str] = {}
@@ -86,14 +106,22 @@ def tensor_bytes_by_role(model) -> dict[str, int]:
     for p in params:
         if p.grad is not None:
             role.setdefault(key(p.grad), "gradients")
+    on_model = {id(p) for p in params}
     for optimizer in optimizers:
+        # an optimizer of the model's own parameters (DiLoCo's inner one) keeps its statistics where they are
+        inner = all(id(p) in on_model for g in optimizer.param_groups for p in g["params"])
         for state in optimizer.state.values():
             for value in state.values() if isinstance(state, dict) else ():
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    role.setdefault(key(value), "optimizer statistics")
+                    kind = "inner optimizer statistics" if inner else "optimizer statistics"
+                    role.setdefault(key(value), kind)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 role.setdefault(key(p), "parameter copies")
+    guards = [o for o in objects if type(o).__name__ == "BackupGuard"]
+    for guard in guards:
+        for t in [*guard.params, *nested_tensors(guard.optimizer_state)]:
+            role.setdefault(key(t), "NaN guard backup")
     sizes: dict[tuple[int, str], int] = {}
     for t in tensors:
         try:
@@ -106,7 +134,20 @@ def tensor_bytes_by_role(model) -> dict[str, int]:
     return out
 
 
-def one_run(preset: str, strategy: str, seq: int, device: str) -> dict:
+def nested_tensors(value) -> list:
+    """The tensors in nested dicts, lists and tuples (an optimizer's state dict)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in nested_tensors(v)]
+    return []
+
+
+def one_run(preset: str, strategy: str, seq: int, device: str, outer_momentum: float | None = None) -> dict:
     """Build a peer of ``preset`` with ``strategy``, train it until its optimizers hold their state, and
     measure it (see the module's doc)."""
     import torch
@@ -127,6 +168,7 @@ def one_run(preset: str, strategy: str, seq: int, device: str) -> dict:
                 "target_batch_size": 2,
                 "local_steps": 2,
                 "warmup_steps": 1,
+                **({} if outer_momentum is None else {"outer_momentum": outer_momentum}),
             },
             "peer": {
                 "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
@@ -163,6 +205,7 @@ def one_run(preset: str, strategy: str, seq: int, device: str) -> dict:
             peer.step(batch_size=1, loss=float(loss))
             steps += 1
         tensors = tensor_bytes_by_role(model)
+        beside = sum(v for k, v in tensors.items() if k not in DEVICE_ROLES)
         host = tree_pss() - base
         device_peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
         return {
@@ -174,6 +217,9 @@ def one_run(preset: str, strategy: str, seq: int, device: str) -> dict:
             "global_step": int(peer.global_step),
             "host_bytes_per_param": round(host / n, 2),
             "tensor_bytes_per_param": round(sum(tensors.values()) / n, 2),
+            # with the model on a GPU: what stays in host memory (the tensors of every other role)
+            "host_tensor_bytes_per_param_gpu_model": round(beside / n, 2),
+            "outer_momentum": run.outer_momentum if strategy == "diloco" else None,
             "by_role": {k: round(v / n, 2) for k, v in tensors.items()},
             "device": device,
             "device_peak_bytes_per_param": round(device_peak / n, 2),
@@ -183,15 +229,18 @@ def one_run(preset: str, strategy: str, seq: int, device: str) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = ["preset", "strategy", "parameters", "host B/param (PSS)", "tensors B/param", *ROLES]
+    head = ["preset", "strategy", "parameters", "host B/param (PSS)", "tensors B/param"]
+    head += ["host tensors B/param, model on a GPU", *ROLES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [
             r["preset"],
-            r["strategy"],
+            r["strategy"]
+            + ("" if r.get("outer_momentum") is None else f", momentum {r['outer_momentum']:g}"),
             f"{r['parameters'] / 1e6:.1f}M",
             f"{r['host_bytes_per_param']:.1f}",
             f"{r['tensor_bytes_per_param']:.1f}",
+            f"{r['host_tensor_bytes_per_param_gpu_model']:.1f}",
             *(f"{r['by_role'][role]:.1f}" for role in ROLES),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -204,16 +253,24 @@ def main() -> int:
     parser.add_argument("--strategies", nargs="+", default=["sync", "diloco"], choices=["sync", "diloco"])
     parser.add_argument("--seq", type=int, default=16, help="tokens per micro-batch of 1 sample")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--outer-momentum", type=float, nargs="+", help="DiLoCo runs: one run per outer momentum given"
+    )
     parser.add_argument("--one", nargs=2, metavar=("PRESET", "STRATEGY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_run(*args.one, args.seq, args.device)), flush=True)
+        momentum = None if args.outer_momentum is None else args.outer_momentum[0]
+        print(json.dumps(one_run(*args.one, args.seq, args.device, momentum)), flush=True)
         return 0
     results = []
     for preset in args.presets:
-        for strategy in args.strategies:
+        runs = [(strategy, None) for strategy in args.strategies if strategy != "diloco"]
+        if "diloco" in args.strategies:
+            runs += [("diloco", m) for m in (args.outer_momentum or [None])]
+        for strategy, momentum in runs:
             command = [sys.executable, str(Path(__file__).resolve()), "--one", preset, strategy]
             command += ["--seq", str(args.seq), "--device", args.device]
+            command += [] if momentum is None else ["--outer-momentum", str(momentum)]
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode != 0 or not lines:

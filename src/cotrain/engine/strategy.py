@@ -59,6 +59,9 @@ class Strategy(abc.ABC):
     the default samples per ``step`` and a function that says when the peer is stopping."""
 
     name: ClassVar[str] = ""
+    # whether ``training_state()`` only ever moves by steps checked finite, so that the NaN guard restores
+    # from it (``restore_from_state``) instead of keeping a copy of it (cotrain.swarm.backup)
+    state_is_backup: ClassVar[bool] = False
 
     # --- progress ------------------------------------------------------------------------------------
 
@@ -159,6 +162,11 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def resumed_at(self, step: int) -> None:
         """After a checkpoint was loaded into ``training_state()``: continue from its global step."""
+
+    def restore_from_state(self) -> bool:
+        """Where ``state_is_backup``: train on from ``training_state()`` (its parameters into the model).
+        Returns False where that state is not finite either."""
+        raise NotImplementedError(f"strategy {self.name!r} keeps no state to restore from")
 
     @abc.abstractmethod
     def load_state_from_peers(self) -> None:
@@ -462,7 +470,7 @@ class DiLoCoStrategy(HivemindStrategy):
         """The global parameters in the model (the local ones come back afterwards), the outer optimizer, and
         the inner optimizer with its schedule."""
         averager = self.opt.state_averager
-        with self.opt.global_in_model(), averager.lock_inner:
+        with averager.global_in_model(), averager.lock_inner:
             yield CheckpointParts(
                 averager.optimizer,
                 None,
@@ -472,6 +480,16 @@ class DiLoCoStrategy(HivemindStrategy):
 
     def resumed_at(self, step: int) -> None:
         self.opt.resumed_at(step)
+
+    # the global parameters move only by outer steps checked finite, and a download is checked too
+    state_is_backup = True
+
+    def restore_from_state(self) -> bool:
+        with self.training_state() as (optimizer, _, _params):
+            if not all(bool(torch.isfinite(p).all()) for g in optimizer.param_groups for p in g["params"]):
+                return False
+        self.opt.restart_round()
+        return True
 
     @staticmethod
     def state_holder(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:

@@ -35,7 +35,6 @@ that restarts loses at most the residual of its last rounds).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import warnings
@@ -466,16 +465,21 @@ class DiLoCoOptimizer:
         """The outer optimizer's step along ``averaged``, from ``base`` (the group's average outer state:
         global parameters and momentum) when given."""
         sa = self.state_averager
+        if not all(bool(torch.isfinite(t).all()) for t in [*averaged, *(base or ())]):
+            # the global parameters only ever move by finite steps: they are the NaN guard's backup
+            logger.warning(f"Round {self.local_epoch}: a non-finite average or change; no outer step")
+            self.lineage = fresh_lineage()
+            return
         with sa.lock_averaged_tensors:
             self.voucher.withdraw()  # until _vouch: a state served meanwhile goes without a lineage
             if base is not None:
                 for mine, value in zip(self._carried_state(), base, strict=True):
                     mine.copy_(value)
             for param, change in zip(sa.global_parameters, averaged, strict=True):
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                param.grad.copy_(change)
+                param.grad = change  # lent for the step: no gradient buffer is kept between rounds
             sa.optimizer.step()
+            for param in sa.global_parameters:
+                param.grad = None
 
     @torch.no_grad()
     def _overlapped_round(self, own: list[torch.Tensor]) -> None:
@@ -565,25 +569,15 @@ class DiLoCoOptimizer:
         sa = self.state_averager
         sa.local_epoch = int(round_)
         sa.inner_steps = sa.local_epoch * self.local_steps
-        apply_optimizer_parameters(sa)
-        self._after_download()
-        self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+        self.restart_round()
         if not self.client_mode:
             sa.state_sharing_priority = self.local_epoch
 
-    @contextlib.contextmanager
-    def global_in_model(self):
-        """The global parameters in the model for the duration (to save them), the local ones back after."""
-        sa = self.state_averager
-        with torch.no_grad(), sa.lock_averaged_tensors:
-            local = [p.detach().clone() for p in self.parameters]
-            for param, glob in zip(self.parameters, sa.global_parameters, strict=True):
-                param.copy_(glob)
-            try:
-                yield
-            finally:
-                for param, saved in zip(self.parameters, local, strict=True):
-                    param.copy_(saved)
+    def restart_round(self) -> None:
+        """Train the round again from the global parameters (the model's own are dropped)."""
+        apply_optimizer_parameters(self.state_averager)
+        self._after_download()
+        self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
 
     def shutdown(self) -> None:
         self.round_watch.close()

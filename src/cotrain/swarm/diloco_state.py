@@ -4,10 +4,11 @@ evaluation peer's state holder is one too (cotrain.engine.strategy)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -101,12 +102,30 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
         self.served_lineage: Callable[[Any, list[torch.Tensor]], bytes | None] = lambda epoch, tensors: None
         initialize_state(inner_optimizer)
         super().__init__(offload_optimizer=True, custom_gradients=True, reuse_tensors=True, **kwargs)
+        # hivemind gives an offloaded optimizer's parameters zero gradients to copy the model's into; the
+        # outer step lends them the round's average for its duration instead (DiLoCoOptimizer._outer_step):
+        # 4 bytes per parameter that nothing else holds
+        for param in self.global_parameters:
+            param.grad = None
 
     state_optimizers = 2  # the outer optimizer's statistics and the inner one's (cotrain.swarm.statelimit)
 
     @property
     def global_parameters(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    @contextlib.contextmanager
+    def global_in_model(self) -> Iterator[None]:
+        """The global parameters in the model for the duration (to save them), the local ones back after."""
+        with torch.no_grad(), self.lock_averaged_tensors:
+            local = [p.detach().clone() for p in self.main_parameters]
+            for param, glob in zip(self.main_parameters, self.global_parameters, strict=True):
+                param.copy_(glob)
+            try:
+                yield
+            finally:
+                for param, saved in zip(self.main_parameters, local, strict=True):
+                    param.copy_(saved)
 
     def get_current_state(self):
         metadata, tensors, infos = super().get_current_state()
@@ -147,6 +166,9 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
         n = len(params) + len(self.extra_tensors)
         if len(flat) < outer or outer < n:
             logger.error("A peer served an incomplete state; not loading it")
+            return None
+        if not all(bool(torch.isfinite(t).all()) for t in flat[:outer]):  # they are the NaN guard's backup
+            logger.warning("A peer served non-finite global parameters or momentum; not loading them")
             return None
         with torch.no_grad(), self.lock_averaged_tensors:
             try:
