@@ -638,3 +638,13 @@ def test_the_initial_peers_record_outweighs_any_count_of_keys():
     assert sc.weigh_trusted(honest_by_count, h, own=[h]).accepted
     assert sc.weigh_trusted(by_count, p, own=[h]).accepted  # its own state after a partition may differ
     assert sc.weigh_trusted(by_count, p) == by_count  # no trusted record: the count stands
+
+
+def test_a_state_with_a_nan_or_inf_anywhere_is_never_loaded():
+    honest = [*state(), torch.tensor(3, dtype=torch.int64)]  # an optimizer's step count rides along
+    assert sc.state_finite(honest)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for i in range(len(honest) - 1):
+            served = [t.clone() for t in honest]
+            served[i].view(-1)[-1] = bad
+            assert not sc.state_finite(served), (bad, i)

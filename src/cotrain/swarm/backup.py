@@ -9,8 +9,11 @@ them. The trainer keeps training either way; it never sends non-finite gradients
 trainer loop).
 
 A strategy whose training state only ever moves by steps checked finite (``state_is_backup``: DiLoCo, whose
-global parameters change only by outer steps on finite averages) is its own backup: the guard keeps no copy
-(the copy would be 4 or 8 more bytes per parameter of host memory) and restores the model from that state.
+global parameters change only by outer steps on finite averages, and by downloads, which are refused when not
+finite: cotrain.swarm.statecheck) is its own backup: the guard keeps no copy (4 bytes per parameter of host
+memory, 8 with outer momentum) and restores the model from that state, training its round again. Where that
+state itself is not finite (corrupted in memory), the guard loads the swarm's instead; a lone peer then has
+nothing to restore.
 """
 
 from __future__ import annotations

@@ -167,9 +167,6 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
         if len(flat) < outer or outer < n:
             logger.error("A peer served an incomplete state; not loading it")
             return None
-        if not all(bool(torch.isfinite(t).all()) for t in flat[:outer]):  # they are the NaN guard's backup
-            logger.warning("A peer served non-finite global parameters or momentum; not loading them")
-            return None
         with torch.no_grad(), self.lock_averaged_tensors:
             try:
                 load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], flat[n:outer])

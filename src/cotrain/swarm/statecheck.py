@@ -78,7 +78,7 @@ import math
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,6 +184,12 @@ class Published:
 
     peer_id: str
     steps: dict[int, Fingerprint]
+
+
+def state_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every value of a served state is finite. An honest state is (its holder's NaN guard sees to it,
+    and DiLoCo's global parameters are the guard's own backup): one that is not is never loaded."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def read_fingerprints(dht: Any, key: str) -> dict[bytes, Published]:
@@ -398,6 +404,11 @@ class CheckedStateDownloads(Averager):
                 remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
                 loaded = await self._download_bounded(PeerID.from_base58(donor), chunk_timeout, remaining)
                 if loaded is None:
+                    continue
+                if not state_finite(loaded[1]):  # refused even where nobody vouches (the fallback below)
+                    logger.warning(f"Peer {donor} served a state that is not finite; not loading it")
+                    refuted += 1
+                    self.suspects[donor] = time.monotonic() + SUSPECT_SECONDS
                     continue
                 found = self._judge(donor, loaded, records, anchors, own)
                 if found.accepted:
