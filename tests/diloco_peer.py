@@ -74,10 +74,14 @@ def main() -> None:
         averaged, base, size = average(own, sent, weight)
         row = {"own": flat(own), "weight": weight, "averaged": flat(averaged), "size": size, "global": mine}
         # the lineage sent at matchmaking and the one after; whether the group averaged the outer state too
-        row.update(lineage_before=lineage, lineage=opt.lineage.hex(), carried=base is not None)
+        # dense rounds average the outer state in place (base None): the global parameters are the average
+        carried = base is not None or (size > 1 and opt.last_carried_state)
+        row.update(lineage_before=lineage, lineage=opt.lineage.hex(), carried=carried)
         row["partial"] = opt.last_round_partial and size > 1
-        if base is not None:  # the group's average outer state: global parameters, then momentum
-            row["averaged_global"] = flat(base[: len(opt.parameters)])
+        if carried:  # the group's average outer state: global parameters, then momentum
+            with opt.state_averager.lock_averaged_tensors:
+                glob = opt.state_averager.global_parameters if base is None else base[: len(opt.parameters)]
+                row["averaged_global"] = flat(glob)
         emit(event="average", round=opt.local_epoch, began=began, ended=time.time(), **row)
         return averaged, base, size
 
@@ -85,10 +89,10 @@ def main() -> None:
         sa = opt.state_averager
         n = len(sa.global_parameters)
         before = flat(base[:n]) if base is not None else flat(sa.global_parameters)
-        momentum = opt._outer_state()[n:]  # zeros where SGD keeps no buffer (momentum 0)
+        momentum = opt.state_averager.outer_state()[n:]  # zeros where SGD keeps no buffer (momentum 0)
         momentum_before = flat(base[n:]) if base is not None and len(base) > n else flat(momentum)
         outer_step(averaged, base)
-        momentum = opt._outer_state()[n:]
+        momentum = opt.state_averager.outer_state()[n:]
         emit(
             event="outer",
             round=opt.local_epoch,

@@ -502,6 +502,8 @@ def test_the_global_parameters_are_a_diloco_peers_nan_backup():
         local_steps=2,
         backup_every_steps=1,
         matchmaking_time=1.0,
+        outer_lr=0.7,
+        outer_momentum=0.9,
     )
     try:
         (guard,) = [p.guard for p in peer.parts if isinstance(p, NanGuard)]
@@ -513,6 +515,12 @@ def test_the_global_parameters_are_a_diloco_peers_nan_backup():
         assert peer.global_step >= 2 and guard.step is not None
         assert guard.params == [] and guard.optimizer_state is None  # no copy kept
         assert all(p.grad is None for p in glob)  # the outer step lends the average; no buffer between rounds
+        with opt.outer_averager.get_tensors() as tensors:  # rounds average the outer state's own tensors
+            state = tensors[opt.changes :]
+        carried = opt._carried_state()  # the global parameters, then the momentum: the same tensors all along
+        assert len(carried) == 2 * len(glob) and carried[len(glob)].abs().sum() > 0
+        assert [t.data_ptr() for t in state] == [t.data_ptr() for t in carried]
+        assert carried[len(glob) :] == opt.state_averager.pinned_momentum
         before = [p.detach().clone() for p in glob]
         # a non-finite average is not applied: the global parameters stay (the next round carries the state)
         opt._outer_step([torch.full_like(p, float("nan")) for p in glob], None)

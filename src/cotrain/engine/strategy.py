@@ -168,6 +168,11 @@ class Strategy(abc.ABC):
         Returns False where that state is not finite either."""
         raise NotImplementedError(f"strategy {self.name!r} keeps no state to restore from")
 
+    def model_parameters(self) -> list[torch.Tensor]:
+        """Where ``state_is_backup``: the model's parameters, all the NaN guard checks (read without the
+        state's lock, which a round may hold)."""
+        raise NotImplementedError(f"strategy {self.name!r} keeps no state to restore from")
+
     @abc.abstractmethod
     def load_state_from_peers(self) -> None:
         """Download the swarm's current state (bounded by the peer's load_state_timeout)."""
@@ -490,6 +495,9 @@ class DiLoCoStrategy(HivemindStrategy):
                 return False
         self.opt.restart_round()
         return True
+
+    def model_parameters(self) -> list[torch.Tensor]:
+        return list(self.opt.parameters)
 
     @staticmethod
     def state_holder(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:

@@ -51,6 +51,8 @@ class BackupGuard:
         return self.every > 0
 
     def parameters_finite(self) -> bool:
+        if self.strategy.state_is_backup:  # that state only moves by finite steps: the model is what fails
+            return tensors_finite(self.strategy.model_parameters())
         with self.strategy.training_state() as (optimizer, _, params):
             return tensors_finite(params) and tensors_finite(_optimizer_parameters(optimizer))
 

@@ -144,6 +144,7 @@ class DiLoCoOptimizer:
         self.voucher = Voucher(len(self.parameters))
         self.state_averager.served_lineage = self.voucher.served
         self.numel = sum(p.numel() for p in self.parameters)
+        self.momentum = outer_momentum > 0  # whether the outer state carries momentum buffers
         self.outer_averager = round_averager(
             self.parameters,
             dht,
@@ -156,10 +157,12 @@ class DiLoCoOptimizer:
             averaging_timeout=averaging_timeout,
             averager_opts=averager_opts,
             client_mode=self.client_mode,
-            momentum=outer_momentum > 0,
+            momentum=self.momentum,
+            # dense rounds average the outer state in place, where a round carries it
+            state=[t.detach() for t in self._carried_state()] if codec is None else None,
+            state_lock=self.state_averager.lock_averaged_tensors,
         )
         self.changes, self.state_bytes = self.outer_averager.changes, self.outer_averager.state_bytes
-        self.momentum = self.outer_averager.momentum  # whether the outer state carries momentum buffers
         self.feedback = self.outer_averager.feedback  # with a codec: what this peer did not send (_payload)
         self.tracker = tracker_class(aggregation.robust)(
             dht=dht,
@@ -392,9 +395,9 @@ class DiLoCoOptimizer:
         Counts the round and moves this peer to the group's lineage (a fresh one after a ``partial``
         round)."""
         n, full = self.changes, carries_outer_state(gathered.values(), self.codec is None)
-        with self.outer_averager.get_tensors() as tensors:
+        with self.outer_averager.get_tensors() as tensors:  # dense rounds averaged the outer state in place
             averaged = [t.clone() for t in tensors[:n]]
-            base = [t.clone() for t in tensors[n:]] if full else None
+            base = [t.clone() for t in tensors[n:]] if full and self.codec is not None else None
         if self.codec is not None:  # the group's records, the same on every member
             averaged = self._shaped(self.codec.decode(averaged[0], self.numel))
             if base is not None:
@@ -406,9 +409,9 @@ class DiLoCoOptimizer:
         return averaged, base, self._count_round(len(gathered), full)
 
     def _launch(self, sent: list[torch.Tensor], weight: int) -> Any:
-        """Put ``sent`` and the outer state (global parameters, momentum) in the averager and start its
+        """Put ``sent`` (and, with a codec, the outer state's records) in the averager and start its
         all-reduce (in the group matched ahead if any), which carries the outer state too where the group's
-        lineages differ (OuterAverager)."""
+        lineages differ (OuterAverager; dense rounds average the state's own tensors)."""
         control, self._scheduled = self._scheduled, None
         if control is not None and (control.triggered or control.done()):
             control = None
@@ -418,12 +421,12 @@ class DiLoCoOptimizer:
                 timeout=self.averaging_timeout, wait=False, require_trigger=True, gather=self._gather()
             )
         with self.outer_averager.get_tensors() as tensors, self.state_averager.lock_averaged_tensors:
-            state = self._carried_state()
+            state = []
             if self.codec is not None:
-                n = len(self.parameters)
+                state, n = self._carried_state(), len(self.parameters)
                 kinds = (state[:n], state[n:]) if self.momentum else (state,)
                 state = [Raw().encode(_flat(part)) for part in kinds]
-            for buffer, value in zip(tensors, [*sent, *state], strict=True):
+            for buffer, value in zip(tensors, [*sent, *state], strict=False):
                 buffer.copy_(value)
         control.weight = float(max(weight, 1))
         control.allow_allreduce()
@@ -434,17 +437,10 @@ class DiLoCoOptimizer:
         average). Set before every matchmaking: hivemind moves the bits after each group it assembles."""
         self.outer_averager.set_group_bits(round_bits(self.local_epoch))
 
-    def _outer_state(self) -> list[torch.Tensor]:
-        """The global parameters, then the outer optimizer's momentum buffers (the caller holds the lock). At
-        outer momentum 0 SGD keeps no buffer: zeros stand in for it (averaged, then dropped)."""
-        sa = self.state_averager
-        glob, state = sa.global_parameters, sa.optimizer.state
-        buffers = [state[p].get("momentum_buffer") for p in glob]
-        return [*glob, *(torch.zeros_like(p) if b is None else b for b, p in zip(buffers, glob, strict=True))]
-
     def _carried_state(self) -> list[torch.Tensor]:
-        """What a round that carries the outer state averages: ``_outer_state``, without momentum at 0."""
-        state = self._outer_state()
+        """What a round that carries the outer state averages: the global parameters, and the momentum unless
+        it is 0."""
+        state = self.state_averager.outer_state()
         return state if self.momentum else state[: len(self.parameters)]
 
     def _count_round(self, size: int, full: bool) -> int:
@@ -536,6 +532,7 @@ class DiLoCoOptimizer:
         if self._pending is not None and not self._pending.done():
             self._pending.cancel()
         self._pending = self._pending_own = None
+        self.state_averager.pin_momentum()
         self.lineage = lineage if lineage is not None and not self.overlap else fresh_lineage()
         if self.overlap:
             self._start = [p.detach().cpu().clone() for p in self.state_averager.global_parameters]

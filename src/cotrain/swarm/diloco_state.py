@@ -107,12 +107,34 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
         # 4 bytes per parameter that nothing else holds
         for param in self.global_parameters:
             param.grad = None
+        momentum = self.optimizer.defaults.get("momentum", 0) > 0
+        glob = self.global_parameters
+        self.pinned_momentum = [torch.zeros_like(p).share_memory_() for p in glob] if momentum else []
+        self.pin_momentum()
 
     state_optimizers = 2  # the outer optimizer's statistics and the inner one's (cotrain.swarm.statelimit)
 
     @property
     def global_parameters(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def outer_state(self) -> list[torch.Tensor]:
+        """The global parameters, then the outer optimizer's momentum buffers (the caller holds the lock). At
+        outer momentum 0 SGD keeps no buffer: zeros stand in for it."""
+        glob, state = self.global_parameters, self.optimizer.state
+        buffers = [state[p].get("momentum_buffer") for p in glob]
+        return [*glob, *(torch.zeros_like(p) if b is None else b for b, p in zip(buffers, glob, strict=True))]
+
+    def pin_momentum(self) -> None:
+        """With momentum, its buffers stay the same tensors, in shared memory, for the whole run (zeros before
+        the first outer step, which SGD then treats as a missing buffer): a DiLoCo round's all-reduce averages
+        them in place (cotrain.swarm.lineage.round_averager). A loaded state is copied into them."""
+        with torch.no_grad(), self.lock_averaged_tensors:
+            for param, pinned in zip(self.global_parameters, self.pinned_momentum, strict=False):
+                loaded = self.optimizer.state[param].get("momentum_buffer")
+                if loaded is not pinned:
+                    pinned.copy_(loaded) if loaded is not None else pinned.zero_()
+                    self.optimizer.state[param]["momentum_buffer"] = pinned
 
     @contextlib.contextmanager
     def global_in_model(self) -> Iterator[None]:

@@ -18,6 +18,7 @@ group make the same one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -134,6 +135,7 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
         self.feedback = None if records is None else records[1]
         self.state_bytes = 4  # bytes per value of the outer state on the wire (round_averager sets it)
         self.momentum = True  # whether the outer state holds momentum buffers (round_averager sets it)
+        self.state_lock: Any = None  # held while a round averages the outer state in place (round_averager)
         super().__init__(tensors, dht, **kwargs)
 
     async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -152,8 +154,12 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
                 for bandwidth, mode in zip(bandwidths, mode_ids, strict=True)
             ]
             infos = kwargs.pop("tensor_infos", None)
-            async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                full = carries_outer_state(gathered.values(), self.periodic_state)
+            full = carries_outer_state(gathered.values(), self.periodic_state)
+            in_place = self.state_lock if full and self.state_lock is not None else contextlib.nullcontext()
+            async with (
+                enter_asynchronously(self.get_tensors()) as local_tensors,
+                enter_asynchronously(in_place),
+            ):
                 count = len(local_tensors) if full else self.changes
                 tensors = list(local_tensors[:count])
                 fractions = await asyncio.get_event_loop().run_in_executor(
@@ -192,6 +198,8 @@ def round_averager(
     client_mode: bool = False,
     auxiliary: bool = False,
     momentum: bool = True,
+    state: Sequence[torch.Tensor] | None = None,
+    state_lock: Any = None,
 ) -> OuterAverager:
     """The averager of a DiLoCo run's rounds for ``parameters`` (their shapes and types; its buffers are in
     host memory), as the run's trainers and its auxiliary reducers build it alike (the all-reduce cuts every
@@ -199,13 +207,22 @@ def round_averager(
     ``momentum`` is False: a run whose outer step keeps none); with a ``codec``, as records: the changes'
     top-k records, the global parameters' and momentum's float32 bytes (sparse.Raw), and a feedback buffer
     (``.feedback``) for what this peer did not send and, as a reducer, what the averages' records left
-    out."""
+    out.
+
+    ``state`` (dense rounds): the outer state's own tensors, in shared memory, averaged in place where a
+    round carries it (under ``state_lock``, the lock of whatever else reads them) instead of in buffers of
+    their own: 8 bytes per parameter less (4 without momentum)."""
     numel = sum(p.numel() for p in parameters)
     opts = dict(averager_opts)
     kinds = 2 if momentum else 1  # the outer state: the global parameters, and the momentum if any
     with torch.no_grad():
         if codec is None:
-            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in [*parameters] * (1 + kinds)]
+            buffers = [torch.zeros_like(p, device="cpu").share_memory_() for p in parameters]
+            if state is None:
+                state = [torch.zeros_like(p, device="cpu").share_memory_() for p in [*parameters] * kinds]
+            if len(state) != kinds * len(parameters) or not all(t.is_shared() for t in state):
+                raise ValueError("the outer state's tensors: shared, one per parameter and kind")
+            buffers += state
             changes = len(parameters)
         else:
             sizes = [codec.encoded_size(numel), *[Raw().encoded_size(numel)] * kinds]
@@ -252,6 +269,7 @@ def round_averager(
     )
     averager.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
     averager.momentum = momentum
+    averager.state_lock = state_lock if codec is None else None
     return averager
 
 
