@@ -128,6 +128,7 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
         aggregation: Aggregation = Mean(),
         periodic_state: bool = True,
         records: Any = None,
+        state_lock: Any = None,
         **kwargs,
     ):
         self.changes, self.aggregation, self.periodic_state = changes, aggregation, periodic_state
@@ -135,7 +136,8 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
         self.feedback = None if records is None else records[1]
         self.state_bytes = 4  # bytes per value of the outer state on the wire (round_averager sets it)
         self.momentum = True  # whether the outer state holds momentum buffers (round_averager sets it)
-        self.state_lock: Any = None  # held while a round averages the outer state in place (round_averager)
+        # held while a round averages the outer state in place (set before a serving process is forked)
+        self.state_lock = state_lock
         super().__init__(tensors, dht, **kwargs)
 
     async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -249,6 +251,7 @@ def round_averager(
         dht,
         changes=changes,
         periodic_state=codec is None,
+        state_lock=state_lock if codec is None else None,
         aggregation=aggregation,
         prefix=outer_averager_prefix(run_id),
         min_matchmaking_time=matchmaking_time,
@@ -269,7 +272,6 @@ def round_averager(
     )
     averager.state_bytes = 4 if isinstance(outer_state, NoCompression) else 2
     averager.momentum = momentum
-    averager.state_lock = state_lock if codec is None else None
     return averager
 
 
