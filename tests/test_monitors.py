@@ -128,8 +128,12 @@ def test_a_trainer_joins_through_the_surviving_monitor(story):
         what="the third trainer to average with another peer",
     )
     assert steps[0] > start, (start, steps)
-    others = {r["step"] for name in ("trainer0", "trainer1") for r in trainer_rows(roles[name])}
-    assert {r["step"] for r in trainer_rows(late)} & others, "the third trainer's steps are not the swarm's"
+
+    def shared_steps() -> set[int]:  # the others write a step's row as they finish it: read until they have
+        others = {r["step"] for name in ("trainer0", "trainer1") for r in trainer_rows(roles[name])}
+        return {r["step"] for r in trainer_rows(late)} & others
+
+    wait_until(shared_steps, 60, what="a step of the third trainer's in the other trainers' rows")
     wait_until(
         lambda: any(r["alive_peers"] == 3 for r in read_rows(out / "monitor_b" / "metrics.jsonl")),
         120,
