@@ -118,10 +118,14 @@ def tensor_bytes_by_role(model) -> dict[str, int]:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 role.setdefault(key(p), "parameter copies")
-    guards = [o for o in objects if type(o).__name__ == "BackupGuard"]
-    for guard in guards:
-        for t in [*guard.params, *nested_tensors(guard.optimizer_state)]:
-            role.setdefault(key(t), "NaN guard backup")
+    from hivemind.utils.nested import nested_flatten
+
+    from cotrain.swarm.backup import BackupGuard
+
+    for guard in (o for o in objects if issubclass(type(o), BackupGuard)):
+        for t in [*guard.params, *nested_flatten(guard.optimizer_state or {})]:
+            if is_tensor(t):
+                role.setdefault(key(t), "NaN guard backup")
     sizes: dict[tuple[int, str], int] = {}
     for t in tensors:
         try:
@@ -132,19 +136,6 @@ def tensor_bytes_by_role(model) -> dict[str, int]:
     for k, size in sizes.items():
         out[role.get(k, "averagers' buffers")] += size
     return out
-
-
-def nested_tensors(value) -> list:
-    """The tensors in nested dicts, lists and tuples (an optimizer's state dict)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in nested_tensors(v)]
-    return []
 
 
 def one_run(preset: str, strategy: str, seq: int, device: str, outer_momentum: float | None = None) -> dict:

@@ -440,8 +440,8 @@ class DiLoCoOptimizer:
     def _carried_state(self) -> list[torch.Tensor]:
         """What a round that carries the outer state averages: the global parameters, and the momentum unless
         it is 0."""
-        state = self.state_averager.outer_state()
-        return state if self.momentum else state[: len(self.parameters)]
+        sa = self.state_averager
+        return sa.outer_state() if self.momentum else sa.global_parameters
 
     def _count_round(self, size: int, full: bool) -> int:
         """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
