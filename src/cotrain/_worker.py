@@ -36,6 +36,12 @@ def setup_logging(verbose: bool) -> None:
 
 def role_class(command: str) -> type:
     if command == "train":
+        from cotrain.host.ranks import rank_env
+
+        if (rank_env() or (0,))[0] > 0:  # a rank other than 0 of a peer of several ranks
+            from cotrain.roles.ranks import RankFollower
+
+            return RankFollower
         from cotrain.roles.trainer import Trainer
 
         return Trainer

@@ -13,6 +13,8 @@ Each hook is switched on by an environment variable of the peer's process and do
 - ``COTRAIN_FAULT=checkpoint-before-rename[:N]``: the process exits after writing a checkpoint's temporary
   folder, before renaming it into place (at a save into a folder that holds N checkpoints already), as a
   crash mid-write would.
+- ``COTRAIN_FAULT=rank-exit[:N]``: every rank but 0 of a peer of several ranks exits at its N-th step
+  (default: the first), in the middle of the node's step, as a crashed GPU process would (``rank_exits``).
 - ``COTRAIN_ATTACK=<attack>`` (``COTRAIN_ATTACK_SCALE``, default 1000): a malicious peer, for the robustness
   tests and ``benchmarks/byzantine.py``: ``sign-flip``, ``random-direction``, ``stale``, ``constant``, ``nan``
   (what it sends in place of its gradient or pseudo-gradient, ``Attack``), ``label-shuffle``
@@ -95,6 +97,12 @@ def crash_point(point: str, existing_checkpoints: int) -> bool:
     temporary folder complete, not renamed yet); no N: the first save."""
     name, _, count = os.environ.get(CHECKPOINT, "").partition(":")
     return name == point and existing_checkpoints >= int(count or 0)
+
+
+def rank_exits(rank: int, steps: int) -> bool:
+    """CHECKPOINT=rank-exit[:N]: whether this rank (never rank 0) exits now, at its ``steps``-th step."""
+    name, _, count = os.environ.get(CHECKPOINT, "").partition(":")
+    return name == "rank-exit" and rank > 0 and steps >= int(count or 1)
 
 
 # --- malicious peers (COTRAIN_ATTACK) -----------------------------------------------------------------------

@@ -48,12 +48,37 @@ class Config:
                 f"target_batch_size ({self.run.target_batch_size}) is smaller than one step of this peer "
                 f"(per_device_train_batch_size x gradient_accumulation_steps = {micro})"
             )
+        if peer.nproc_per_node > 1:
+            problems += node_problems(self, peer.nproc_per_node)
         if peer.batch_size_lead and peer.batch_size_lead >= self.run.target_batch_size:
             problems.append(
                 f"batch_size_lead ({peer.batch_size_lead}) must be below target_batch_size "
                 f"({self.run.target_batch_size}): with such a lead every micro-batch starts a global step"
             )
         return problems
+
+
+NODE_OPTIMIZERS = ("adamw",)  # elementwise: a step on a shard is the step on the whole parameter
+
+
+def node_problems(config: Config, world: int) -> list[str]:
+    """What a peer of ``world`` ranks (cotrain.engine.node) cannot train with, each as one line."""
+    run, peer, problems = config.run, config.peer, []
+    if run.strategy != "diloco":
+        problems.append(
+            f"a peer of {world} ranks trains with --strategy diloco; for sync on several GPUs give "
+            "--nproc-per-node 1 (DataParallel over --devices)"
+        )
+    elif run.optimizer not in NODE_OPTIMIZERS:
+        problems.append(
+            f"a peer of {world} ranks steps its inner optimizer on shards, which {run.optimizer!r} cannot do "
+            f"(LAMB's trust ratio is a norm of each whole parameter): give --optimizer {NODE_OPTIMIZERS[0]}"
+        )
+    if peer.fp16:
+        problems.append(f"a peer of {world} ranks trains in --bf16 or full precision, not --fp16")
+    if peer.per_device_train_batch_size == AUTO:
+        problems.append(f"a peer of {world} ranks needs --per-device-train-batch-size as a number, not auto")
+    return problems
 
 
 SECTIONS: dict[str, type] = {

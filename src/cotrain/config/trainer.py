@@ -36,6 +36,14 @@ class TrainerConfig:
         "data parallel); default: the first GPU, else the CPU.",
         roles=("train",),
     )
+    nproc_per_node: int = opt(
+        0,
+        "Ranks (processes) of this peer, one per GPU of --devices (or all on the CPU with --devices cpu), "
+        "training one model sharded with FSDP2; the swarm sees one peer. 0: one per GPU that --devices lists "
+        "with --strategy diloco, else 1 (several GPUs under sync: DataParallel). Under torchrun: its world "
+        "size.",
+        roles=("train",),
+    )
     fp16: bool = opt(
         False,
         "Mixed precision in float16: torch.autocast with loss scaling (each micro-batch's gradients are "
@@ -137,6 +145,7 @@ class TrainerConfig:
             "dataloader_num_workers",
             "num_train_epochs",
             "save_steps",
+            "nproc_per_node",
         )
         if self.logging_steps < 1:
             problems.append(f"logging_steps must be at least 1, got {self.logging_steps}")

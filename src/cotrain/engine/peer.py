@@ -247,6 +247,7 @@ class SwarmPeer:
         self.strategy: Any = None
         self.parts: list[Part] = []  # called at the named points of a step (cotrain.engine.parts)
         self.healing: Any = None
+        self.node: Any = None  # a peer of several ranks: cotrain.engine.node.Node (attach_node)
         self.events: Callable[[str, dict], None] = lambda name, fields: None
         self.last_report: dict | None = None
         self.reports = 0
@@ -358,7 +359,10 @@ class SwarmPeer:
         samples = self._samples(batch_size)
         for part in self.parts:
             part.before_step(self)
-        grad_norm = gradient_norm(self.trained_tensors, self.max_grad_norm)
+        if self.node is not None:  # the gradients are the ranks' shards
+            grad_norm = self.node.gradient_norm(self.max_grad_norm)
+        else:
+            grad_norm = gradient_norm(self.trained_tensors, self.max_grad_norm)
         loss_ok = loss is None or math.isfinite(loss)
         if loss_ok and math.isfinite(grad_norm):
             sent = samples
@@ -409,6 +413,14 @@ class SwarmPeer:
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
+
+    def attach_node(self, node: Any) -> None:
+        """Train as rank 0 of a peer of several ranks (cotrain.engine.node.Node): ``model`` is the node's
+        replica on the host, the node measures and clips each step's gradients over its shards, and the
+        strategy gathers and sends back its state around the swarm's rounds."""
+        self.strategy.attach_node(node)
+        node.attach(self.model)
+        self.node = node
 
     def publish_metrics(self, loss: float | None = None, mini_steps: int | None = None) -> dict:
         """Publish this peer's signed metrics record for the current global step and log its line.

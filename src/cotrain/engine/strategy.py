@@ -30,6 +30,7 @@ from cotrain.engine.builds import (
     sync_optimizer,
     tracker_settings,
 )
+from cotrain.errors import UserError
 from cotrain.swarm.internals.hooks import load_local_tensors
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,11 @@ class Strategy(abc.ABC):
         """Where ``state_is_backup``: the model's parameters, all the NaN guard checks (read without the
         state's lock, which a round may hold)."""
         raise NotImplementedError(f"strategy {self.name!r} keeps no state to restore from")
+
+    def attach_node(self, node: Any) -> None:
+        """Train as a peer of several ranks (cotrain.engine.node.Node, on rank 0): the state this strategy
+        holds is gathered from the ranks and sent back to them where the swarm's rounds need it."""
+        raise UserError(f"strategy {self.name!r} trains on one rank; a peer of several ranks trains DiLoCo")
 
     @abc.abstractmethod
     def load_state_from_peers(self) -> None:
@@ -498,6 +504,11 @@ class DiLoCoStrategy(HivemindStrategy):
 
     def model_parameters(self) -> list[torch.Tensor]:
         return list(self.opt.parameters)
+
+    def attach_node(self, node: Any) -> None:
+        """A round's end gathers the ranks' shards into this peer's model (the node's replica) and inner
+        optimizer; its outer step, a download, a resume or a restore sends them back."""
+        self.opt.node = node
 
     @staticmethod
     def state_holder(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.Module) -> Any:

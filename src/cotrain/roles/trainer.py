@@ -27,6 +27,7 @@ from cotrain.models import (
 )
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 from cotrain.progressbar import StepProgress
+from cotrain.roles.ranks import node_world, start_node, stop_node
 from cotrain.sinks.jsonl import JsonlSink
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class Trainer:
             None  # OUTPUT_DIR/events.jsonl: joined, started, dropped, ..., stopped
         )
         self.board = None  # TensorBoard event files in --logging-dir
+        self.node = None  # a peer of several ranks: this rank's (0's) part of it (cotrain.roles.ranks)
+        self.ranks = None  # the other ranks, where this trainer launched them
 
     def run(self) -> int:
         config = self.config
@@ -81,15 +84,22 @@ class Trainer:
         model.train()
         if peer.gradient_checkpointing:  # before the micro-batch probe, which then measures with it on
             enable_gradient_checkpointing(model)
-        train_model = parallel(model, devices)  # several GPUs: DataParallel over them
+        optimizer = optimizer_factory(run)
+        world = node_world(config)
+        if world > 1:  # ranks of their own, the model sharded over them; `model` stays here as the replica
+            self.node, self.ranks = start_node(config, world, model, self.stop, data.manifest_sha256)
+            devices, precision = [self.node.device], Precision(self.node.device, bf16=peer.bf16)
+            optimizer, train_model = self.node.inner_optimizer(optimizer), None
+        else:
+            train_model = parallel(model, devices)  # several GPUs under sync: DataParallel over them
         collator = collator_for_run(run, tokenizer, seed=peer.seed)
         if peer.per_device_train_batch_size == AUTO:
             self._choose_micro_batch(model, data, collator, devices[0], precision)
-        micro = peer.per_device_train_batch_size * len(devices)
+        micro = peer.per_device_train_batch_size * max(world, len(devices))
         step_samples = micro * peer.gradient_accumulation_steps
         self.peer = swarm = SwarmPeer(
             model,
-            optimizer_factory(run),
+            optimizer,
             scheduler_factory(run),
             config=(run, peer),
             connection=self.connection,
@@ -100,12 +110,15 @@ class Trainer:
             events=self._event,
             start=False,  # it resumes from its own checkpoint first, then catches up
         )
+        if self.node is not None:
+            swarm.attach_node(self.node)
         logger.info(
             f"Trainer {swarm.peer_id} joined run {run.run_id!r}: "
             f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
             f"{data.num_examples} training examples, "
             f"micro-batch {micro} x {peer.gradient_accumulation_steps} "
-            f"on {', '.join(map(str, devices))} in {precision.name}, {strategy_words(config)}"
+            f"on {', '.join(map(str, devices))}{f' x {world} ranks' if world > 1 else ''} "
+            f"in {precision.name}, {strategy_words(config)}"
         )
         joined = {
             "peer_id": swarm.peer_id,
@@ -121,6 +134,8 @@ class Trainer:
             logger.info(f"Others can join through this trainer: --initial-peers {' '.join(swarm.maddrs)}")
         self._resume_local(tokenizer, resume_meta)
         swarm.catch_up()
+        if self.node is not None:  # every rank starts from this peer's state
+            self.node.push()
         swarm.start()
         self.metrics = JsonlSink(Path(peer.output_dir) / "metrics.jsonl")
         self.board = self._board()
@@ -136,9 +151,12 @@ class Trainer:
         bar = StepProgress(run.target_batch_size * (run.local_steps if run.strategy == "diloco" else 1))
         # the loop of examples/custom_loop.py, with the trainer's data and limits
         while not self.stop.is_set():
-            loss = accumulate_gradients(  # forward and backward over the step's micro-batches
-                train_model, stream, peer.gradient_accumulation_steps, devices[0], precision, forward_loss
-            )
+            if self.node is not None:  # every rank: forward and backward over micro-batches of its own
+                loss = self.node.accumulate(stream, peer.gradient_accumulation_steps, precision, forward_loss)
+            else:  # forward and backward over the step's micro-batches
+                loss = accumulate_gradients(
+                    train_model, stream, peer.gradient_accumulation_steps, devices[0], precision, forward_loss
+                )
             seen += step_samples
             if swarm.step(batch_size=step_samples, loss=loss):  # a global step of the swarm happened
                 self._write_report(swarm.last_report)
@@ -154,6 +172,8 @@ class Trainer:
         bar.close()
         if swarm.refusal:
             raise UserError(swarm.refusal)
+        if self.ranks is not None and self.ranks.failure:
+            raise UserError(f"{self.ranks.failure}: this peer stops")
         return 0
 
     def _done(self, step: int, seen: int, max_samples: int) -> str | None:
@@ -316,6 +336,7 @@ class Trainer:
             self.board.write(row["step"], {key: row[key] for key in keys})
 
     def close(self) -> None:
+        stop_node(self.node, self.ranks)
         if self.metrics is not None:
             self.metrics.close()
         if self.events is not None:

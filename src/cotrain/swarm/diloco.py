@@ -190,6 +190,7 @@ class DiLoCoOptimizer:
         self._rejoining = False  # see _rejoin
         self._start = [p.detach().clone() for p in self.parameters] if overlap else None
         self.should_stop: Callable[[], bool] = lambda: False
+        self.node: Any = None  # several ranks (cotrain.engine.node): gathered at a round's end, updated after
         self.round_watch = RoundWatch(
             [self.outer_averager],
             self.tracker,
@@ -300,6 +301,9 @@ class DiLoCoOptimizer:
         """End this round: average the pseudo-gradients and take the outer step (or, with overlap, launch
         this round's averaging and apply the previous one's)."""
         with self.tracker.pause_updates():
+            if self.node is not None:
+                with self.state_averager.lock_inner:
+                    self.node.pull()
             own = self._own_change()
             if self.overlap:
                 self._overlapped_round(own)
@@ -311,6 +315,7 @@ class DiLoCoOptimizer:
             self._rejoining = self.last_group_size == 1 and self._others()
             self._next_round()
             self._vouch()
+        self._to_node(optimizer=False)
 
     @torch.no_grad()
     def _own_change(self) -> list[torch.Tensor]:
@@ -552,6 +557,7 @@ class DiLoCoOptimizer:
         self.voucher.withdraw()
         self.cancel_rounds()
         load_state_bounded(self, self.load_state_timeout, self.should_stop)
+        self._to_node()
 
     def tag_along_with_zero_weight(self, control: Any) -> None:
         if not control.done():
@@ -575,6 +581,12 @@ class DiLoCoOptimizer:
         apply_optimizer_parameters(self.state_averager)
         self._after_download()
         self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+        self._to_node()
+
+    def _to_node(self, optimizer: bool = True) -> None:
+        """Several ranks train on from this peer's parameters (and inner optimizer state) as they are now."""
+        if self.node is not None:
+            self.node.push(optimizer)
 
     def shutdown(self) -> None:
         self.round_watch.close()

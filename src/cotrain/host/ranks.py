@@ -1,0 +1,129 @@
+"""The ranks of a peer of several GPUs: read from torchrun's environment, or launched by cotrain itself.
+
+- Under ``torchrun --nproc-per-node N cotrain train ...`` every rank is a ``cotrain train`` of its own and
+  torchrun's agent stops them all when one fails; cotrain launches nothing (``rank_env``).
+- ``cotrain train --nproc-per-node N`` (or ``--devices`` listing several GPUs, with DiLoCo): the worker is
+  rank 0 and starts the N-1 others as processes of the same worker (``Ranks``), with torchrun's
+  variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``), in its
+  process group: the supervisor's stop, and its kill after the grace period, reach them too. A launched
+  rank watches rank 0 as a worker watches its supervisor, so it stops when rank 0's process is gone,
+  however it went. Rank 0 watches the others: when one ends before it was told to, the peer stops with one
+  line naming that rank (``failure``), and if rank 0 is stuck in a collective, the group is killed after
+  the grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from cotrain.config import Config, write_resolved
+from cotrain.host.procs import GRACE_SECONDS, SUPERVISOR_ENV, kill_group
+
+logger = logging.getLogger(__name__)
+
+
+def rank_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when this process is one rank of several, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if world <= 1:
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def exit_reason(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+class Ranks:
+    """Rank 0's launch of ranks 1..world-1 of this peer (see the module's doc)."""
+
+    def __init__(self, config: Config, world: int, stop: threading.Event) -> None:
+        self.world, self.stop = world, stop
+        self.failure: str | None = None
+        self._closing = False
+        self._folder = Path(tempfile.mkdtemp(prefix="cotrain-ranks-"))  # owner-only
+        resolved = write_resolved(config, self._folder / "config.json")
+        with socket.socket() as sock:  # a free port for the process group's rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+        os.environ.update(common, RANK="0", LOCAL_RANK="0")
+        command = [sys.executable, "-m", "cotrain._worker", "train", "--resolved-config", str(resolved)]
+        env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})  # each watches rank 0 as its supervisor
+        self.procs = {
+            rank: subprocess.Popen(command, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
+            for rank in range(1, world)
+        }
+        threading.Thread(target=self._watch, daemon=True, name="rank-watch").start()
+
+    def stopping(self) -> None:
+        """Rank 0 is about to tell the others to stop: their exits are expected from now on."""
+        self._closing = True
+
+    def failed_rank(self, wait: float = 2.0) -> str | None:
+        """Which rank stopped, waiting up to ``wait`` seconds for its exit to show (a collective can fail a
+        moment before the process is gone)."""
+        deadline = time.monotonic() + wait
+        while self.failure is None and time.monotonic() < deadline:
+            for rank, proc in self.procs.items():
+                rc = proc.poll()
+                if rc is not None:
+                    self.failure = f"rank {rank} of this peer stopped ({exit_reason(rc)})"
+                    break
+            else:
+                time.sleep(0.1)
+        return self.failure
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for rank, proc in self.procs.items():
+                rc = proc.poll()
+                if rc is not None and not self._closing:
+                    self.failure = f"rank {rank} of this peer stopped ({exit_reason(rc)})"
+                    logger.debug(self.failure)
+                    self.stop.set()
+                    timer = threading.Timer(GRACE_SECONDS, self._stuck)
+                    timer.daemon = True
+                    timer.start()
+                    return
+            time.sleep(0.2)
+
+    def _stuck(self) -> None:
+        """Rank 0 did not come out of a collective after another rank stopped: end the peer here."""
+        if self._closing:
+            return
+        logger.error(f"{self.failure}: stopping this peer")
+        sys.stderr.flush()
+        if os.getpgrp() == os.getpid():
+            kill_group(os.getpgrp())
+        os._exit(1)
+
+    def close(self, timeout: float = GRACE_SECONDS) -> None:
+        """Wait for the ranks to end (they were told to stop), then kill what is left."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self._folder, ignore_errors=True)
