@@ -143,7 +143,27 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ("demo with no peers", ["demo", "--peers", "0"], "demo peers and steps must be at least 2", "call"),
     ("demo with a lone peer", ["demo", "--peers", "1"], "demo peers and steps must be at least 2", "call"),
     ("demo of one step", ["demo", "--steps", "1"], "demo peers and steps must be at least 2", "call"),
+    ("a node under sync", [*TRAIN, "--nproc-per-node", "2"], "trains with --strategy diloco", "call"),
+    (
+        "a node with LAMB",
+        [*TRAIN, "--strategy", "diloco", "--nproc-per-node", "2"],
+        "'lamb' cannot do",
+        "call",
+    ),
     ("no dataset given", [*TRAIN], "give one of --dataset-path", "process"),
+    (
+        "GPUs that do not exist",
+        [*TRAIN, "--dataset-path", "{data}", "--devices", "cuda:0,cuda:63"],
+        "does not exist here",
+        "process",
+    ),
+    (
+        "a model too small to shard",
+        [*TRAIN, "--dataset-path", "{data}", "--strategy", "diloco", "--optimizer", "adamw"]
+        + ["--devices", "cpu", "--nproc-per-node", "4096"],
+        "too small to shard over 4096 ranks",
+        "process",
+    ),
     ("peer without /p2p/", [*TRAIN, "--initial-peers", "/ip4/10.0.0.1/tcp/5"], "lacks its /p2p/", "process"),
     (
         "resume from a corrupted checkpoint",

@@ -32,8 +32,9 @@ class TrainerConfig:
     )
     devices: str = opt(
         "",
-        "Devices this peer trains on: cpu, cuda, cuda:1, a list (cuda:0,cuda:1) or all (every local GPU, "
-        "data parallel); default: the first GPU, else the CPU.",
+        "Devices this peer trains on: cpu, cuda, cuda:1, a list (cuda:0,cuda:1) or all (every local GPU: "
+        "a rank each, the model sharded with FSDP2, with DiLoCo; DataParallel with sync); default: the first "
+        "GPU, else the CPU.",
         roles=("train",),
     )
     nproc_per_node: int = opt(

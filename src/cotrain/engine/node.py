@@ -31,7 +31,6 @@ import logging
 import os
 import types
 from collections.abc import Callable, Iterable, Iterator
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,9 +51,6 @@ from cotrain.errors import UserError
 logger = logging.getLogger(__name__)
 
 STOP, MICRO, NORM, STEP, ZERO, PULL, PUSH = range(7)
-# a follower waits for rank 0 through a whole swarm round (matchmaking, averaging, a download): gloo and
-# NCCL give up on a collective after this long
-COLLECTIVE_TIMEOUT = timedelta(hours=6)
 
 
 class NodeError(UserError):
@@ -259,19 +255,3 @@ class Node:
                 lines = str(e).strip().splitlines()
                 who = f"a collective of this peer's ranks failed ({lines[-1][:120] if lines else e!r})"
             raise NodeError(f"{who}: rank {self.rank} of this peer stops too") from None
-
-
-def init_ranks(device: torch.device) -> None:
-    """Join this node's process group (the environment torchrun, or cotrain's launch, sets)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-
-
-def leave_ranks() -> None:
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # a failed node: the others are gone already
-            logger.debug(f"destroy_process_group: {e!r}")

@@ -24,12 +24,23 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from cotrain.config import Config, write_resolved
 from cotrain.host.procs import GRACE_SECONDS, SUPERVISOR_ENV, kill_group
 
 logger = logging.getLogger(__name__)
+
+LOOPBACK = "COTRAIN_NODE_LOOPBACK"  # set for the ranks cotrain launched: they meet on 127.0.0.1
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+RENDEZVOUS_TIMEOUT = timedelta(minutes=5)  # every rank joins within this (importing torch, reading data)
+# a rank waits for rank 0 through a whole swarm round (matchmaking, averaging, a download): gloo and NCCL
+# give up on a collective after this long
+COLLECTIVE_TIMEOUT = timedelta(hours=6)
 
 
 def rank_env() -> tuple[int, int, int] | None:
@@ -41,6 +52,53 @@ def rank_env() -> tuple[int, int, int] | None:
         return None
     rank = int(os.environ["RANK"])
     return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def loopback_listener() -> tuple[int, int]:
+    """A socket listening on 127.0.0.1 at a free port, for a node's rendezvous: (port, its descriptor, which
+    the store of rank 0 takes over)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock.getsockname()[1], sock.detach()
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (lo on Linux, lo0 on macOS)."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    return names[0] if names else "lo"
+
+
+def init_ranks(device: torch.device, listener: int | None = None) -> None:
+    """Join this node's process group. Ranks cotrain launched (LOOPBACK in the environment) meet on
+    127.0.0.1 alone: rank 0's store serves on ``listener`` (from ``loopback_listener``) and the collectives'
+    sockets are on the loopback interface. Under torchrun: its rendezvous (env://)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not os.environ.get(LOOPBACK):
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        return
+    for name in IFNAME_VARIABLES:
+        os.environ.setdefault(name, loopback_interface())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        "127.0.0.1",
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0,
+        master_listen_fd=listener,
+        timeout=RENDEZVOUS_TIMEOUT,
+    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+
+
+def leave_ranks() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a failed node: the others are gone already
+            logger.debug(f"destroy_process_group: {e!r}")
 
 
 def exit_reason(rc: int) -> str:
@@ -61,10 +119,9 @@ class Ranks:
         self._closing = False
         self._folder = Path(tempfile.mkdtemp(prefix="cotrain-ranks-"))  # owner-only
         resolved = write_resolved(config, self._folder / "config.json")
-        with socket.socket() as sock:  # a free port for the process group's rendezvous
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port, self.listener = loopback_listener()  # the process group's rendezvous, on 127.0.0.1 only
         common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+        common.update({LOOPBACK: "1"}, **dict.fromkeys(IFNAME_VARIABLES, loopback_interface()))
         os.environ.update(common, RANK="0", LOCAL_RANK="0")
         command = [sys.executable, "-m", "cotrain._worker", "train", "--resolved-config", str(resolved)]
         env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})  # each watches rank 0 as its supervisor

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from cotrain.config import Config
 from cotrain.config.resolve import node_problems
 from cotrain.engine import batches
-from cotrain.engine.node import Node, NodeError, check_shardable, init_ranks, leave_ranks
+from cotrain.engine.node import Node, NodeError, check_shardable
 from cotrain.errors import UserError
 from cotrain.host.hardware import Precision, resolve_devices
-from cotrain.host.ranks import Ranks, rank_env
+from cotrain.host.ranks import Ranks, init_ranks, leave_ranks, rank_env
 from cotrain.models import (
     check_positions,
     collator_for_run,
@@ -76,7 +76,7 @@ def start_node(config: Config, world: int, model: torch.nn.Module, stop: threadi
     device = rank_device(config, world, 0)
     ranks = Ranks(config, world, stop) if rank_env() is None else None
     try:
-        init_ranks(device)
+        init_ranks(device, ranks.listener if ranks is not None else None)
         dist.broadcast_object_list([config, manifest], src=0)
         node = Node(copy.deepcopy(model), _groups(config), optimizer_factory(config.run), device)
     except BaseException:

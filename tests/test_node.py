@@ -1,0 +1,235 @@
+"""A peer of several ranks (cotrain.engine.node): the model sharded with FSDP2 over gloo ranks on the CPU.
+
+- the node's step is the one-process step on the union of its ranks' micro-batches, and its gather and
+  broadcast carry the parameters and the inner optimizer's state whole (two ranks, in-process, fast);
+- a swarm of a 2-rank, a 2-rank and a 1-rank peer trains llama-tiny with DiLoCo: they average, the loss
+  falls, and the 2-rank peer's checkpoint exports to the folder the 1-rank peer's export of the same round
+  is, logits and all (live, slow);
+- a rank that dies mid-step stops its peer with one line, and nothing of the peer is left running (live);
+- what a node refuses, before any rank starts (tests/test_bad_input.py has the command-line rows).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import FAST, LOCALHOST, Role, alive, events, trainer_rows, wait_until
+from cotrain import checkpoints as ck
+from cotrain import config as cfg
+from cotrain.config.fields import ConfigError
+from cotrain.engine.node import check_shardable
+from cotrain.errors import UserError
+
+RUN = "node-swarm"
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=97, num_key_value_heads=2, **shape))
+
+
+def batch_of(rank: int, step: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(100 * step + rank))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _rank_main(rank: int, world: int, steps: int, ports) -> None:
+    """One rank of the in-process check (spawned): rank 0 drives, checks and raises on a mismatch."""
+    import torch.distributed as dist
+
+    from cotrain.engine.node import Node
+    from cotrain.host.hardware import Precision
+    from cotrain.host.ranks import LOOPBACK, init_ranks, loopback_listener
+    from cotrain.models import forward_loss
+    from cotrain.optim import parameter_groups
+
+    listener = None
+    if rank == 0:  # the rendezvous on 127.0.0.1, as cotrain's own launch has it
+        port, listener = loopback_listener()
+        for _ in range(world - 1):
+            ports.put(port)
+    else:
+        port = ports.get(timeout=60)
+    os.environ.update({LOOPBACK: "1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)})
+    torch.set_num_threads(1)
+    init_ranks(torch.device("cpu"), listener)
+    adamw = lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    node = Node(tiny_llama(), lambda m: parameter_groups(m, 0.1), adamw, torch.device("cpu"))
+    stream = (batch_of(rank, step) for step in range(10**6))
+    precision = Precision(torch.device("cpu"))
+    if rank:
+        node.follow(stream, 1, precision, forward_loss)
+        dist.destroy_process_group()
+        return
+    replica, reference = tiny_llama(), tiny_llama()
+    replica_opt = node.inner_optimizer(adamw)(parameter_groups(replica, 0.1))
+    node.attach(replica)
+    ref_opt = adamw(parameter_groups(reference, 0.1))
+    for step in range(steps):
+        loss = node.accumulate(stream, 1, precision, forward_loss)
+        norm = node.gradient_norm(1.0)
+        replica_opt.step()  # the node's step, at the replica's learning rates
+        replica_opt.zero_grad()
+        # the same step in one process: the mean of the ranks' losses, clipped alike
+        losses = [forward_loss(reference, batch_of(r, step)) for r in range(world)]
+        ref_loss = sum(losses) / world
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(loss - ref_loss.item()) < 1e-5 and abs(norm - ref_norm.item()) < 1e-4, (loss, norm)
+    node.pull()
+    named = dict(replica.named_parameters())
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(named[name], param, atol=1e-5, rtol=1e-4, msg=name)
+        ours, theirs = replica_opt.state[named[name]], ref_opt.state[param]
+        torch.testing.assert_close(ours["exp_avg"], theirs["exp_avg"], atol=1e-6, rtol=1e-4, msg=name)
+        assert int(ours["step"]) == steps
+    with torch.no_grad():  # what rank 0 sends is what every rank then holds
+        for param in replica.parameters():
+            param.mul_(0.5)
+        for state in replica_opt.state.values():
+            state["exp_avg"].fill_(0.25)
+    sent = {name: p.detach().clone() for name, p in replica.named_parameters()}
+    node.push()
+    with torch.no_grad():
+        for param in replica.parameters():
+            param.zero_()
+    replica_opt.state.clear()
+    node.pull()
+    for name, param in replica.named_parameters():
+        torch.testing.assert_close(param, sent[name], msg=name)
+        assert bool((replica_opt.state[param]["exp_avg"] == 0.25).all()), name
+    node.stop()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_node_step_is_the_one_process_step_and_its_state_moves_whole():
+    ports = mp.get_context("spawn").Queue()
+    mp.spawn(_rank_main, args=(2, 3, ports), nprocs=2, join=True)
+
+
+def test_what_a_node_refuses_before_any_rank_starts():
+    model = tiny_llama()  # its smallest parameter: the key projection, 2 heads of 8 rows
+    check_shardable(model, 16)
+    with pytest.raises(UserError, match="too small to shard over 17 ranks .*k_proj.* use at most 16 ranks"):
+        check_shardable(model, 17)
+    with pytest.raises(ConfigError, match="trains with --strategy diloco"):
+        cfg.resolve("llama-tiny", overrides={"peer": {"nproc_per_node": 2}})
+    lamb = {"run": {"strategy": "diloco"}, "peer": {"nproc_per_node": 2, "fp16": True}}
+    with pytest.raises(ConfigError, match="(?s)'lamb' cannot do.*not --fp16"):
+        cfg.resolve("albert-tiny", overrides=lamb)
+    ok = cfg.resolve("llama-tiny", overrides={"run": {"strategy": "diloco"}, "peer": {"nproc_per_node": 2}})
+    assert ok.problems() == []
+
+
+@pytest.fixture(scope="module")
+def clm_data(tmp_path_factory) -> Path:
+    from cotrain.data import prepare_from_source
+
+    out = tmp_path_factory.mktemp("clm") / "data"
+    prepare_from_source(
+        demo=True, text_files=None, out_dir=out, max_length=64, vocab_size=2000, objective="clm"
+    )
+    return out
+
+
+def node_trainer(data: Path, out: Path, seed: int, ranks: int, *extra: str, env: dict | None = None) -> Role:
+    args = ["train", "--preset", "llama-tiny", "--max-seq-length", "64", "--run-id", RUN]
+    args += ["--host-maddrs", LOCALHOST, *FAST, "--strategy", "diloco", "--local-steps", "4"]
+    args += ["--target-batch-size", "32", "--per-device-train-batch-size", "4", "--devices", "cpu"]
+    args += ["--nproc-per-node", str(ranks), "--dataset-path", str(data), "--seed", str(seed)]
+    args += ["--output-dir", str(out / f"peer{seed}"), *extra]
+    return Role(args, out / f"peer{seed}.log", env=env)
+
+
+def tree_of(role: Role, ranks: int, timeout: float = 60) -> list[int]:
+    """The processes of a running peer once all its ranks are up."""
+    wait_until(lambda: len(role.tree()) >= 2 + ranks, timeout, what="the peer's ranks")
+    return role.tree()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_model(clm_data, tmp_path):
+    import transformers
+
+    # sparse rounds: every member applies the same decoded average, so their global parameters agree exactly
+    common = ["--outer-compression", "topk", "--save-steps", "1", "--save-total-limit", "20"]
+    common += ["--max-steps", "6", "--load-state-timeout", "30"]
+    first = node_trainer(clm_data, tmp_path, 1, 2, *common)
+    roles = [first]
+    try:
+        wait_until(lambda: "--initial-peers" in first.text(), 90, what="the first peer's address")
+        address = first.text().split("--initial-peers ")[1].split()[0]
+        roles += [node_trainer(clm_data, tmp_path, 2, 2, *common, "--initial-peers", address)]
+        roles += [node_trainer(clm_data, tmp_path, 3, 1, *common, "--initial-peers", address)]
+        pids = sorted({pid for role in roles for pid in tree_of(role, 2 if role is not roles[2] else 1)})
+        for role in roles:
+            role.proc.wait(timeout=300)
+        assert [role.proc.returncode for role in roles] == [0, 0, 0], [r.text()[-2000:] for r in roles]
+        time.sleep(1)
+        assert alive(pids) == [], "a rank or a child of a peer outlived it"
+    finally:
+        for role in roles:
+            if role.proc.poll() is None:
+                role.kill_all()
+    joined = [events(tmp_path / f"peer{seed}", "joined")[0] for seed in (1, 2, 3)]
+    assert [j["micro_batch"] for j in joined] == [8, 8, 4], joined  # 4 per rank
+    rows = {seed: trainer_rows(tmp_path / f"peer{seed}") for seed in (1, 2, 3)}
+    for seed in (1, 2):  # the 2-rank peers: they averaged, the loss fell
+        assert any(r["group_size"] >= 2 for r in rows[seed]), rows[seed]
+        assert rows[seed][-1]["loss"] < rows[seed][0]["loss"], [r["loss"] for r in rows[seed]]
+    together = {r["step"] for r in rows[1] if r["group_size"] == 3} & {r["step"] for r in rows[3]}
+    assert together, "the three peers never averaged in one group"
+    # a round both saved, after which all three had averaged: the 2-rank peer's gathered global parameters
+    # are the 1-rank peer's, and so are their exports
+    saved = {p.name for p in (tmp_path / "peer1" / "checkpoints").iterdir()}
+    shared = sorted(
+        p
+        for p in (tmp_path / "peer3" / "checkpoints").iterdir()
+        if p.name in saved and int(p.name[5:]) > min(together)
+    )
+    assert shared, (saved, together)
+    step_dir = shared[-1].name
+    exports = {}
+    for seed in (1, 3):
+        path = tmp_path / f"peer{seed}" / "checkpoints" / step_dir
+        ck.verify(path)
+        exports[seed] = ck.export(path, tmp_path / f"export{seed}")
+    ids = torch.randint(0, 2000, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for seed, folder in exports.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            logits[seed] = model(input_ids=ids).logits
+    torch.testing.assert_close(logits[1], logits[3], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rank_that_dies_mid_step_stops_its_peer_with_one_line(clm_data, tmp_path):
+    peer = node_trainer(clm_data, tmp_path, 1, 2, "--max-steps", "50", env={"COTRAIN_FAULT": "rank-exit:3"})
+    try:
+        pids = tree_of(peer, 2)
+        peer.proc.wait(timeout=120)
+    finally:
+        if peer.proc.poll() is None:
+            peer.kill_all()
+    lines = [line for line in peer.text().splitlines() if line.strip()]
+    assert peer.proc.returncode not in (0, None)
+    assert "Traceback" not in peer.text(), peer.text()[-3000:]
+    assert lines[-1].startswith("cotrain train: error: rank 1 of this peer stopped (exit code 3)"), lines[-3:]
+    assert [line for line in lines if "error" in line.lower()] == [lines[-1]], lines
+    time.sleep(1)
+    assert alive(pids) == [], "a rank or a child of the peer outlived it"
