@@ -166,7 +166,7 @@ def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_mode
 
     # sparse rounds: every member applies the same decoded average, so their global parameters agree exactly
     common = ["--outer-compression", "topk", "--save-steps", "1", "--save-total-limit", "20"]
-    common += ["--max-steps", "6", "--load-state-timeout", "30"]
+    common += ["--max-steps", "14", "--load-state-timeout", "30"]
     first = node_trainer(clm_data, tmp_path, 1, 2, *common)
     roles = [first]
     try:
@@ -187,9 +187,12 @@ def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_mode
     joined = [events(tmp_path / f"peer{seed}", "joined")[0] for seed in (1, 2, 3)]
     assert [j["micro_batch"] for j in joined] == [8, 8, 4], joined  # 4 per rank
     rows = {seed: trainer_rows(tmp_path / f"peer{seed}") for seed in (1, 2, 3)}
-    for seed in (1, 2):  # the 2-rank peers: they averaged, the loss fell
+    for seed in (1, 2, 3):  # every peer averaged with others, and ends below where the swarm started
         assert any(r["group_size"] >= 2 for r in rows[seed]), rows[seed]
-        assert rows[seed][-1]["loss"] < rows[seed][0]["loss"], [r["loss"] for r in rows[seed]]
+        assert rows[seed][-1]["loss"] < rows[1][0]["loss"] - 0.5, (
+            [r["loss"] for r in rows[seed]],
+            rows[1][0],
+        )
     together = {r["step"] for r in rows[1] if r["group_size"] == 3} & {r["step"] for r in rows[3]}
     assert together, "the three peers never averaged in one group"
     # a round both saved, after which all three had averaged: the 2-rank peer's gathered global parameters
@@ -198,10 +201,10 @@ def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_mode
     shared = sorted(
         p
         for p in (tmp_path / "peer3" / "checkpoints").iterdir()
-        if p.name in saved and int(p.name[5:]) > min(together)
+        if p.name in saved and int(p.name[5:]) >= min(together)
     )
     assert shared, (saved, together)
-    step_dir = shared[-1].name
+    step_dir = shared[0].name  # the first round all three averaged in
     exports = {}
     for seed in (1, 3):
         path = tmp_path / f"peer{seed}" / "checkpoints" / step_dir

@@ -102,6 +102,7 @@ def _value_for(section: str, f: dataclasses.Field):
         "init_from": "/models/albert",
         "model_config_path": "",  # reads a file: tested below
         "devices": "cpu",
+        "nproc_per_node": 1,  # more ranks need --strategy diloco: tests/test_node.py
         "per_device_train_batch_size": 16,
         "fp16": None,  # exclusive with bf16: tested below
         "delay_optimizer_step": None,

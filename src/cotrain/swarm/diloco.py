@@ -16,11 +16,11 @@ parameters and momentum) in the same all-reduce as the pseudo-gradients (cotrain
 applied one round late, at the end of the next round, and the peer then continues from the new global
 parameters plus its own change since (so its work is never thrown away, and compute never waits).
 
-A round whose all-reduce fails (a peer of the group died, the network broke) is retried with whoever is
-left until ``averaging_timeout``; then the peer applies its own change alone. A peer that the others left a
-round behind (it joined as their round ended) joins theirs when it reads the swarm next, with the steps it
-took in its own (``_rejoin``). Client-mode peers take part: hivemind's all-reduce sends their parts to the
-full peers, which reduce them.
+A round whose all-reduce fails is retried with whoever is left until ``averaging_timeout``; then the peer
+applies its own change alone. A peer the others left a round behind joins theirs when it reads the swarm
+next, with the steps it took in its own (``_rejoin``). Client-mode peers send their parts to full peers.
+With ``node`` (a peer of several ranks, cotrain.engine.node) the model is rank 0's replica: gathered from
+the ranks at a round's end, sent back to them whenever it changed.
 
 The state a newcomer (or the monitor) downloads is the global parameters, the outer optimizer's momentum,
 the round number, and the serving peer's inner optimizer state and inner step (cotrain.swarm.diloco_state).
@@ -68,7 +68,7 @@ from cotrain.swarm.lineage import (
 from cotrain.swarm.liveness import RoundWatch, cancel_controls
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION, load_state_bounded
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, round_pace, tracker_class
-from cotrain.swarm.sparse import Raw, TopK
+from cotrain.swarm.sparse import Raw, TopK, flat
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class DiLoCoOptimizer:
         self._rejoining = False  # see _rejoin
         self._start = [p.detach().clone() for p in self.parameters] if overlap else None
         self.should_stop: Callable[[], bool] = lambda: False
-        self.node: Any = None  # several ranks (cotrain.engine.node): gathered at a round's end, updated after
+        self.node: Any = None  # a peer of several ranks: see the module's doc
         self.round_watch = RoundWatch(
             [self.outer_averager],
             self.tracker,
@@ -331,7 +331,7 @@ class DiLoCoOptimizer:
         sent = self.attack.pseudo_gradient(own)  # fault injection: a malicious peer's pseudo-gradient
         if self.codec is None:
             return sent, own
-        whole = _flat(sent) + self.feedback
+        whole = flat(sent) + self.feedback
         records = self.codec.encode(whole)
         self.feedback.copy_(whole - self.codec.decode(records, self.numel))
         return [records], self._shaped(whole)
@@ -430,7 +430,7 @@ class DiLoCoOptimizer:
             if self.codec is not None:
                 state, n = self._carried_state(), len(self.parameters)
                 kinds = (state[:n], state[n:]) if self.momentum else (state,)
-                state = [Raw().encode(_flat(part)) for part in kinds]
+                state = [Raw().encode(flat(part)) for part in kinds]
             for buffer, value in zip(tensors, [*sent, *state], strict=False):
                 buffer.copy_(value)
         control.weight = float(max(weight, 1))
@@ -584,8 +584,7 @@ class DiLoCoOptimizer:
         self._to_node()
 
     def _to_node(self, optimizer: bool = True) -> None:
-        """Several ranks train on from this peer's parameters (and inner optimizer state) as they are now."""
-        if self.node is not None:
+        if self.node is not None:  # the ranks train on from the replica's parameters (and inner state)
             self.node.push(optimizer)
 
     def shutdown(self) -> None:
@@ -596,8 +595,3 @@ class DiLoCoOptimizer:
                 part.shutdown()
             except Exception as e:
                 logger.debug(f"{type(part).__name__} shutdown: {e!r}")
-
-
-def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``tensors`` as one flat vector (the parameters' order)."""
-    return torch.cat([t.reshape(-1) for t in tensors])

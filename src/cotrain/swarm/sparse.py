@@ -38,6 +38,7 @@ the next round's average carries it again), as a server's residual in two-sided 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -255,3 +256,8 @@ class Raw:
 def codec_of(outer_compression: str, density: float, bits: int) -> TopK | None:
     """The codec of a run's ``outer_compression`` (None: dense rounds)."""
     return TopK(density=density, bits=bits) if outer_compression == "topk" else None
+
+
+def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one flat vector, in their order (what a codec encodes)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
