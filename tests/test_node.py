@@ -120,10 +120,10 @@ def test_a_node_step_is_the_one_process_step_and_its_state_moves_whole():
 
 
 def test_what_a_node_refuses_before_any_rank_starts():
-    model = tiny_llama()  # its smallest parameter: the key projection, 2 heads of 8 rows
-    check_shardable(model, 16)
-    with pytest.raises(UserError, match="too small to shard over 17 ranks .*k_proj.* use at most 16 ranks"):
-        check_shardable(model, 17)
+    model = tiny_llama()  # its largest parameters: the embeddings, 97 rows (a key projection has 16)
+    check_shardable(model, 97)
+    with pytest.raises(UserError, match="too small to shard over 98 ranks .*embed_tokens.* at most 97 ranks"):
+        check_shardable(model, 98)
     with pytest.raises(ConfigError, match="trains with --strategy diloco"):
         cfg.resolve("llama-tiny", overrides={"peer": {"nproc_per_node": 2}})
     lamb = {"run": {"strategy": "diloco"}, "peer": {"nproc_per_node": 2, "fp16": True}}

@@ -58,13 +58,16 @@ class NodeError(UserError):
 
 
 def check_shardable(model: torch.nn.Module, world: int) -> None:
-    """Refuse, before any rank starts, a model too small for FSDP to give every rank rows of it."""
-    name, param = min(model.named_parameters(), key=lambda item: item[1].shape[0] if item[1].dim() else 1)
+    """Refuse, before any rank starts, a model too small for ``world`` ranks. FSDP splits every parameter by
+    rows, and a rank past a parameter's rows holds an empty shard of it (fine); past the rows of the largest
+    parameter, a rank would hold no part of the model at all."""
+    name, param = max(model.named_parameters(), key=lambda item: item[1].shape[0] if item[1].dim() else 1)
     rows = param.shape[0] if param.dim() else 1
     if rows < world:
         raise UserError(
-            f"--nproc-per-node {world}: the model is too small to shard over {world} ranks ({name} has "
-            f"{rows} rows, and FSDP gives each rank rows of every parameter); use at most {rows} ranks"
+            f"--nproc-per-node {world}: the model is too small to shard over {world} ranks (its largest "
+            f"parameter, {name}, has {rows} rows): a rank past them would hold no part of it; use at most "
+            f"{rows} ranks"
         )
 
 

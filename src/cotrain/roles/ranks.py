@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 
 import torch
@@ -74,6 +75,11 @@ def start_node(config: Config, world: int, model: torch.nn.Module, stop: threadi
     check_node(config, world)
     check_shardable(model, world)
     device = rank_device(config, world, 0)
+    cores = os.cpu_count() or 1
+    if rank_env() is None and device.type == "cpu" and world > cores:
+        raise UserError(
+            f"--nproc-per-node {world} on the CPU: this machine has {cores} cores; give at most {cores}"
+        )
     ranks = Ranks(config, world, stop) if rank_env() is None else None
     try:
         init_ranks(device, ranks.listener if ranks is not None else None)
