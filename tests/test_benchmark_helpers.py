@@ -19,6 +19,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import _netns  # noqa: E402
 import _steps  # noqa: E402
+import activations  # noqa: E402
 import convergence  # noqa: E402
 import footprint  # noqa: E402
 import nat  # noqa: E402
@@ -443,3 +444,17 @@ def test_a_step_arm_trains_its_preset_in_a_fresh_process(arm):
     )
     # the kernel updates the peak (getrusage's maxrss) lazily: the RSS read last can exceed it by a few pages
     assert got["s_per_step"] > 0 and got["peak_mib"] >= 0.99 * got["rss_mib"] and got["rss_mib"] > 50, got
+
+
+def test_the_activations_benchmark_counts_what_a_forward_keeps_and_what_checkpointing_leaves():
+    from cotrain import config as cfg
+
+    run = cfg.resolve("llama-tiny").run
+    result = activations.measure("llama-tiny")
+    seq, hidden = run.max_seq_length, run.model["hidden_size"]
+    assert result["seq"] == seq and result["layers"] == run.model["num_hidden_layers"]
+    # a checkpointed layer keeps its input alone: the hidden states of the micro-batch, in bfloat16
+    assert result["checkpointing_per_layer"] == seq * hidden * 2
+    assert result["full_per_layer"] > 10 * result["checkpointing_per_layer"]
+    assert result["checkpointing_kept"] < result["checkpointing_peak"] < result["full_kept"]
+    assert result["full_rest"] == pytest.approx(result["checkpointing_rest"], rel=0.05)  # the head's, alike
