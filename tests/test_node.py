@@ -19,7 +19,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import FAST, LOCALHOST, Role, alive, events, trainer_rows, wait_until
+from conftest import (
+    FAST,
+    LOCALHOST,
+    Role,
+    alive,
+    events,
+    monitor_address,
+    monitor_args,
+    trainer_rows,
+    wait_until,
+)
 from cotrain import checkpoints as ck
 from cotrain import config as cfg
 from cotrain.config.fields import ConfigError
@@ -147,7 +157,7 @@ def clm_data(tmp_path_factory) -> Path:
 def node_trainer(data: Path, out: Path, seed: int, ranks: int, *extra: str, env: dict | None = None) -> Role:
     args = ["train", "--preset", "llama-tiny", "--max-seq-length", "64", "--run-id", RUN]
     args += ["--host-maddrs", LOCALHOST, *FAST, "--strategy", "diloco", "--local-steps", "4"]
-    args += ["--target-batch-size", "32", "--per-device-train-batch-size", "4", "--devices", "cpu"]
+    args += ["--target-batch-size", "64", "--per-device-train-batch-size", "4", "--devices", "cpu"]
     args += ["--nproc-per-node", str(ranks), "--dataset-path", str(data), "--seed", str(seed)]
     args += ["--output-dir", str(out / f"peer{seed}"), *extra]
     return Role(args, out / f"peer{seed}.log", env=env)
@@ -165,19 +175,26 @@ def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_mode
     import transformers
 
     # sparse rounds: every member applies the same decoded average, so their global parameters agree exactly
-    common = ["--outer-compression", "topk", "--save-steps", "1", "--save-total-limit", "20"]
-    common += ["--max-steps", "14", "--load-state-timeout", "30"]
-    first = node_trainer(clm_data, tmp_path, 1, 2, *common)
-    roles = [first]
+    common = ["--save-steps", "1", "--save-total-limit", "20"]
+    common += ["--max-steps", "8", "--load-state-timeout", "30"]
+    # a monitor that reduces nothing welcomes them, so that the three trainers start together
+    run = ["--preset", "llama-tiny", "--max-seq-length", "64", "--run-id", RUN, "--host-maddrs", LOCALHOST]
+    run += [*FAST, "--strategy", "diloco", "--local-steps", "4", "--target-batch-size", "64"]
+    run += ["--outer-compression", "topk"]
+    monitor = Role(
+        monitor_args(run, tmp_path / "monitor", "--no-reduce", "--save-every", "0"), tmp_path / "monitor.log"
+    )
+    roles = [monitor]
     try:
-        wait_until(lambda: "--initial-peers" in first.text(), 90, what="the first peer's address")
-        address = first.text().split("--initial-peers ")[1].split()[0]
-        roles += [node_trainer(clm_data, tmp_path, 2, 2, *common, "--initial-peers", address)]
-        roles += [node_trainer(clm_data, tmp_path, 3, 1, *common, "--initial-peers", address)]
-        pids = sorted({pid for role in roles for pid in tree_of(role, 2 if role is not roles[2] else 1)})
-        for role in roles:
+        address = monitor_address(tmp_path / "monitor", 90)
+        for seed, ranks in ((1, 2), (2, 2), (3, 1)):
+            extra = [*common, "--outer-compression", "topk", "--initial-peers", *address]
+            roles.append(node_trainer(clm_data, tmp_path, seed, ranks, *extra))
+        trainers = zip(roles[1:], (2, 2, 1), strict=True)
+        pids = sorted({pid for role, ranks in trainers for pid in tree_of(role, ranks)})
+        for role in roles[1:]:
             role.proc.wait(timeout=300)
-        assert [role.proc.returncode for role in roles] == [0, 0, 0], [r.text()[-2000:] for r in roles]
+        assert [role.proc.returncode for role in roles[1:]] == [0, 0, 0], [r.text()[-2000:] for r in roles]
         time.sleep(1)
         assert alive(pids) == [], "a rank or a child of a peer outlived it"
     finally:
@@ -189,11 +206,11 @@ def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_mode
     rows = {seed: trainer_rows(tmp_path / f"peer{seed}") for seed in (1, 2, 3)}
     for seed in (1, 2, 3):  # every peer averaged with others, and ends below where the swarm started
         assert any(r["group_size"] >= 2 for r in rows[seed]), rows[seed]
-        assert rows[seed][-1]["loss"] < rows[1][0]["loss"] - 0.5, (
+        assert rows[seed][-1]["loss"] < rows[1][0]["loss"] - 0.3, (
             [r["loss"] for r in rows[seed]],
             rows[1][0],
         )
-    together = {r["step"] for r in rows[1] if r["group_size"] == 3} & {r["step"] for r in rows[3]}
+    together = {r["step"] for r in rows[1] if r["group_size"] >= 3} & {r["step"] for r in rows[3]}
     assert together, "the three peers never averaged in one group"
     # a round both saved, after which all three had averaged: the 2-rank peer's gathered global parameters
     # are the 1-rank peer's, and so are their exports
