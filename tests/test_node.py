@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -157,7 +158,7 @@ def clm_data(tmp_path_factory) -> Path:
 def node_trainer(data: Path, out: Path, seed: int, ranks: int, *extra: str, env: dict | None = None) -> Role:
     args = ["train", "--preset", "llama-tiny", "--max-seq-length", "64", "--run-id", RUN]
     args += ["--host-maddrs", LOCALHOST, *FAST, "--strategy", "diloco", "--local-steps", "4"]
-    args += ["--target-batch-size", "64", "--per-device-train-batch-size", "4", "--devices", "cpu"]
+    args += ["--target-batch-size", "128", "--per-device-train-batch-size", "4", "--devices", "cpu"]
     args += ["--nproc-per-node", str(ranks), "--dataset-path", str(data), "--seed", str(seed)]
     args += ["--output-dir", str(out / f"peer{seed}"), *extra]
     return Role(args, out / f"peer{seed}.log", env=env)
@@ -176,10 +177,12 @@ def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_mode
 
     # sparse rounds: every member applies the same decoded average, so their global parameters agree exactly
     common = ["--save-steps", "1", "--save-total-limit", "20"]
-    common += ["--max-steps", "8", "--load-state-timeout", "30"]
+    # rounds of 512 samples: long beside a failed round's wait (matchmaking, then --averaging-timeout), so
+    # that a peer whose first steps were slow meets the others at the next round's end
+    common += ["--max-steps", "6", "--load-state-timeout", "30"]
     # a monitor that reduces nothing welcomes them, so that the three trainers start together
     run = ["--preset", "llama-tiny", "--max-seq-length", "64", "--run-id", RUN, "--host-maddrs", LOCALHOST]
-    run += [*FAST, "--strategy", "diloco", "--local-steps", "4", "--target-batch-size", "64"]
+    run += [*FAST, "--strategy", "diloco", "--local-steps", "4", "--target-batch-size", "128"]
     run += ["--outer-compression", "topk"]
     monitor = Role(
         monitor_args(run, tmp_path / "monitor", "--no-reduce", "--save-every", "0"), tmp_path / "monitor.log"
@@ -204,12 +207,11 @@ def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_mode
     joined = [events(tmp_path / f"peer{seed}", "joined")[0] for seed in (1, 2, 3)]
     assert [j["micro_batch"] for j in joined] == [8, 8, 4], joined  # 4 per rank
     rows = {seed: trainer_rows(tmp_path / f"peer{seed}") for seed in (1, 2, 3)}
-    for seed in (1, 2, 3):  # every peer averaged with others, and ends below where the swarm started
+    uniform = math.log(2000)  # the loss of a uniform guess over the vocabulary
+    for seed in (1, 2, 3):  # every peer averaged with others, and its loss fell, far below a uniform guess
+        losses = [r["loss"] for r in rows[seed]]
         assert any(r["group_size"] >= 2 for r in rows[seed]), rows[seed]
-        assert rows[seed][-1]["loss"] < rows[1][0]["loss"] - 0.3, (
-            [r["loss"] for r in rows[seed]],
-            rows[1][0],
-        )
+        assert losses[-1] < losses[0] and losses[-1] < uniform - 1.2, losses
     together = {r["step"] for r in rows[1] if r["group_size"] >= 3} & {r["step"] for r in rows[3]}
     assert together, "the three peers never averaged in one group"
     # a round both saved, after which all three had averaged: the 2-rank peer's gathered global parameters

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -71,14 +72,17 @@ def check_shardable(model: torch.nn.Module, world: int) -> None:
         )
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` sharded in place with FSDP2: one unit per block the model names as not to be split (a
-    transformer layer), then the rest (embeddings, head, final norm) as the root's."""
+def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` (on the host) sharded in place with FSDP2 over this node's ranks on ``device``: one unit per
+    block the model names as not to be split (a transformer layer), then the rest (embeddings, head, final
+    norm) as the root's. FSDP moves each unit to the device as it shards it, so a rank's device never holds
+    more than one unit whole: a model larger than one GPU shards."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -94,7 +98,7 @@ class Node:
         device: torch.device,
     ) -> None:
         self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), device
-        self.model = shard(model.to(device))
+        self.model = shard(model, device)
         self.optimizer = optimizer(groups(self.model))
         self.groups = len(self.optimizer.param_groups)
         self.comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
