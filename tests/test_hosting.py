@@ -108,8 +108,9 @@ def test_a_serving_loop_keeps_a_task_that_nothing_else_refers_to_until_it_is_don
             while not done and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert done == ["answered"]
-        else:  # collected while pending, its coroutine closed from this thread
-            assert event is None and "Task was destroyed but it is pending" in caplog.text
+        else:  # collected while pending, its coroutine closed (asyncio's report of it may come from either
+            # thread's collector, and other tests' log set-up decides whether it reaches caplog)
+            assert event is None
     finally:
         loop.call_soon_threadsafe(loop.stop)
         server.join(10)
