@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -115,6 +118,37 @@ def network_guard():
 
 
 SESSION_STARTED = time.time()
+
+
+@contextlib.contextmanager
+def machine_share(item):
+    """Under xdist, a live test (``slow``) holds a shared lock on this run's machine while it runs, and one
+    marked ``alone`` (peers of several ranks: more processes computing than there are cores) an exclusive
+    one: the other worker's live tests, whose peers must meet within seconds, wait until it ends. A turnstile
+    keeps a waiting ``alone`` test from being passed by the other worker's next tests."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None or item.get_closest_marker("slow") is None:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"cotrain-tests-{run}"
+    alone = item.get_closest_marker("alone") is not None
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The machine's share (above) is taken outside the test's timeout: waiting for it is not the test's."""
+    with machine_share(item):
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")

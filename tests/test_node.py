@@ -165,9 +165,8 @@ def node_trainer(data: Path, out: Path, seed: int, ranks: int, *extra: str, env:
 
 
 def tree_of(role: Role, ranks: int, timeout: float = 60) -> list[int]:
-    """The processes of a running peer once all its ranks are up, given a lower CPU priority (nice 10): its
-    ranks computing side by side would otherwise take the cores from the live tests that run beside this
-    file's (their peers must meet within seconds); these peers wait for each other, not for the clock."""
+    """The processes of a running peer once all its ranks are up, given a lower CPU priority (nice 10): the
+    live test runs alone (its ranks outnumber the cores), and the other worker's quick tests keep theirs."""
     wait_until(lambda: len(role.tree()) >= 2 + ranks, timeout, what="the peer's ranks")
     pids = role.tree()
     for pid in pids:
@@ -179,6 +178,7 @@ def tree_of(role: Role, ranks: int, timeout: float = 60) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(420)
 def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_model(clm_data, tmp_path):
     import transformers

@@ -4,7 +4,11 @@ all-reduces among averagers on 127.0.0.1 with honest and malicious members."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,9 +245,16 @@ def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation, direc
     from cotrain.swarm.robust import RobustAveraging
 
     class Averager(RobustAveraging, DecentralizedAverager):
-        def __init__(self, *args, aggregation, **kwargs):
-            self.aggregation = aggregation
+        def __init__(self, *args, aggregation, record=None, **kwargs):
+            self.aggregation, self.record = aggregation, record
             super().__init__(*args, **kwargs)
+
+        def _note_suspicion(self, runner) -> None:  # in the averager's process: what its all-reduce dropped
+            super()._note_suspicion(runner)
+            if self.record is not None:
+                banned = sorted(str(p) for p in runner.banned_senders)
+                failed = runner.tensor_part_container.failed_size
+                self.record.write_text(json.dumps({"banned": banned, "failed": failed}))
 
     local = ["/ip4/127.0.0.1/tcp/0"]
     first = hivemind.DHT(start=True, host_maddrs=local)
@@ -260,9 +271,18 @@ def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation, direc
     )
     settings.update(options)
     direct = [True] * len(tensors) if direct is None else direct
+    records = Path(tempfile.mkdtemp(prefix="robust-test-"))
     made = [
-        Averager([t.clone() for t in own], dht, aggregation=aggregation, direct=d, start=True, **settings)
-        for own, dht, d in zip(tensors, dhts, direct, strict=True)
+        Averager(
+            [t.clone() for t in own],
+            dht,
+            aggregation=aggregation,
+            record=records / f"{i}.json",
+            direct=d,
+            start=True,
+            **settings,
+        )
+        for i, (own, dht, d) in enumerate(zip(tensors, dhts, direct, strict=True))
     ]
     return made, dhts
 
@@ -277,18 +297,22 @@ def run_round(
     """All-reduce ``tensors`` (one list per peer) once; returns each peer's averaged tensors and group
     size. A round where some peer found no group, or the peers split into smaller groups (matchmaking on a
     loaded machine), is run again, once; one where only the ``suspect`` peer never finished (the others did)
-    is not: that peer's all-reduce hung. ``options`` replace the averagers' settings."""
+    is not: that peer's all-reduce hung. So is one where a peer other than the ``suspect`` was dropped from a
+    reducer (its part late past the sender timeout on a loaded machine) or a reducer failed: the average then
+    misses a peer by design. ``options`` replace the averagers' settings."""
     try:
-        out, sizes = _run_round(tensors, weights, aggregation, **options)
-        if any(size != len(tensors) for size in sizes):
-            return _run_round(tensors, weights, aggregation, **options)
+        out, sizes, dropped = _run_round(tensors, weights, aggregation, **options)
+        if any(size != len(tensors) for size in sizes) or any(
+            d - {suspect} for i, d in enumerate(dropped) if i != suspect
+        ):
+            return _run_round(tensors, weights, aggregation, **options)[:2]
         return out, sizes
     except RoundStuck as stuck:
         if stuck.pending == [suspect]:
             raise
-        return _run_round(tensors, weights, aggregation, **options)
+        return _run_round(tensors, weights, aggregation, **options)[:2]
     except AllreduceException:
-        return _run_round(tensors, weights, aggregation, **options)
+        return _run_round(tensors, weights, aggregation, **options)[:2]
 
 
 class RoundStuck(TimeoutError):
@@ -317,12 +341,24 @@ def _run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregat
         for a in made:
             with a.get_tensors() as ts:
                 out.append([t.clone() for t in ts])
-        return out, sizes
+        return out, sizes, dropped_peers(made)
     finally:
         for a in made:
             a.shutdown()
         for d in dhts:
             d.shutdown()
+        shutil.rmtree(made[0].record.parent, ignore_errors=True)
+
+
+def dropped_peers(made) -> list[set[int]]:
+    """Per peer, in its last all-reduce: the peers (by index) its reducer dropped, with -1 where a reducer
+    it sent to failed."""
+    index = {str(a.peer_id): i for i, a in enumerate(made)}
+    dropped = []
+    for a in made:
+        seen = json.loads(a.record.read_text()) if a.record.is_file() else {"banned": [], "failed": 0}
+        dropped.append({index.get(p, -2) for p in seen["banned"]} | ({-1} if seen["failed"] else set()))
+    return dropped
 
 
 def honest_tensors(n: int, seed: int = 0) -> list[list[torch.Tensor]]:
