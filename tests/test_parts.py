@@ -21,23 +21,25 @@ from cotrain.swarm.aggregation import Aggregation, build
 TESTS = Path(__file__).resolve().parent
 
 PEER = """
-import json, sys
+import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 import toy_parts  # registers the model-averaging strategy and the trimmed-mean aggregation
 import cotrain
 
-seed, rounds = int(sys.argv[2]), int(sys.argv[3])
+seed, rounds, go = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(seed)
 true_w = torch.arange(1.0, 9.0)[:, None] / 8
 model = torch.nn.Linear(8, 1)
 peer = cotrain.SwarmPeer(
     model, optimizer=lambda params: torch.optim.SGD(params, lr=0.05), run_id="toy-parts",
     target_batch_size=32,
-    strategy="model-averaging", aggregation="trimmed-mean", local_steps=4, initial_peers=sys.argv[4:],
+    strategy="model-averaging", aggregation="trimmed-mean", local_steps=4, initial_peers=sys.argv[5:],
     host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, averaging_timeout=15.0,
 )
 print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
+while not os.path.exists(go):  # both peers are up: the first's rounds are not over before the second's start
+    time.sleep(0.1)
 losses = []
 while peer.global_step < rounds:
     x = torch.randn(16, 8)
@@ -63,14 +65,14 @@ def _events(path: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
-    rounds, procs, outs = 8, [], []
+    rounds, procs, outs, go = 8, [], [], tmp_path / "go"
 
     def start(seed: int, initial: list[str]) -> Path:
         out = tmp_path / f"peer{seed}.log"
         with open(out, "w") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", PEER, str(TESTS), str(seed), str(rounds), *initial],
+                    [sys.executable, "-c", PEER, str(TESTS), str(seed), str(rounds), str(go), *initial],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=cotrain_env(),
@@ -82,7 +84,9 @@ def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
     try:
         first = start(0, [])
         ready = wait_until(lambda: next((e for e in _events(first) if e["event"] == "ready"), None), 120)
-        start(1, [m for m in ready["maddrs"] if "/127.0.0.1/" in m])
+        second = start(1, [m for m in ready["maddrs"] if "/127.0.0.1/" in m])
+        wait_until(lambda: any(e["event"] == "ready" for e in _events(second)), 120)
+        go.touch()
         for proc, out in zip(procs, outs, strict=True):
             proc.wait(timeout=180)
             assert proc.returncode == 0, out.read_text()[-3000:]

@@ -93,9 +93,14 @@ async def _update_queue_periodically(self: PotentialLeaders, key_manager: GroupK
         for task in pending:
             task.cancel()
         self.update_triggered.clear()
-        pause = min(read_at + interval - time.monotonic(), self.search_end_time - get_dht_time())
+        pause = read_at + interval - time.monotonic()
         if pause > 0:
-            await asyncio.sleep(pause)
+            await asyncio.sleep(min(pause, max(0.0, self.search_end_time - get_dht_time())))
+            # the search's end is wall-clock time: slept to it on the monotonic clock, it may not have come
+            # yet, and the next read still waits for the rest of the interval
+            rest = read_at + interval - time.monotonic()
+            if rest > 0 and get_dht_time() < self.search_end_time:
+                await asyncio.sleep(rest)
 
 
 def _declared(averager: DecentralizedAverager) -> float | None:
