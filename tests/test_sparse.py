@@ -5,6 +5,7 @@ hold bit-identical global parameters after every round they share."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ import test_diloco
 from conftest import wait_until
 from cotrain.config.run import RunConfig
 from cotrain.swarm.aggregation import Mean
+from cotrain.swarm.overlap import RoundStart
 from cotrain.swarm.robust import RecordParts, RobustPartReducer
 from cotrain.swarm.sparse import (
+    BLOCK,
     CHUNK,
     Raw,
     TopK,
@@ -75,6 +78,37 @@ def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not
     # the outer state's bytes: exact
     raw = Raw()
     assert torch.equal(raw.decode(raw.encode(values)), values) and raw.problem(raw.encode(values)) == ""
+    # a vector of several blocks of chunks, the last chunk partial: each chunk's record is the one it has
+    # alone, and the feedback's update adds the decoded values where they lie, in place
+    long = torch.randn((2 * BLOCK + 3) * CHUNK - 5, generator=torch.Generator().manual_seed(1))
+    records = codec.encode(long)
+    for i in (0, BLOCK - 1, BLOCK, 2 * BLOCK + 2):
+        alone = codec.encode(long[i * CHUNK : (i + 1) * CHUNK])  # the last: padded as in the whole
+        assert torch.equal(records.view(-1, codec.record)[i], alone), i
+    rest = long.clone()
+    codec.add_decoded(records, rest, alpha=-1.0)
+    assert torch.equal(rest, long - codec.decode(records, long.numel()))
+
+
+def test_an_overlapped_round_computed_in_place_is_the_copying_one_to_the_bit():
+    gen = torch.Generator().manual_seed(2)
+    first = [torch.randn(300, 7, generator=gen), torch.randn(11, generator=gen)]
+    made = [first, [t.clone() for t in first]]
+    starts = [RoundStart(params, in_place=flag) for params, flag in zip(made, (True, False), strict=True)]
+    lock = threading.Lock()
+    for _ in range(3):  # inner steps move the parameters, then the round's end
+        step = [torch.randn(t.shape, generator=gen) * 1e-2 for t in made[0]]
+        for params in made:
+            for t, s in zip(params, step, strict=True):
+                t.sub_(s)
+        changes = [start.change() for start in starts]
+        assert all(torch.equal(a, b) for a, b in zip(*changes, strict=True))
+        glob = [torch.randn(t.shape, generator=gen) for t in made[0]]
+        for start, change in zip(starts, changes, strict=True):
+            start.next_round(glob, change, lock)
+        assert all(torch.equal(a, b) for a, b in zip(*made, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(starts[0].tensors, starts[1].tensors, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(starts[0].tensors, made[0], strict=True))
 
 
 def _with(records: torch.Tensor, codec: TopK, field: str, value: int) -> torch.Tensor:

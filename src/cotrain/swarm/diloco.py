@@ -67,6 +67,7 @@ from cotrain.swarm.lineage import (
 )
 from cotrain.swarm.liveness import RoundWatch, cancel_controls
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION, load_state_bounded
+from cotrain.swarm.overlap import RoundStart
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, round_pace, tracker_class
 from cotrain.swarm.sparse import Raw, TopK, flat
 
@@ -188,7 +189,9 @@ class DiLoCoOptimizer:
         self._pending: Any = None  # overlap: the previous round's all-reduce, with this peer's own change
         self._pending_own: list[torch.Tensor] | None = None
         self._rejoining = False  # see _rejoin
-        self._start = [p.detach().clone() for p in self.parameters] if overlap else None
+        self._start = RoundStart(self.parameters, in_place=codec is not None) if overlap else None
+        # overlap with a codec: the round's pseudo-gradient plus feedback, kept until the next round's end
+        self._whole = torch.empty(self.numel) if overlap and codec is not None else None
         self.should_stop: Callable[[], bool] = lambda: False
         self.node: Any = None  # a peer of several ranks: see the module's doc
         self.round_watch = RoundWatch(
@@ -320,8 +323,10 @@ class DiLoCoOptimizer:
     @torch.no_grad()
     def _own_change(self) -> list[torch.Tensor]:
         """This round's pseudo-gradient: where the round started minus where the peer is now."""
-        start = self._start if self.overlap else self.state_averager.global_parameters
-        return [(s - p.detach().cpu()).float() for s, p in zip(start, self.parameters, strict=True)]
+        if self.overlap:
+            return self._start.change()
+        glob = self.state_averager.global_parameters
+        return [(s - p.detach().cpu()).float() for s, p in zip(glob, self.parameters, strict=True)]
 
     @torch.no_grad()
     def _payload(self, own: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -331,9 +336,10 @@ class DiLoCoOptimizer:
         sent = self.attack.pseudo_gradient(own)  # fault injection: a malicious peer's pseudo-gradient
         if self.codec is None:
             return sent, own
-        whole = flat(sent) + self.feedback
+        whole = flat(sent, out=self._whole).add_(self.feedback)
         records = self.codec.encode(whole)
-        self.feedback.copy_(whole - self.codec.decode(records, self.numel))
+        self.feedback.copy_(whole)
+        self.codec.add_decoded(records, self.feedback, alpha=-1.0)
         return [records], self._shaped(whole)
 
     def _shaped(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -491,10 +497,7 @@ class DiLoCoOptimizer:
             self._outer_step(averaged, base)
         sent, whole = self._payload(own)  # after the previous round: its reducer's residual is in
         sa = self.state_averager
-        with sa.lock_averaged_tensors:
-            for param, glob, change in zip(self.parameters, sa.global_parameters, own, strict=True):
-                param.copy_((glob - change).to(param.device, param.dtype))
-        self._start = [p.detach().cpu().clone() for p in self.parameters]
+        self._start.next_round(sa.global_parameters, own, sa.lock_averaged_tensors)
         self._pending_own = whole
         self._pending = self._launch(sent, self.samples) if self._others() else None
 
@@ -540,7 +543,7 @@ class DiLoCoOptimizer:
         self.state_averager.pin_momentum()
         self.lineage = lineage if lineage is not None and not self.overlap else fresh_lineage()
         if self.overlap:
-            self._start = [p.detach().cpu().clone() for p in self.state_averager.global_parameters]
+            self._start.reset(self.state_averager.global_parameters)
         self.samples = self.inner_steps_this_round = 0
         self._vouch()
 

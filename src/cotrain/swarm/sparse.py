@@ -45,6 +45,9 @@ import torch
 
 BITS = (2, 4, 8)  # the bits per value a codec can send (the run config checks --topk-bits against the same)
 CHUNK = 4096  # values per chunk
+# chunks encoded or decoded at a time: temporaries of a few MB, which the allocator reuses (one of the whole
+# vector would be fresh memory at every round, hundreds of MB whose pages the kernel zeroes each time)
+BLOCK = 256
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -158,12 +161,19 @@ class TopK:
 
     @torch.no_grad()
     def encode(self, values: torch.Tensor) -> torch.Tensor:
-        """The records (uint8) of the flat float ``values`` (padded with zeros to whole chunks)."""
+        """The records (uint8) of the flat float ``values`` (padded with zeros to whole chunks), encoded
+        ``BLOCK`` chunks at a time (each chunk's record depends on that chunk alone)."""
         flat = values.detach().reshape(-1).float().cpu()
-        m, k, c = self.chunks(flat.numel()), self.k, self.chunk
-        padded = torch.zeros(m * c)
-        padded[: flat.numel()] = flat
-        rows = padded.view(m, c)
+        m, c = self.chunks(flat.numel()), self.chunk
+        out = torch.empty(m, self.record, dtype=torch.uint8)
+        for start in range(0, m, BLOCK):
+            stop = min(m, start + BLOCK)
+            out[start:stop] = self._encode_rows(_rows(flat, start, stop, c))
+        return out.reshape(-1)
+
+    def _encode_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The (m, record) records of the (m, chunk) ``rows``."""
+        m, k, c = rows.shape[0], self.k, self.chunk
         index = rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         kept = rows.gather(1, index)
         low, high = self.bounds(kept.abs())
@@ -176,7 +186,7 @@ class TopK:
         packed = (codes.view(m, k // per, per) << shifts).sum(dim=2).to(torch.uint8)
         index_bytes = pack_indices(index, c)
         bounds = torch.stack([low, high], dim=1).to(torch.bfloat16).contiguous().view(torch.uint8)
-        return torch.cat([index_bytes, packed, bounds.view(m, 4)], dim=1).reshape(-1)
+        return torch.cat([index_bytes, packed, bounds.view(m, 4)], dim=1)
 
     def _fields(self, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indices (m, k) int64, codes (m, k) int32, (low, high) (m, 2) float32, set high-part bits per
@@ -218,14 +228,33 @@ class TopK:
     def decode(self, data: torch.Tensor, numel: int | None = None) -> torch.Tensor:
         """The dense float32 values of valid records (``numel`` of them; default: whole chunks)."""
         m = data.numel() // self.record
-        index, codes, bounds, _ = self._fields(data)
+        out = torch.zeros(m * self.chunk if numel is None else numel)
+        self.add_decoded(data, out)
+        return out
+
+    @torch.no_grad()
+    def add_decoded(self, data: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> None:
+        """Add ``alpha`` times the values of valid records to the flat float32 ``out`` (the values beyond
+        its length dropped), ``BLOCK`` chunks at a time: no dense copy of the whole vector."""
+        m, c = data.numel() // self.record, self.chunk
+        rows = data.reshape(m, self.record)
+        for start in range(0, min(m, math.ceil(out.numel() / c)), BLOCK):
+            stop = min(m, start + BLOCK)
+            index, values = self._decode_rows(rows[start:stop])
+            lo, hi = start * c, min(stop * c, out.numel())
+            if hi - lo == (stop - start) * c:
+                out[lo:hi].view(stop - start, c).scatter_add_(1, index, values.mul_(alpha))
+            else:  # the last, partial chunk
+                dense = torch.zeros(stop - start, c)
+                dense.scatter_(1, index, values.mul_(alpha))
+                out[lo:hi].add_(dense.reshape(-1)[: hi - lo])
+
+    def _decode_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, float32 values), each (m, k), of the (m, record) records ``rows``."""
+        index, codes, bounds, _ = self._fields(rows.reshape(-1))
         table = self.magnitudes(bounds[:, 0], bounds[:, 1])
         values = table.gather(1, (codes & ((1 << (self.bits - 1)) - 1)).long())
-        values = torch.where(codes >> (self.bits - 1) == 1, -values, values)
-        rows = torch.zeros(m, self.chunk)
-        rows.scatter_(1, index, values)
-        flat = rows.reshape(-1)
-        return flat if numel is None else flat[:numel]
+        return index, torch.where(codes >> (self.bits - 1) == 1, -values, values)
 
 
 @dataclass(frozen=True)
@@ -258,6 +287,16 @@ def codec_of(outer_compression: str, density: float, bits: int) -> TopK | None:
     return TopK(density=density, bits=bits) if outer_compression == "topk" else None
 
 
-def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``tensors`` as one flat vector, in their order (what a codec encodes)."""
-    return torch.cat([t.reshape(-1) for t in tensors])
+def flat(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensors`` as one flat vector, in their order (what a codec encodes), written to ``out`` if given."""
+    return torch.cat([t.reshape(-1) for t in tensors], out=out)
+
+
+def _rows(flat: torch.Tensor, start: int, stop: int, chunk: int) -> torch.Tensor:
+    """Chunks ``start`` to ``stop`` of ``flat`` as (stop - start, chunk) rows, the last padded with zeros."""
+    lo, hi = start * chunk, min(stop * chunk, flat.numel())
+    if hi - lo == (stop - start) * chunk:
+        return flat[lo:hi].view(stop - start, chunk)
+    rows = torch.zeros(stop - start, chunk)
+    rows.view(-1)[: hi - lo] = flat[lo:hi]
+    return rows
