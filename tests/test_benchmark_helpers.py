@@ -5,6 +5,7 @@ arms, the footprint's process kinds, the step benchmarks' arms, the libp2p all-t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -458,3 +459,23 @@ def test_the_activations_benchmark_counts_what_a_forward_keeps_and_what_checkpoi
     assert result["full_per_layer"] > 10 * result["checkpointing_per_layer"]
     assert result["checkpointing_kept"] < result["checkpointing_peak"] < result["full_kept"]
     assert result["full_rest"] == pytest.approx(result["checkpointing_rest"], rel=0.05)  # the head's, alike
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_sparse_overlapped_round_end_takes_no_fresh_memory_of_the_models_size(tmp_path):
+    # a lone peer of 4M parameters (16 MB, 3,900 pages of 4 KiB): its round ends fault in a few pages, where
+    # fresh vectors of the model's size would fault in thousands each (benchmarks/round_end.py)
+    script = [sys.executable, str(REPO / "benchmarks" / "round_end.py")]
+    out = subprocess.run(
+        [*script, "--model-params", "4000000", "--rounds", "3", "--local-steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    (tree,) = json.loads(out.stdout.splitlines()[-1])["trees"]
+    assert tree["rounds"] == 2 and tree["wall"] > 0, tree
+    assert tree["minflt"] < 400, tree
+    bad = subprocess.run([*script, "--src", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and f"{tmp_path} holds no cotrain package" in bad.stderr, bad.stderr
