@@ -165,16 +165,9 @@ def node_trainer(data: Path, out: Path, seed: int, ranks: int, *extra: str, env:
 
 
 def tree_of(role: Role, ranks: int, timeout: float = 60) -> list[int]:
-    """The processes of a running peer once all its ranks are up, given a lower CPU priority (nice 10): the
-    live test runs alone (its ranks outnumber the cores), and the other worker's quick tests keep theirs."""
+    """The processes of a running peer once all its ranks are up."""
     wait_until(lambda: len(role.tree()) >= 2 + ranks, timeout, what="the peer's ranks")
-    pids = role.tree()
-    for pid in pids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, pid, 10)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return pids
+    return role.tree()
 
 
 @pytest.mark.slow

@@ -235,10 +235,16 @@ def test_the_reducer_counts_contributions_far_outside_tau():
 # --- live all-reduces on 127.0.0.1 ---------------------------------------------------------------------
 
 
-def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation, direct=None, **options):
+def averagers(
+    tensors: list[list[torch.Tensor]],
+    aggregation: Aggregation,
+    direct=None,
+    records: Path | None = None,
+    **options,
+):
     """One hivemind averager with cotrain's all-reduce (robust reducers, the direct path where ``direct``, one
     bool per peer, says so: all by default) per entry of ``tensors``, in one swarm; ``options`` replace the
-    averagers' settings."""
+    averagers' settings. With ``records`` (a folder), each writes there what its last all-reduce dropped."""
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
@@ -271,13 +277,12 @@ def averagers(tensors: list[list[torch.Tensor]], aggregation: Aggregation, direc
     )
     settings.update(options)
     direct = [True] * len(tensors) if direct is None else direct
-    records = Path(tempfile.mkdtemp(prefix="robust-test-"))
     made = [
         Averager(
             [t.clone() for t in own],
             dht,
             aggregation=aggregation,
-            record=records / f"{i}.json",
+            record=None if records is None else records / f"{i}.json",
             direct=d,
             start=True,
             **settings,
@@ -322,7 +327,8 @@ class RoundStuck(TimeoutError):
 
 
 def _run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregation: Aggregation, **options):
-    made, dhts = averagers(tensors, aggregation, **options)
+    records = Path(tempfile.mkdtemp(prefix="robust-test-"))
+    made, dhts = averagers(tensors, aggregation, records=records, **options)
     try:
         # a round takes seconds; one where matchmaking went wrong on a loaded machine is run again soon
         controls = [a.step(weight=w, wait=False, timeout=30) for a, w in zip(made, weights, strict=True)]
@@ -347,7 +353,7 @@ def _run_round(tensors: list[list[torch.Tensor]], weights: list[float], aggregat
             a.shutdown()
         for d in dhts:
             d.shutdown()
-        shutil.rmtree(made[0].record.parent, ignore_errors=True)
+        shutil.rmtree(records, ignore_errors=True)
 
 
 def dropped_peers(made) -> list[set[int]]:
