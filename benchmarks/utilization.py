@@ -161,8 +161,10 @@ def peer_main(args: argparse.Namespace) -> None:
     opt = swarm.strategy.opt
     # the gradients' norm and clipping at every call: a GPU peer computes them on its GPU
     engine_peer.gradient_norm = timed(engine_peer.gradient_norm, on_device)
+    round_end = [0.0]  # seconds inside opt.step in DiLoCo's round ends (on the training thread)
     if swarm.strategy.name == "diloco":
         opt.inner_optimizer.step = timed(opt.inner_optimizer.step, on_device)
+        opt.outer_round = timed(opt.outer_round, round_end)
     else:
         opt.grad_averager.accumulate_grads_ = timed(opt.grad_averager.accumulate_grads_, on_device)
     say(ready=True)
@@ -201,6 +203,7 @@ def peer_main(args: argparse.Namespace) -> None:
                 compute=compute,
                 in_step=in_step,
                 on_device=on_device[0],
+                round_end=round_end[0],
                 rounds=list(swarm.strategy.rounds),
                 samples=trained,
                 bytes_sent=getattr(opt, "bytes_sent", 0),  # diloco: the engine's count of its payload
@@ -352,7 +355,7 @@ def summarize(mode: str, marks: list[dict[int, dict]], sampler: CpuSampler, args
             return (m[b][key] - m[a][key]) / wall
 
         sleep, on_device, in_step = share("compute"), share("on_device"), share("in_step")
-        per_peer.append((sleep + on_device, sleep, in_step - on_device))
+        per_peer.append((sleep + on_device, sleep, in_step - on_device, share("round_end")))
         windows.append((m[a]["t"], m[b]["t"], wall))
         failed += m[b]["rounds"][1] - m[a]["rounds"][1]
     if not per_peer:
@@ -367,10 +370,11 @@ def summarize(mode: str, marks: list[dict[int, dict]], sampler: CpuSampler, args
         "window": [a, b],
         "samples_per_step": samples,
         "peers_measured": len(per_peer),
-        "utilization": statistics.mean(u for u, _, _ in per_peer),
-        "min_utilization": min(u for u, _, _ in per_peer),
-        "sleep_share": statistics.mean(s for _, s, _ in per_peer),
-        "waiting": statistics.mean(w for _, _, w in per_peer),
+        "utilization": statistics.mean(p[0] for p in per_peer),
+        "min_utilization": min(p[0] for p in per_peer),
+        "sleep_share": statistics.mean(p[1] for p in per_peer),
+        "waiting": statistics.mean(p[2] for p in per_peer),
+        "round_end": statistics.mean(p[3] for p in per_peer),
         "failed_rounds": failed,
         "seconds_per_step": step_s,
         "samples_per_s": samples / step_s,
@@ -392,8 +396,8 @@ def print_table(rows: list[dict], args) -> None:
     )
     print()
     print("| mode | window (global steps) | samples per step | utilization (mean, lowest peer) | sleep only "
-          "| waiting in opt.step | failed rounds | s per global step | samples/s (ideal) "
-          "| cores busy (machine / peers) |")  # fmt: skip
+          "| waiting in opt.step (of it at rounds' ends) | failed rounds | s per global step "
+          "| samples/s (ideal) | cores busy (machine / peers) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if not r["ok"]:
@@ -402,7 +406,8 @@ def print_table(rows: list[dict], args) -> None:
         print(
             f"| {r['mode']} | {r['window'][0]}-{r['window'][1]} | {r['samples_per_step']} "
             f"| **{r['utilization']:.1%}**, {r['min_utilization']:.1%} | {r['sleep_share']:.1%} "
-            f"| {r['waiting']:.1%} | {r['failed_rounds']} | {r['seconds_per_step']:.1f} "
+            f"| {r['waiting']:.1%} ({r['round_end']:.1%}) | {r['failed_rounds']} "
+            f"| {r['seconds_per_step']:.1f} "
             f"| {r['samples_per_s']:.1f} ({r['ideal_samples_per_s']:.1f}) "
             f"| {r['machine']:.2f} / {r['ours']:.2f} |"
         )

@@ -107,10 +107,10 @@ def main() -> None:
 
     averaged_from = opt._averaged
 
-    def recorded_averaged(gathered, partial):
+    def recorded_averaged(gathered, partial, *received):
         """Every all-reduce that ended (overlapped rounds included): what the group sent, what it carried."""
         lineage = opt.lineage.hex()
-        out = averaged_from(gathered, partial)
+        out = averaged_from(gathered, partial, *received)
         sent = sorted((v.get("round"), v.get("lineage", b"").hex()) for v in gathered.values())
         row = dict(round=opt.local_epoch, sent=sent, carried=opt.last_carried_state, partial=partial)
         emit(event="averaged", **row, lineage_before=lineage, lineage=opt.lineage.hex(), size=out[2])

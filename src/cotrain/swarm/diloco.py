@@ -67,14 +67,14 @@ from cotrain.swarm.lineage import (
 )
 from cotrain.swarm.liveness import RoundWatch, cancel_controls
 from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION, load_state_bounded
-from cotrain.swarm.overlap import RoundStart
+from cotrain.swarm.overlap import OverlappedRounds, RoundEnds, RoundStart, encode_with_feedback
 from cotrain.swarm.progress import PING_TIMEOUT, forget_gone_peers, round_pace, tracker_class
 from cotrain.swarm.sparse import Raw, TopK, flat
 
 logger = logging.getLogger(__name__)
 
 
-class DiLoCoOptimizer:
+class DiLoCoOptimizer(OverlappedRounds):
     """A DiLoCo peer's optimizer (see the module's doc). Exposes what cotrain's healer, NaN guard and bounded
     state download use of ``hivemind.Optimizer``: ``state_averager``, ``tracker``, ``local_epoch``,
     ``client_mode``, ``load_state_from_peers``."""
@@ -190,8 +190,10 @@ class DiLoCoOptimizer:
         self._pending_own: list[torch.Tensor] | None = None
         self._rejoining = False  # see _rejoin
         self._start = RoundStart(self.parameters, in_place=codec is not None) if overlap else None
-        # overlap with a codec: the round's pseudo-gradient plus feedback, kept until the next round's end
+        # overlap with a codec: the round's pseudo-gradient plus feedback, kept until the next round's end,
+        # and the thread that encodes it and decodes the group's average (overlap.RoundEnds)
         self._whole = torch.empty(self.numel) if overlap and codec is not None else None
+        self._ends = RoundEnds() if overlap and codec is not None else None
         self.should_stop: Callable[[], bool] = lambda: False
         self.node: Any = None  # a peer of several ranks: see the module's doc
         self.round_watch = RoundWatch(
@@ -336,11 +338,8 @@ class DiLoCoOptimizer:
         sent = self.attack.pseudo_gradient(own)  # fault injection: a malicious peer's pseudo-gradient
         if self.codec is None:
             return sent, own
-        whole = flat(sent, out=self._whole).add_(self.feedback)
-        records = self.codec.encode(whole)
-        self.feedback.copy_(whole)
-        self.codec.add_decoded(records, self.feedback, alpha=-1.0)
-        return [records], self._shaped(whole)
+        whole = flat(sent, out=self._whole)
+        return [encode_with_feedback(self.codec, whole, self.feedback)], self._shaped(whole)
 
     def _shaped(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into tensors of the parameters' shapes."""
@@ -398,13 +397,10 @@ class DiLoCoOptimizer:
         """What this peer sends its group at matchmaking: its lineage and round (carries_outer_state)."""
         return {"lineage": self.lineage, "round": self.local_epoch}
 
-    def _averaged(
-        self, gathered: dict[Any, Any], partial: bool
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, int]:
-        """After an all-reduce with the group that sent ``gathered``: (the average change, the average outer
-        state, global parameters then momentum, or None when the group did not carry it, the group's size).
-        Counts the round and moves this peer to the group's lineage (a fresh one after a ``partial``
-        round)."""
+    def _received(self, gathered: dict[Any, Any]) -> tuple[list[torch.Tensor], list | None, bool]:
+        """What an all-reduce with the group that sent ``gathered`` left in the averager: (the average change,
+        the average outer state, global parameters then momentum, or None when the group did not carry it,
+        whether it did)."""
         n, full = self.changes, carries_outer_state(gathered.values(), self.codec is None)
         with self.outer_averager.get_tensors() as tensors:  # dense rounds averaged the outer state in place
             averaged = [t.clone() for t in tensors[:n]]
@@ -413,6 +409,16 @@ class DiLoCoOptimizer:
             averaged = self._shaped(self.codec.decode(averaged[0], self.numel))
             if base is not None:
                 base = [t for raw in base for t in self._shaped(Raw().decode(raw, self.numel))]
+        return averaged, base, full
+
+    def _averaged(
+        self, gathered: dict[Any, Any], partial: bool, received: tuple | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, int]:
+        """After an all-reduce with the group that sent ``gathered`` (``received``: what ``_received`` read
+        of it, if read already): (the average change, the average outer state or None, the group's size).
+        Counts the round and moves this peer to the group's lineage (a fresh one after a ``partial``
+        round)."""
+        averaged, base, full = received if received is not None else self._received(gathered)
         self.lineage = fresh_lineage() if partial else next_lineage(self.local_epoch, gathered)
         self.last_carried_state, self.last_round_partial = full, partial
         if partial:
@@ -423,6 +429,13 @@ class DiLoCoOptimizer:
         """Put ``sent`` (and, with a codec, the outer state's records) in the averager and start its
         all-reduce (in the group matched ahead if any), which carries the outer state too where the group's
         lineages differ (OuterAverager; dense rounds average the state's own tensors)."""
+        control = self._matched()
+        self._fill(control, sent, weight)
+        return control
+
+    def _matched(self) -> Any:
+        """This round's all-reduce: the one matched ahead if any, else a new matchmaking, which waits for
+        its tensors (``_fill``)."""
         control, self._scheduled = self._scheduled, None
         if control is not None and (control.triggered or control.done()):
             control = None
@@ -431,6 +444,11 @@ class DiLoCoOptimizer:
             control = self.outer_averager.step(
                 timeout=self.averaging_timeout, wait=False, require_trigger=True, gather=self._gather()
             )
+        return control
+
+    def _fill(self, control: Any, sent: list[torch.Tensor], weight: int) -> None:
+        """Put ``sent`` (and, with a codec, the outer state's records) in the averager; the all-reduce
+        ``control`` may start."""
         with self.outer_averager.get_tensors() as tensors, self.state_averager.lock_averaged_tensors:
             state = []
             if self.codec is not None:
@@ -441,7 +459,6 @@ class DiLoCoOptimizer:
                 buffer.copy_(value)
         control.weight = float(max(weight, 1))
         control.allow_allreduce()
-        return control
 
     def _match_this_round(self) -> None:
         """Look for a group at this round only (the key's low bits: a change never goes into another round's
@@ -488,36 +505,6 @@ class DiLoCoOptimizer:
             for param in sa.global_parameters:
                 param.grad = None
 
-    @torch.no_grad()
-    def _overlapped_round(self, own: list[torch.Tensor]) -> None:
-        """Apply the previous round's average (it had a whole round to arrive), continue from the new global
-        parameters plus this round's own change, and launch this round's all-reduce in the background."""
-        if self._pending_own is not None:
-            averaged, base, self.last_group_size = self._finish_pending()
-            self._outer_step(averaged, base)
-        sent, whole = self._payload(own)  # after the previous round: its reducer's residual is in
-        sa = self.state_averager
-        self._start.next_round(sa.global_parameters, own, sa.lock_averaged_tensors)
-        self._pending_own = whole
-        self._pending = self._launch(sent, self.samples) if self._others() else None
-
-    def _finish_pending(self) -> tuple[list[torch.Tensor], Any, int]:
-        own, control = self._pending_own, self._pending
-        self._pending = self._pending_own = None
-        if control is None:
-            return self._alone(own)
-        try:
-            return self._averaged(*control.result(self.averaging_timeout))
-        except BaseException as e:
-            if not control.done():
-                control.cancel()
-            logger.warning(
-                f"Round {self.local_epoch - 1}: averaging failed ({type(e).__name__}: {e}); "
-                "applying this peer's own change"
-            )
-            self.rounds_failed += 1
-            return self._alone(own)
-
     def _next_round(self) -> None:
         sa = self.state_averager
         sa.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
@@ -539,6 +526,8 @@ class DiLoCoOptimizer:
         the ``lineage`` its donor vouched for (a fresh one without)."""
         if self._pending is not None and not self._pending.done():
             self._pending.cancel()
+        if self._ends is not None:
+            self._ends.settle(self._ends.take(), self.averaging_timeout)
         self._pending = self._pending_own = None
         self.state_averager.pin_momentum()
         self.lineage = lineage if lineage is not None and not self.overlap else fresh_lineage()
@@ -593,6 +582,8 @@ class DiLoCoOptimizer:
     def shutdown(self) -> None:
         self.round_watch.close()
         self.cancel_rounds()
+        if self._ends is not None:
+            self._ends.close(self.averaging_timeout)
         for part in (self.tracker, self.outer_averager, self.state_averager):
             try:
                 part.shutdown()
