@@ -19,7 +19,8 @@ forward/backward passes, and inside ``opt.step`` the work on the device's tensor
 clipping; adding the gradients to hivemind's accumulators in sync and delayed modes; DiLoCo's inner optimizer
 step, whose parameters and statistics live on the device). Everything else in ``opt.step`` (waiting for
 averaging, sync's LAMB step on its host-memory copy, which a GPU peer also runs on the CPU, and a DiLoCo
-round's encoding, decoding and outer step on the host) is not. The sleep alone is reported beside it.
+round's encoding, decoding and outer step on the host) is not. The sleep alone is reported beside it, and
+the time in ``opt.step`` that is not compute, with the part of it in DiLoCo's rounds' ends.
 It is measured per peer from the moment it reaches global step ``--warmup-steps`` to the moment it reaches
 ``--warmup-steps + --steps``, averaged over the peers. Modes, run one after the other on the same links:
 
