@@ -14,7 +14,8 @@ parameters and momentum) in the same all-reduce as the pseudo-gradients (cotrain
 
 ``overlap``: a round's all-reduce runs in the background while the next round computes; its outer step is
 applied one round late, at the end of the next round, and the peer then continues from the new global
-parameters plus its own change since (so its work is never thrown away, and compute never waits).
+parameters plus its own change since (so its work is never thrown away, and compute never waits;
+cotrain.swarm.overlap).
 
 A round whose all-reduce fails is retried with whoever is left until ``averaging_timeout``; then the peer
 applies its own change alone. A peer the others left a round behind joins theirs when it reads the swarm

@@ -1,9 +1,10 @@
-"""Where a DiLoCo peer's overlapped round started, and its change since (cotrain.swarm.diloco, ``overlap``).
+"""A DiLoCo peer's overlapped rounds (cotrain.swarm.diloco, ``overlap``): where a round started, its change
+since, and the end of a round.
 
 With overlap a peer measures its round's change from where the round started (not from the global
 parameters, which the previous round's outer step moves only at this round's end), then continues from the new
 global parameters minus that change. With a codec the change is computed in place in the start's own
-tensors, and the new parameters in place in the change once the codec has encoded it: a round's end then
+tensors, and the new parameters in place in the change once it is copied out: a round's end then
 takes no fresh memory of the model's size (hundreds of MB whose pages the kernel zeroes at every round,
 which on a host shared by several peers took more time than the arithmetic). Dense rounds keep the change
 itself until the next round's end (it is what the peer applies if its round fails), so theirs is a copy.
