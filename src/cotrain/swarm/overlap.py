@@ -139,6 +139,7 @@ class OverlappedRounds:
         self._pending = self._matched()
         self._ends.submit(self._sparse_round, self._pending, whole, self.samples)
 
+    @torch.no_grad()  # (grad mode is per thread)
     def _sparse_round(self, control: Any, whole: torch.Tensor, weight: int) -> tuple:
         """A sparse overlapped round's host work (in the round ends' thread): encode ``whole`` with the
         feedback, start the all-reduce, and read its result once it ends."""
