@@ -8,6 +8,11 @@ seconds, and its minor page faults (fresh memory the kernel zeroes). Each tree g
 process of its own, in turn, ``--repeats`` times, the trees alternating so that a drift of the machine falls
 on all of them.
 
+What it times is the training thread's part of a round's end. A lone peer sends nothing, so since the host's
+work of a sparse overlapped round moved to a thread of its own (cotrain.swarm.overlap.RoundEnds) it no longer
+encodes at all: compare trees from before that change with care, and measure a swarm's rounds' ends with
+``utilization.py``, which reports them.
+
     python benchmarks/round_end.py [--src OLD/src NEW/src] [--model-params 100000000] [--rounds 4]
 
 A tree is a ``src`` folder holding a ``cotrain`` package (``git worktree add /tmp/old COMMIT`` gives one of an
