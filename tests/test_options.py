@@ -122,6 +122,7 @@ def _value_for(section: str, f: dataclasses.Field):
         "outer_compression": None,  # needs --strategy diloco: tests/test_sparse.py
         "topk_density": 0.03,
         "topk_bits": 4,
+        "topk_feedback_decay": 0.5,
     }
     if f.name in special:
         return special[f.name]

@@ -15,7 +15,7 @@ import test_diloco
 from conftest import wait_until
 from cotrain.config.run import RunConfig
 from cotrain.swarm.aggregation import Mean
-from cotrain.swarm.overlap import RoundStart
+from cotrain.swarm.overlap import RoundStart, encode_with_feedback
 from cotrain.swarm.robust import RecordParts, RobustPartReducer
 from cotrain.swarm.sparse import (
     BLOCK,
@@ -88,6 +88,15 @@ def test_the_codec_keeps_k_per_chunk_and_its_feedback_holds_exactly_what_was_not
     rest = long.clone()
     codec.add_decoded(records, rest, alpha=-1.0)
     assert torch.equal(rest, long - codec.decode(records, long.numel()))
+    # a round's change joins the feedback times the decay; the buffer then holds exactly what was not sent
+    fading = TopK(decay=0.9)
+    change, buffer = values.clone(), long[: values.numel()].clone()
+    whole = torch.add(change, buffer, alpha=0.9)
+    records = encode_with_feedback(fading, change, buffer)
+    assert torch.equal(records, fading.encode(whole)) and torch.equal(change, whole)
+    assert torch.allclose(buffer, whole - fading.decode(records, whole.numel()), atol=1e-6)
+    with pytest.raises(ValueError, match="decay"):
+        TopK(decay=0.0)
 
 
 def test_an_overlapped_round_computed_in_place_is_the_copying_one_to_the_bit():
@@ -212,6 +221,7 @@ def test_a_reducer_refuses_malformed_records_and_returns_the_same_records_of_the
         ({"outer_compression": "sparse"}, "dense or topk"),
         ({"topk_bits": 3}, "topk_bits must be one of 2, 4, 8"),
         ({"topk_density": 0.9}, "topk_density must be in (0, 0.5]"),
+        ({"topk_feedback_decay": 1.5}, "topk_feedback_decay must be in (0, 1]"),
     ],
 )
 def test_bad_outer_compression_settings_are_named(values, words):
@@ -231,12 +241,14 @@ def test_the_command_line_sets_sparse_rounds_and_their_outer_step(capsys):
     )
     run = config.run
     assert (run.outer_compression, run.topk_density, run.topk_bits) == ("topk", 1 / 64, 2)
+    assert run.topk_feedback_decay == 0.9
     assert (run.outer_lr, run.outer_momentum) == (1.0, 0.0)  # SparseLoCo's outer step unless given
     _, config = cli.parse(
         ["train", "--preset", "llama-tiny", "--strategy", "diloco", "--outer-compression", "topk"]
-        + ["--outer-momentum", "0.5", "--topk-bits", "4"]
+        + ["--outer-momentum", "0.5", "--topk-bits", "4", "--topk-feedback-decay", "1"]
     )
     assert (config.run.outer_lr, config.run.outer_momentum, config.run.topk_bits) == (1.0, 0.5, 4)
+    assert config.run.topk_feedback_decay == 1.0
     assert cli.main(["train", "--preset", "llama-tiny", "--outer-compression", "topk"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs --strategy diloco" in err[0], err

@@ -174,8 +174,9 @@ def test_a_diloco_swarm_shows_outer_rounds_inner_steps_and_bytes_per_round():
     assert "last round sent 3.5 MB per peer (6.9 MB in all)" in text
     assert "next round: 80 of 320 samples (25%)" in text
     assert "sent/round" in text and "3.4 MB" in text and "sparse rounds" not in text
-    sparse = describe({**state, "outer_compression": "topk", "topk_density": 1 / 64, "topk_bits": 2})
-    assert "sparse rounds: the top 1.56% of each chunk in 2 bits" in sparse
+    topk = {"outer_compression": "topk", "topk_density": 1 / 64, "topk_bits": 2, "topk_feedback_decay": 0.9}
+    sparse = describe({**state, **topk})
+    assert "sparse rounds: the top 1.56% of each chunk in 2 bits, error feedback x 0.9" in sparse
 
     sync = snapshot("r", 64, records, live, now=now)  # the same records read as a sync run's
     assert sync["strategy"] == "sync" and sync["step_samples"] == 64

@@ -50,7 +50,11 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
         if run.strategy == "diloco":  # the compression of the rounds in force (a swarm-wide setting)
             state["outer_compression"] = run.outer_compression
             if run.outer_compression == "topk":
-                state.update(topk_density=run.topk_density, topk_bits=run.topk_bits)
+                state.update(
+                    topk_density=run.topk_density,
+                    topk_bits=run.topk_bits,
+                    topk_feedback_decay=run.topk_feedback_decay,
+                )
         return state
     finally:
         try:
@@ -68,7 +72,8 @@ def _swarm_strategy(connection: Any, run: RunConfig, given: list[str]) -> RunCon
     if found is None:
         return run
     fields = found[0]
-    names = ("strategy", "local_steps", "outer_compression", "topk_density", "topk_bits")
+    names = ("strategy", "local_steps", "outer_compression")
+    names += ("topk_density", "topk_bits", "topk_feedback_decay")
     taken = {k: fields[k] for k in names if k not in given and k in fields}
     try:
         return dataclasses.replace(run, **taken)
@@ -111,7 +116,7 @@ def describe(state: dict) -> str:
         if state.get("outer_compression") == "topk":
             lines[-1] += (
                 f"; sparse rounds: the top {state['topk_density']:.2%} of each chunk in "
-                f"{state['topk_bits']} bits"
+                f"{state['topk_bits']} bits, error feedback x {state.get('topk_feedback_decay', 1.0):g}"
             )
     lines += [
         f"peers: {state['num_peers']} ({state['num_clients']} in client mode"

@@ -157,6 +157,11 @@ class RunConfig:
     topk_bits: int = opt(
         2, "topk: bits per value sent (2, 4 or 8): a sign and one of the chunk's levels of magnitude."
     )
+    topk_feedback_decay: float = opt(
+        0.9,
+        "topk: what a peer did not send joins its next round's change times this (1: all of it); a decay "
+        "below 1 lets stale values fade (docs/diloco.md).",
+    )
     aggregation: str = opt(
         "mean",
         "How the reducer of each part of an all-reduce combines the group's contributions (gradients; "
@@ -218,6 +223,8 @@ def _outer_compression_problems(run: "RunConfig") -> list[str]:
     problems = []
     if not 0 < run.topk_density <= 0.5:
         problems.append(f"topk_density must be in (0, 0.5], got {run.topk_density}")
+    if not 0 < run.topk_feedback_decay <= 1:
+        problems.append(f"topk_feedback_decay must be in (0, 1], got {run.topk_feedback_decay}")
     if run.topk_bits not in TOPK_BITS:
         problems.append(f"topk_bits must be one of {', '.join(map(str, TOPK_BITS))}, got {run.topk_bits}")
     if run.outer_compression == "topk" and run.strategy != "diloco":

@@ -86,7 +86,7 @@ def diloco_reducer(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.M
         [p for group in parameter_groups(model, run.weight_decay) for p in group["params"]],
         dht,
         run_id=run.run_id,
-        codec=codec_of(run.outer_compression, run.topk_density, run.topk_bits),
+        codec=codec_of(run.outer_compression, run.topk_density, run.topk_bits, run.topk_feedback_decay),
         compression=gradient_compression(peer.grad_compression),
         aggregation=aggregation,
         matchmaking_time=peer.matchmaking_time,

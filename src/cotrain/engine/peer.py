@@ -60,6 +60,7 @@ RUN_SETTINGS = (
     "outer_compression",
     "topk_density",
     "topk_bits",
+    "topk_feedback_decay",
 )
 
 
@@ -91,7 +92,8 @@ class SwarmPeer:
     momentum (``outer_lr``, ``outer_momentum``: 0.7 and 0.9 by default); ``outer_overlap=True`` runs that
     all-reduce in the background and applies it one round late. ``global_step`` then counts outer rounds.
     ``outer_compression="topk"`` sends each round's change as the top ``topk_density`` of every chunk in
-    ``topk_bits`` bits, with error feedback (docs/diloco.md); its outer step is then, by default, SparseLoCo's
+    ``topk_bits`` bits, with error feedback (what stays unsent joins the next round times
+    ``topk_feedback_decay``; docs/diloco.md); its outer step is then, by default, SparseLoCo's
     (``outer_lr`` 1, ``outer_momentum`` 0).
 
     ``aggregation="centered-clip"`` makes every reducer of the all-reduce combine its part with CenteredClip
@@ -134,6 +136,7 @@ class SwarmPeer:
         outer_compression: str = "dense",
         topk_density: float = 1 / 64,
         topk_bits: int = 2,
+        topk_feedback_decay: float = 0.9,
         aggregation: str = "mean",
         clip_tau: str | float = "auto",
         clip_iterations: int = 5,
@@ -177,6 +180,7 @@ class SwarmPeer:
                     outer_compression=outer_compression,
                     topk_density=topk_density,
                     topk_bits=topk_bits,
+                    topk_feedback_decay=topk_feedback_decay,
                     aggregation=aggregation,
                     clip_tau=str(clip_tau),
                     clip_iterations=clip_iterations,

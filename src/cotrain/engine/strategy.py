@@ -435,7 +435,7 @@ class DiLoCoStrategy(HivemindStrategy):
             tracker_opts=tracker_options(peer.matchmaking_time, tracker_settings(peer)),
             performance_ema_alpha=peer.performance_ema_alpha,
             verbose=peer.verbose,
-            codec=codec_of(run.outer_compression, run.topk_density, run.topk_bits),
+            codec=codec_of(run.outer_compression, run.topk_density, run.topk_bits, run.topk_feedback_decay),
         )
         self.opt.should_stop = should_stop
         gain = run.outer_lr * (1 + run.outer_momentum)

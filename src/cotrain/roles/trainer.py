@@ -41,7 +41,10 @@ def strategy_words(config: Config) -> str:
     overlap = ", overlapped" if run.outer_overlap else ""
     wire = f"{peer.grad_compression} on the wire"
     if run.outer_compression == "topk":
-        wire = f"top {run.topk_density:.2%} of each chunk in {run.topk_bits} bits on the wire, error feedback"
+        wire = (
+            f"top {run.topk_density:.2%} of each chunk in {run.topk_bits} bits on the wire, error feedback x "
+            f"{run.topk_feedback_decay:g}"
+        )
     return (
         f"strategy diloco (an outer round every {run.local_steps} x {run.target_batch_size} samples of the "
         f"swarm, outer lr {run.outer_lr:g}, momentum {run.outer_momentum:g}{overlap}, {wire})"

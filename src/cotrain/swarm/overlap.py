@@ -78,9 +78,9 @@ class RoundStart:
 
 
 def encode_with_feedback(codec: Any, whole: torch.Tensor, feedback: torch.Tensor) -> torch.Tensor:
-    """The records of ``whole`` (a round's change, to which ``feedback`` is added in place); ``feedback`` then
-    keeps what they leave out (cotrain.swarm.sparse)."""
-    records = codec.encode(whole.add_(feedback))
+    """The records of ``whole`` (a round's change, to which ``feedback`` times the codec's decay is added in
+    place); ``feedback`` then keeps what they leave out (cotrain.swarm.sparse)."""
+    records = codec.encode(whole.add_(feedback, alpha=codec.decay))
     feedback.copy_(whole)
     codec.add_decoded(records, feedback, alpha=-1.0)
     return records
@@ -134,7 +134,7 @@ class OverlappedRounds:
         self._start.next_round(sa.global_parameters, own, sa.lock_averaged_tensors)
         self._pending_own, self._pending = self._shaped(whole), None
         if not self._others():
-            whole.add_(self.feedback)
+            whole.add_(self.feedback, alpha=self.codec.decay)
             return
         self._pending = self._matched()
         self._ends.submit(self._sparse_round, self._pending, whole, self.samples)

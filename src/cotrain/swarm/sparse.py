@@ -1,8 +1,9 @@
 """DiLoCo's sparse rounds: the pseudo-gradient as the top-k values of each chunk, quantized, with error
 feedback.
 
-``--outer-compression topk`` (swarm-wide: it changes the math). Each peer adds its error-feedback buffer to
-its round's pseudo-gradient, splits the sum into chunks of ``CHUNK`` values, keeps the ``k`` of largest
+``--outer-compression topk`` (swarm-wide: it changes the math). Each peer adds its error-feedback buffer,
+times ``--topk-feedback-decay`` (``TopK.decay``: what stays unsent fades, as in SparseLoCo), to its round's
+pseudo-gradient, splits the sum into chunks of ``CHUNK`` values, keeps the ``k`` of largest
 magnitude in each (``k``: ``--topk-density`` of the chunk, a multiple of 8), quantizes them to ``--topk-bits``
 bits, and keeps what it did not send (the values left out and the rounding of those sent) in its buffer for
 the next round.
@@ -99,17 +100,21 @@ def unpack_indices(data: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor
 
 @dataclass(frozen=True)
 class TopK:
-    """The codec: ``density`` of each chunk kept, quantized to ``bits`` bits."""
+    """The codec: ``density`` of each chunk kept, quantized to ``bits`` bits; a peer's error-feedback buffer
+    joins its next round's change times ``decay`` (what stays unsent fades)."""
 
     density: float = 1 / 64
     bits: int = 2
     chunk: int = CHUNK
+    decay: float = 1.0
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
             raise ValueError(f"topk bits must be one of {BITS}, got {self.bits}")
         if not 0 < self.density <= 0.5:
             raise ValueError(f"topk density must be in (0, 0.5], got {self.density}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"topk feedback decay must be in (0, 1], got {self.decay}")
         if not 8 <= self.chunk <= CHUNK:
             raise ValueError(f"chunk must be between 8 and {CHUNK} values, got {self.chunk}")
 
@@ -282,9 +287,9 @@ class Raw:
         return ""
 
 
-def codec_of(outer_compression: str, density: float, bits: int) -> TopK | None:
+def codec_of(outer_compression: str, density: float, bits: int, decay: float = 1.0) -> TopK | None:
     """The codec of a run's ``outer_compression`` (None: dense rounds)."""
-    return TopK(density=density, bits=bits) if outer_compression == "topk" else None
+    return TopK(density=density, bits=bits, decay=decay) if outer_compression == "topk" else None
 
 
 def flat(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
