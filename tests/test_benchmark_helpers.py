@@ -1,6 +1,7 @@
 """Helpers of the benchmarks: the all-reduce bound, namespace names, convergence curves, the overhead script's
-arms, the footprint's process kinds, the step benchmarks' arms, the libp2p all-to-all reference (live, on
-127.0.0.1), and the home router's NAT between namespaces (where root, iproute2 and nftables allow)."""
+arms, the footprint's process kinds, the step benchmarks' arms, the rounds simulation's averaging, the libp2p
+all-to-all reference (live, on 127.0.0.1), and the home router's NAT between namespaces (where root, iproute2
+and nftables allow)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import convergence  # noqa: E402
 import footprint  # noqa: E402
 import nat  # noqa: E402
 import overhead  # noqa: E402
+import rounds_sim  # noqa: E402
 import scale  # noqa: E402
 import soak  # noqa: E402
 
@@ -479,3 +481,48 @@ def test_a_sparse_overlapped_round_end_takes_no_fresh_memory_of_the_models_size(
     assert tree["minflt"] < 400, tree
     bad = subprocess.run([*script, "--src", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and f"{tmp_path} holds no cotrain package" in bad.stderr, bad.stderr
+
+
+def test_the_rounds_simulation_averages_as_a_swarm_of_sparse_rounds_does():
+    import torch
+
+    from cotrain.swarm.sparse import TopK
+
+    arm = rounds_sim.Arm.parse("topk:decay=0.9:density=0.03125:exact=lm_head,embed")
+    assert (arm.codec, arm.exact, arm.union, arm.sparse) == (
+        {"decay": 0.9, "density": 0.03125},
+        ("lm_head", "embed"),
+        False,
+        True,
+    )
+    for bad in ("sparse", "dense:decay=0.9", "topk:colour=red", "topk:exact="):
+        with pytest.raises(ValueError):
+            rounds_sim.Arm.parse(bad)
+    assert rounds_sim.spans(16_379, 4096, 2) == [(0, 8192), (8192, 16_379)]  # whole chunks, all covered
+    codec, numel, n = TopK(decay=0.9), 3 * 4096, 3
+    changes = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    feedback = [torch.randn(numel, generator=torch.Generator().manual_seed(10 + i)) for i in range(n)]
+    wholes = [torch.add(c, f, alpha=0.9) for c, f in zip(changes, feedback, strict=True)]
+    none = torch.zeros(numel, dtype=torch.bool)
+    dense = rounds_sim.average(
+        rounds_sim.Arm.parse("dense"), None, [c.clone() for c in changes], [], none, None
+    )
+    assert torch.allclose(dense, torch.stack(changes).mean(0))
+    g = torch.Generator().manual_seed(0)
+    mine = [f.clone() for f in feedback]
+    out = rounds_sim.average(
+        arm.__class__.parse("topk:decay=0.9"), codec, [c.clone() for c in changes], mine, none, g
+    )
+    sent = [codec.decode(codec.encode(w), numel) for w in wholes]
+    mean = torch.stack(sent).mean(0)
+    # the group's average is re-encoded to k per chunk; each peer keeps what it did not send, and the reducers
+    # keep n times what the re-encoding left out, so that nothing is lost overall
+    assert ((out.view(-1, 4096) != 0).sum(1) <= codec.k).all()
+    total = sum(mine) - sum(w - s for w, s in zip(wholes, sent, strict=True))
+    assert torch.allclose(total, n * (mean - out), atol=1e-5)
+    # parameters sent exactly skip the codec on both sides
+    everything = torch.ones(numel, dtype=torch.bool)
+    exact = rounds_sim.average(
+        arm, codec, [c.clone() for c in changes], [f.clone() for f in feedback], everything, g
+    )
+    assert torch.allclose(exact, torch.stack(wholes).mean(0), atol=1e-6)

@@ -1,0 +1,230 @@
+"""DiLoCo's outer rounds in one process, to screen settings of sparse rounds in minutes.
+
+``--peers`` replicas of a preset's model (cotrain's own model, data, collator, inner optimizer and schedule)
+each take ``--local-steps`` inner steps a round on micro-batches of ``--micro-batch`` from their own order of
+a dataset prepared from WikiText-2's validation file (as ``convergence.py`` prepares it); their changes are
+then averaged as a swarm would: densely, or through cotrain's top-k codec (``cotrain.swarm.sparse.TopK``)
+with error feedback, a butterfly's reducers (each span of chunks re-encoded by a reducer drawn at random,
+what its re-encoding leaves out kept in that reducer's buffer times the group's size), and the outer step
+(``--outer-lr``, no momentum). No network, no hivemind: what a real swarm's timing changes (groups, failed
+rounds) is absent, so a setting screened here is then measured with ``convergence.py``. With the same
+settings, on the tiny Llama (seed 0), the two ended 0.01-0.08 apart in held-out loss (docs/benchmarks.md).
+
+An arm is ``dense`` or ``topk`` with ``:``-separated settings: ``decay=0.9`` (the error feedback's decay,
+``--topk-feedback-decay``), ``density=0.03125``, ``bits=4``, ``union`` (reducers return the group's exact
+mean of what was sent, every value any sender sent, instead of re-encoding it to k: a bound for larger
+returns), ``exact=NAME`` (the parameters whose name holds NAME are sent exactly, the rest as records;
+repeatable, ``,``-separated).
+
+    python benchmarks/rounds_sim.py --arms dense topk topk:decay=0.9 topk:decay=0.9:exact=lm_head
+    python benchmarks/rounds_sim.py --preset gpt2-tiny --seeds 2 --arms dense topk:decay=0.9
+
+Per arm and seed: the held-out loss (128 examples of the validation split) every 5 rounds and at the end; the
+last line is a JSON summary ``{"event": "rounds_sim_summary", "runs": [{"arm", "seed", "final",
+"curve"}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _netns import print_finished, print_started  # noqa: E402
+
+HELD_OUT = 128  # validation examples in the held-out loss
+
+
+@dataclass
+class Arm:
+    """How a round's changes are averaged: dense, or top-k records with the codec's settings."""
+
+    name: str
+    codec: dict = field(default_factory=dict)
+    union: bool = False
+    exact: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Arm:
+        kind, *settings = text.split(":")
+        if kind not in ("dense", "topk") or (kind == "dense" and settings):
+            raise ValueError(f"an arm is dense or topk[:setting...], got {text!r}")
+        arm = cls(text)
+        for setting in settings:
+            key, _, value = setting.partition("=")
+            if key in ("decay", "density"):
+                arm.codec[key] = float(value)
+            elif key == "bits":
+                arm.codec[key] = int(value)
+            elif key == "union" and not value:
+                arm.union = True
+            elif key == "exact" and value:
+                arm.exact += tuple(value.split(","))
+            else:
+                raise ValueError(f"unknown setting {setting!r} in arm {text!r}")
+        return arm
+
+    @property
+    def sparse(self) -> bool:
+        return not self.name.startswith("dense")
+
+
+def spans(numel: int, chunk: int, parts: int) -> list[tuple[int, int]]:
+    """The butterfly's spans: ``parts`` runs of whole chunks covering ``numel`` values."""
+    chunks = math.ceil(numel / chunk)
+    bounds = [min(numel, round(chunks * j / parts) * chunk) for j in range(parts + 1)]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def average(arm: Arm, codec, changes: list, feedback: list, exact, generator):
+    """The group's average of ``changes`` (flat vectors), as the arm's swarm computes it; ``feedback``
+    (one buffer per peer) is updated in place."""
+    import torch
+
+    if not arm.sparse:
+        return torch.stack(changes).mean(0)
+    sent = []
+    for change, buffer in zip(changes, feedback, strict=True):
+        whole = change.add_(buffer, alpha=codec.decay)
+        decoded = codec.decode(codec.encode(whole), whole.numel())
+        decoded[exact] = whole[exact]
+        buffer.copy_(whole - decoded)
+        sent.append(decoded)
+    mean = torch.stack(sent).mean(0)
+    if arm.union:
+        return mean
+    out = torch.empty_like(mean)
+    reducers = torch.randperm(len(changes), generator=generator).tolist()
+    for (a, b), reducer in zip(spans(mean.numel(), codec.chunk, len(changes)), reducers, strict=True):
+        span = mean[a:b]
+        out[a:b] = codec.decode(codec.encode(span), b - a)
+        out[a:b][exact[a:b]] = span[exact[a:b]]
+        feedback[reducer][a:b].add_(span - out[a:b], alpha=len(changes))
+    return out
+
+
+def run_arm(arm: Arm, seed: int, args, data: Path) -> dict:
+    import torch
+
+    from cotrain.config import resolve
+    from cotrain.data.tokenizer import load_tokenizer
+    from cotrain.models import collator_for_run, forward_loss, model_for_tokenizer
+    from cotrain.optim import optimizer_factory, scheduler_factory
+    from cotrain.swarm.sparse import TopK
+
+    run = {"max_seq_length": args.seq_length, "warmup_steps": args.warmup_steps, "total_steps": args.steps}
+    config = resolve(args.preset, overrides={"run": run})
+    import datasets
+
+    tokenizer = load_tokenizer(data / "tokenizer", config.run.objective)
+    train = datasets.load_dataset("parquet", data_dir=str(data / "train"), split="train")
+    valid = datasets.load_dataset("parquet", data_dir=str(data / "validation"), split="train")
+    collate = collator_for_run(config.run, tokenizer, seed=0)
+    held_out = [collate([valid[i] for i in range(j, j + 8)]) for j in range(0, min(HELD_OUT, len(valid)), 8)]
+    base = model_for_tokenizer(config.run, tokenizer)
+    names = [name for name, _ in base.named_parameters()]
+    sizes = [p.numel() for p in base.parameters()]
+    exact = torch.cat(
+        [torch.full((n,), any(s in name for s in arm.exact)) for name, n in zip(names, sizes, strict=True)]
+    )
+    flat = lambda model: torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # noqa: E731
+    glob = flat(base).clone()
+    peers = []
+    for i in range(args.peers):
+        model = model_for_tokenizer(config.run, tokenizer)
+        opt = optimizer_factory(config.run)(model.parameters())
+        order = torch.Generator().manual_seed(1000 * seed + i)
+        peers.append({"model": model, "opt": opt, "sched": scheduler_factory(config.run)(opt), "gen": order})
+        peers[-1]["collate"] = collator_for_run(config.run, tokenizer, seed=1000 * seed + i)
+        peers[-1]["order"], peers[-1]["pos"] = torch.randperm(len(train), generator=order).tolist(), 0
+    codec = TopK(**arm.codec) if arm.sparse else None
+    feedback = [torch.zeros_like(glob) for _ in peers] if arm.sparse else []
+    generator = torch.Generator().manual_seed(seed)
+
+    def load(model, values):
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), values.split(sizes), strict=True):
+                p.copy_(v.view_as(p))
+
+    def held_out_loss() -> float:
+        load(base, glob)
+        with torch.no_grad():
+            return sum(float(forward_loss(base, b)) for b in held_out) / len(held_out)
+
+    curve, began = [], time.monotonic()
+    rounds = args.steps // args.local_steps
+    for r in range(rounds):
+        changes = []
+        for peer in peers:
+            model, opt = peer["model"], peer["opt"]
+            for _ in range(args.local_steps):
+                if peer["pos"] + args.micro_batch > len(peer["order"]):
+                    peer["order"], peer["pos"] = torch.randperm(len(train), generator=peer["gen"]).tolist(), 0
+                rows = peer["order"][peer["pos"] : peer["pos"] + args.micro_batch]
+                peer["pos"] += args.micro_batch
+                forward_loss(model, peer["collate"]([train[i] for i in rows])).backward()
+                if config.run.max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.run.max_grad_norm)
+                opt.step()
+                peer["sched"].step()
+                opt.zero_grad()
+            changes.append(glob - flat(model))
+        glob.sub_(average(arm, codec, changes, feedback, exact, generator), alpha=args.outer_lr)
+        for peer in peers:
+            load(peer["model"], glob)
+        if (r + 1) % 5 == 0 or r + 1 == rounds:
+            curve.append((r + 1, held_out_loss()))
+            print(f"  {arm.name}, seed {seed}: round {r + 1}, held-out {curve[-1][1]:.4f}", flush=True)
+    print(f"{arm.name}, seed {seed}: {curve[-1][1]:.4f} in {time.monotonic() - began:.0f} s", flush=True)
+    return {"arm": arm.name, "seed": seed, "final": curve[-1][1], "curve": curve}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arms", nargs="+", default=["dense", "topk"], help="dense, topk[:decay=D:...] (doc)")
+    ap.add_argument("--preset", default="llama-tiny")
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--local-steps", type=int, default=10, help="inner steps per round (H)")
+    ap.add_argument("--steps", type=int, default=300, help="inner steps per peer (the schedule)")
+    ap.add_argument("--warmup-steps", type=int, default=10)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq-length", type=int, default=64)
+    ap.add_argument("--valid-fraction", type=float, default=0.05)
+    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", help="a dataset prepared from WikiText-2 valid (default: prepare one)")
+    ap.add_argument("--json", help="write the summary here too")
+    args = ap.parse_args()
+    arms = [Arm.parse(a) for a in args.arms]
+
+    import torch
+
+    import convergence
+
+    torch.set_num_threads(args.threads)
+    started = print_started()
+    with tempfile.TemporaryDirectory(prefix="cotrain-rounds-sim-") as tmp:
+        data = Path(args.data) if args.data else Path(tmp) / "data"
+        if not args.data:
+            if not convergence.WIKITEXT.exists():
+                sys.exit(f"{convergence.WIKITEXT} not found (give --data)")
+            convergence.prepare(data, args)
+        seeds = range(args.first_seed, args.first_seed + args.seeds)
+        runs = [run_arm(arm, seed, args, data) for seed in seeds for arm in arms]
+    summary = {"event": "rounds_sim_summary", "runs": runs}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary))
+    print_finished(started)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
