@@ -5,7 +5,8 @@ each take ``--local-steps`` inner steps a round on micro-batches of ``--micro-ba
 a dataset prepared from WikiText-2's validation file (as ``convergence.py`` prepares it); their changes are
 then averaged as a swarm would: densely, or through cotrain's top-k codec (``cotrain.swarm.sparse.TopK``)
 with error feedback, a butterfly's reducers (each span of chunks re-encoded by a reducer drawn at random,
-what its re-encoding leaves out kept in that reducer's buffer times the group's size), and the outer step
+``cotrain.swarm.robust.RecordParts``, what its re-encoding leaves out kept in that reducer's buffer times the
+group's size), and the outer step
 (``--outer-lr``, no momentum). No network, no hivemind: what a real swarm's timing changes (groups, failed
 rounds) is absent, so a setting screened here is then measured with ``convergence.py``. With the same
 settings, on the tiny Llama (seed 0), the two ended 0.01-0.08 apart in held-out loss (docs/benchmarks.md).
@@ -99,13 +100,21 @@ def average(arm: Arm, codec, changes: list, feedback: list, exact, generator):
     mean = torch.stack(sent).mean(0)
     if arm.union:
         return mean
-    out = torch.empty_like(mean)
-    reducers = torch.randperm(len(changes), generator=generator).tolist()
-    for (a, b), reducer in zip(spans(mean.numel(), codec.chunk, len(changes)), reducers, strict=True):
-        span = mean[a:b]
-        out[a:b] = codec.decode(codec.encode(span), b - a)
-        out[a:b][exact[a:b]] = span[exact[a:b]]
-        feedback[reducer][a:b].add_(span - out[a:b], alpha=len(changes))
+    from cotrain.swarm.robust import RecordParts
+
+    n, out = len(changes), torch.empty_like(mean)
+    records = torch.empty(codec.encoded_size(mean.numel()), dtype=torch.uint8)  # the parts' storage
+    reducers = torch.randperm(n, generator=generator).tolist()
+    for (a, b), reducer in zip(spans(mean.numel(), codec.chunk, n), reducers, strict=True):
+        # the swarm's reducer of this span: re-encodes the average, keeps n times what that leaves out
+        part = records[a // codec.chunk * codec.record : math.ceil(b / codec.chunk) * codec.record]
+        parts = RecordParts([codec], [part], [records], feedback[reducer])
+        span, keep = mean[a:b], exact[a:b]
+        whole = torch.zeros(part.numel() // codec.record * codec.chunk)  # a part is whole records
+        whole[: b - a] = span
+        decoded = codec.decode(parts.reduced(0, whole, n), b - a)
+        out[a:b] = torch.where(keep, span, decoded)
+        feedback[reducer][a:b][keep] -= n * (span - decoded)[keep]  # sent exactly: nothing left out
     return out
 
 

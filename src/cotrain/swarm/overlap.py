@@ -77,10 +77,15 @@ class RoundStart:
                 start.copy_(param.detach())
 
 
+def add_feedback(codec: Any, whole: torch.Tensor, feedback: torch.Tensor) -> torch.Tensor:
+    """``whole`` (a round's change) plus ``feedback`` times the codec's decay, in place."""
+    return whole.add_(feedback, alpha=codec.decay)
+
+
 def encode_with_feedback(codec: Any, whole: torch.Tensor, feedback: torch.Tensor) -> torch.Tensor:
-    """The records of ``whole`` (a round's change, to which ``feedback`` times the codec's decay is added in
-    place); ``feedback`` then keeps what they leave out (cotrain.swarm.sparse)."""
-    records = codec.encode(whole.add_(feedback, alpha=codec.decay))
+    """The records of ``whole`` with the feedback added (``add_feedback``); ``feedback`` then keeps what they
+    leave out (cotrain.swarm.sparse)."""
+    records = codec.encode(add_feedback(codec, whole, feedback))
     feedback.copy_(whole)
     codec.add_decoded(records, feedback, alpha=-1.0)
     return records
@@ -134,7 +139,7 @@ class OverlappedRounds:
         self._start.next_round(sa.global_parameters, own, sa.lock_averaged_tensors)
         self._pending_own, self._pending = self._shaped(whole), None
         if not self._others():
-            whole.add_(self.feedback, alpha=self.codec.decay)
+            add_feedback(self.codec, whole, self.feedback)
             return
         self._pending = self._matched()
         self._ends.submit(self._sparse_round, self._pending, whole, self.samples)
