@@ -17,6 +17,15 @@ mean of what was sent, every value any sender sent, instead of re-encoding it to
 returns), ``exact=NAME`` (the parameters whose name holds NAME are sent exactly, the rest as records;
 repeatable, ``,``-separated).
 
+The vocabulary-sized matrices (a dimension the vocabulary's size: the embeddings, an untied output head) can
+travel otherwise than the rest of the model, in their own error-feedback buffers: ``vdensity=D``, ``vbits=B``
+and ``vdecay=X`` give them top-k records of their own settings; ``vshared`` sends, at ``vdensity``, the same
+random subset of each chunk on every peer, drawn anew each round (no indices to send: at equal bytes about 5
+times the values); ``vrows=F`` sends the share F of each matrix's rows of largest norm, each row in 2 bits
+(a reducer per matrix re-encodes the mean); ``vrank=R`` sends each matrix's best rank-R approximation, the
+mean of the peers' returned whole (a bound: no exchange of this form re-encodes its average); ``vdct=B``
+sends top-k records of the matrices transformed along their rows by a DCT in blocks of B rows.
+
     python benchmarks/rounds_sim.py --arms dense topk topk:decay=0.9 topk:decay=0.9:exact=lm_head
     python benchmarks/rounds_sim.py --preset gpt2-tiny --seeds 2 --arms dense topk:decay=0.9
 
@@ -50,6 +59,8 @@ class Arm:
     codec: dict = field(default_factory=dict)
     union: bool = False
     exact: tuple[str, ...] = ()
+    vocab: dict = field(default_factory=dict)  # the vocabulary-sized matrices' own codec settings
+    form: tuple[str, float] = ("records", 0.0)  # and how they travel (vocab_average)
 
     @classmethod
     def parse(cls, text: str) -> Arm:
@@ -65,6 +76,12 @@ class Arm:
                 arm.codec[key] = int(value)
             elif key == "union" and not value:
                 arm.union = True
+            elif key == "vshared" and not value:
+                arm.form = ("shared", 0.0)
+            elif key in ("vrank", "vrows", "vdct"):
+                arm.form = (key[1:], float(value))
+            elif key in ("vdensity", "vbits", "vdecay"):
+                arm.vocab[key[1:]] = int(value) if key == "vbits" else float(value)
             elif key == "exact" and value:
                 arm.exact += tuple(value.split(","))
             else:
@@ -83,7 +100,7 @@ def spans(numel: int, chunk: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
-def average(arm: Arm, codec, changes: list, feedback: list, exact, generator):
+def average(arm: Arm, codec, changes: list, feedback: list, exact, generator, mask=None):
     """The group's average of ``changes`` (flat vectors), as the arm's swarm computes it; ``feedback``
     (one buffer per peer) is updated in place."""
     import torch
@@ -93,7 +110,8 @@ def average(arm: Arm, codec, changes: list, feedback: list, exact, generator):
     sent = []
     for change, buffer in zip(changes, feedback, strict=True):
         whole = change.add_(buffer, alpha=codec.decay)
-        decoded = codec.decode(codec.encode(whole), whole.numel())
+        chosen = whole if mask is None else whole * mask
+        decoded = codec.decode(codec.encode(chosen), whole.numel())
         decoded[exact] = whole[exact]
         buffer.copy_(whole - decoded)
         sent.append(decoded)
@@ -116,6 +134,114 @@ def average(arm: Arm, codec, changes: list, feedback: list, exact, generator):
         out[a:b] = torch.where(keep, span, decoded)
         feedback[reducer][a:b][keep] -= n * (span - decoded)[keep]  # sent exactly: nothing left out
     return out
+
+
+def quantize_rows(rows):
+    """Each row in 2 bits: a sign and one of two levels, the means of its magnitudes below and above their
+    midpoint (the codec's 2-bit levels, one pair per row)."""
+    import torch
+
+    mag = rows.abs()
+    upper = mag > ((mag.amin(1) + mag.amax(1)) / 2)[:, None]
+    hi = (mag * upper).sum(1) / upper.sum(1).clamp(min=1)
+    lo = (mag * ~upper).sum(1) / (~upper).sum(1).clamp(min=1)
+    return torch.where(upper, hi[:, None], lo[:, None]) * rows.sign()
+
+
+def top_rows(share: float):
+    """A matrix's rows of largest norm (``share`` of them), each in 2 bits; the others zero."""
+    import torch
+
+    def approximate(matrix):
+        keep = matrix.norm(dim=1).topk(max(1, round(share * matrix.shape[0]))).indices
+        out = torch.zeros_like(matrix)
+        out[keep] = quantize_rows(matrix[keep])
+        return out
+
+    return approximate
+
+
+def low_rank(rank: int):
+    """A matrix's best approximation of rank ``rank`` (its SVD's first terms)."""
+    import torch
+
+    def approximate(matrix):
+        u, s, v = torch.linalg.svd(matrix, full_matrices=False)
+        return (u[:, :rank] * s[:rank]) @ v[:rank]
+
+    return approximate
+
+
+def dct_rows(flat, shapes, block: int, inverse: bool = False):
+    """The matrices of ``shapes``, laid end to end in ``flat``, transformed along their rows in blocks of
+    ``block`` rows by the orthonormal DCT-II (or its inverse)."""
+    import torch
+
+    t = torch.arange(block, dtype=torch.float64)
+    d = torch.cos(math.pi * (t[None, :] + 0.5) * t[:, None] / block) * math.sqrt(2 / block)
+    d[0] /= math.sqrt(2)
+    d = (d.T if inverse else d).float()
+    out, at = torch.empty_like(flat), 0
+    for shape in shapes:
+        n = shape.numel()
+        out[at : at + n] = torch.einsum(
+            "ij,bjc->bic", d, flat[at : at + n].view(shape[0] // block, block, -1)
+        ).reshape(-1)
+        at += n
+    return out
+
+
+def per_matrix(approximate, shapes, parts, feedback, decay, generator, reencode: bool):
+    """The average of the matrices of ``shapes`` (laid end to end in each peer's ``parts``), each peer
+    sending ``approximate`` of its change plus its feedback; with ``reencode`` a reducer drawn at random per
+    matrix sends back ``approximate`` of the mean and keeps n times what that leaves out, without it the
+    mean of what was sent comes back whole (a bound)."""
+    import torch
+
+    n, update, at = len(parts), torch.zeros(parts[0].numel()), 0
+    for shape in shapes:
+        lo, hi = at, at + shape.numel()
+        at = hi
+        sent = []
+        for part, buffer in zip(parts, feedback, strict=True):
+            whole = (part[lo:hi] + decay * buffer[lo:hi]).view(shape[0], -1)
+            approx = approximate(whole)
+            buffer[lo:hi] = (whole - approx).reshape(-1)
+            sent.append(approx)
+        mean = torch.stack(sent).mean(0)
+        update[lo:hi] = mean.reshape(-1)
+        if reencode:
+            back = approximate(mean)
+            reducer = int(torch.randint(n, (1,), generator=generator))
+            feedback[reducer][lo:hi] += n * (mean - back).reshape(-1)
+            update[lo:hi] = back.reshape(-1)
+    return update
+
+
+def vocab_average(arm: Arm, codec, shapes, parts, feedback, generator, draw):
+    """The average of the vocabulary-sized matrices (``shapes``, laid end to end in ``parts``) in the arm's
+    form for them: their own top-k records, at a shared random subset, low rank, top rows, or DCT records."""
+    import torch
+
+    form, size = arm.form
+    if form == "rank":
+        return per_matrix(low_rank(int(size)), shapes, parts, feedback, codec.decay, generator, False)
+    if form == "rows":
+        return per_matrix(top_rows(size), shapes, parts, feedback, codec.decay, generator, True)
+    if form == "dct":
+        parts = [dct_rows(part, shapes, int(size)) for part in parts]
+        update = average(
+            arm, codec, parts, feedback, torch.zeros(parts[0].numel(), dtype=torch.bool), generator
+        )
+        return dct_rows(update, shapes, int(size), inverse=True)
+    mask = None
+    if form == "shared":  # the same random k of each chunk on every peer, drawn anew each round
+        rows = codec.chunks(parts[0].numel())
+        pick = torch.rand(rows, codec.chunk, generator=draw).topk(codec.k, dim=1).indices
+        mask = torch.zeros(rows, codec.chunk).scatter_(1, pick, 1.0).reshape(-1)[: parts[0].numel()]
+    return average(
+        arm, codec, parts, feedback, torch.zeros(parts[0].numel(), dtype=torch.bool), generator, mask
+    )
 
 
 def run_arm(arm: Arm, seed: int, args, data: Path) -> dict:
@@ -152,8 +278,18 @@ def run_arm(arm: Arm, seed: int, args, data: Path) -> dict:
         peers.append({"model": model, "opt": opt, "sched": scheduler_factory(config.run)(opt), "gen": order})
         peers[-1]["collate"] = collator_for_run(config.run, tokenizer, seed=1000 * seed + i)
         peers[-1]["order"], peers[-1]["pos"] = torch.randperm(len(train), generator=order).tolist(), 0
-    codec = TopK(**arm.codec) if arm.sparse else None
-    feedback = [torch.zeros_like(glob) for _ in peers] if arm.sparse else []
+    vocab_size = base.get_input_embeddings().num_embeddings  # vocabulary-sized: a dimension of this size
+    wide = torch.cat([torch.full((p.numel(),), vocab_size in p.shape) for p in base.parameters()])
+    shapes = [p.shape for p in base.parameters() if vocab_size in p.shape]
+    split = arm.sparse and (arm.vocab or arm.form[0] != "records")
+    groups = [wide.nonzero().squeeze(1), (~wide).nonzero().squeeze(1)] if split else [None]
+    codecs = [TopK(**{**arm.codec, **arm.vocab}), TopK(**arm.codec)] if split else [TopK(**arm.codec)]
+    if not arm.sparse:
+        codecs = [None]
+    feedback = [
+        [torch.zeros(glob.numel() if g is None else g.numel()) for _ in peers] if arm.sparse else []
+        for g in groups
+    ]
     generator = torch.Generator().manual_seed(seed)
 
     def load(model, values):
@@ -184,7 +320,18 @@ def run_arm(arm: Arm, seed: int, args, data: Path) -> dict:
                 peer["sched"].step()
                 opt.zero_grad()
             changes.append(glob - flat(model))
-        glob.sub_(average(arm, codec, changes, feedback, exact, generator), alpha=args.outer_lr)
+        for j, (group, codec) in enumerate(zip(groups, codecs, strict=True)):
+            if group is None:
+                glob.sub_(average(arm, codec, changes, feedback[j], exact, generator), alpha=args.outer_lr)
+            elif j == 0:  # the vocabulary-sized matrices
+                parts, draw = [c[group] for c in changes], torch.Generator().manual_seed(10_000 * seed + r)
+                update = vocab_average(arm, codec, shapes, parts, feedback[j], generator, draw)
+                glob[group] -= args.outer_lr * update
+            else:
+                parts = [c[group] for c in changes]
+                glob[group] -= args.outer_lr * average(
+                    arm, codec, parts, feedback[j], exact[group], generator
+                )
         for peer in peers:
             load(peer["model"], glob)
         if (r + 1) % 5 == 0 or r + 1 == rounds:

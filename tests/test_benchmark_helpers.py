@@ -526,3 +526,30 @@ def test_the_rounds_simulation_averages_as_a_swarm_of_sparse_rounds_does():
         arm, codec, [c.clone() for c in changes], [f.clone() for f in feedback], everything, g
     )
     assert torch.allclose(exact, torch.stack(wholes).mean(0), atol=1e-6)
+
+
+def test_the_rounds_simulations_forms_for_vocabulary_matrices_lose_nothing_overall():
+    import torch
+
+    arm = rounds_sim.Arm.parse("topk:decay=0.9:vdensity=0.125:vbits=4:vrows=0.25")
+    assert (arm.vocab, arm.form) == ({"density": 0.125, "bits": 4}, ("rows", 0.25))
+    assert rounds_sim.Arm.parse("topk:vshared").form == ("shared", 0.0)
+    shapes = [torch.Size([64, 16]), torch.Size([32, 16])]
+    flat = torch.randn(sum(s.numel() for s in shapes), generator=torch.Generator().manual_seed(0))
+    there = rounds_sim.dct_rows(flat, shapes, 8)
+    assert torch.allclose(there.norm(), flat.norm()) and not torch.allclose(there, flat)  # orthonormal
+    assert torch.allclose(rounds_sim.dct_rows(there, shapes, 8, inverse=True), flat, atol=1e-5)
+    rows = rounds_sim.top_rows(0.25)(flat[:1024].view(64, 16))
+    assert (rows.abs().sum(1) > 0).sum() == 16  # a quarter of the rows, in two levels each
+    assert all(len(set(r.abs().tolist()) - {0.0}) <= 2 for r in rows)
+    assert torch.linalg.matrix_rank(rounds_sim.low_rank(2)(flat[:1024].view(64, 16))) == 2
+    n = 3
+    changes = [torch.randn(flat.numel(), generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    feedback = [torch.randn(flat.numel(), generator=torch.Generator().manual_seed(10 + i)) for i in range(n)]
+    before = [f.clone() for f in feedback]
+    for form, reencode in ((rounds_sim.top_rows(0.25), True), (rounds_sim.low_rank(2), False)):
+        mine, g = [f.clone() for f in before], torch.Generator().manual_seed(0)
+        out = rounds_sim.per_matrix(form, shapes, [c.clone() for c in changes], mine, 0.9, g, reencode)
+        # what the peers meant to send, less what the group applies, is in the buffers, n times over
+        wholes = sum(c + 0.9 * f for c, f in zip(changes, before, strict=True))
+        assert torch.allclose(wholes - n * out, sum(mine), atol=1e-4)
