@@ -234,27 +234,27 @@ def test_the_resolved_config_survives_its_file_round_trips(tmp_path):
         cfg.load_resolved(tmp_path / "bad.json")
 
 
-def test_a_supervised_worker_gets_the_resolved_config_as_a_private_file(monkeypatch):
-    import os
-    import stat
+def test_a_supervised_worker_gets_the_resolved_config_on_its_standard_input(monkeypatch):
+    import io
 
     from cotrain.host import procs
 
     _, c = cli.parse(["train", "--preset", "albert-tiny", "--run-id", "handed", "--weight-decay", "0.25"])
     seen = {}
 
-    def fake_worker(command: list[str]) -> int:
-        path = command[command.index("--resolved-config") + 1]
-        seen["command"], seen["path"] = command, path
-        seen["mode"] = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
-        seen["config"] = cfg.load_resolved(path)
+    def fake_worker(command: list[str], config) -> int:
+        seen["command"] = command
+        monkeypatch.setattr("sys.stdin", io.StringIO(cfg.resolved_json(config)))
+        seen["config"] = cfg.load_resolved("-")  # what the worker reads
         return 7
 
     monkeypatch.setattr(procs, "_run_worker", fake_worker)
     assert procs.supervise("train", c) == 7
-    assert seen["command"][1:4] == ["-m", "cotrain._worker", "train"]
-    assert seen["config"] == c and seen["mode"] == 0o700
-    assert not os.path.exists(seen["path"])  # removed once the worker is done
+    assert seen["command"][1:] == ["-m", "cotrain._worker", "train", "--resolved-config", "-"]
+    assert seen["config"] == c
+    monkeypatch.setattr("sys.stdin", io.StringIO("[1, 2]"))
+    with pytest.raises(cfg.ConfigError, match="resolved config on standard input is not a JSON object"):
+        cfg.load_resolved("-")
 
 
 def test_a_trainers_supervisor_checks_its_dataset_without_the_heavy_libraries(tmp_path):

@@ -112,3 +112,23 @@ def test_the_worker_gets_two_malloc_arenas_unless_the_user_chose(monkeypatch):
     assert env["MALLOC_ARENA_MAX"] == "2" and env[SUPERVISOR_ENV] == str(os.getpid())
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
     assert worker_env()["MALLOC_ARENA_MAX"] == "8"
+
+
+def test_a_supervised_worker_gets_its_config_on_standard_input_and_no_file_is_left(tmp_path):
+    # the supervisor hands the worker its resolved config through a pipe: nothing in the temporary folder,
+    # at any moment, for a supervisor killed mid-run to leave behind (the worker still reads every setting)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    command = [sys.executable, "-m", "cotrain", "train", "--preset", "albert-tiny"]
+    command += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--output-dir", str(tmp_path / "out")]
+    env = dict(os.environ, TMPDIR=str(tmp))
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[str] = set()
+    while proc.poll() is None:
+        seen.update(p.name for p in tmp.iterdir())
+        time.sleep(0.02)
+    out = proc.stdout.read()
+    assert proc.returncode != 0 and "give one of --dataset-path" in out, out
+    ours = {name for name in seen | {p.name for p in tmp.iterdir()} if name.startswith("cotrain")}
+    assert not ours  # (Python's multiprocessing keeps a pymp-* folder of its own while it runs)
+    assert (tmp_path / "out" / "config.toml").exists()  # written by the worker from the config it was handed

@@ -1,5 +1,6 @@
 """The worker half of a supervised role (see cotrain.host.procs):
-``python -m cotrain._worker ROLE --resolved-config FILE``, FILE holding the resolved config as JSON."""
+``python -m cotrain._worker ROLE --resolved-config FILE``, FILE holding the resolved config as JSON (``-``:
+on standard input, as the supervisor and rank 0 hand it)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import tomllib
 from dataclasses import dataclass, field
@@ -270,22 +271,31 @@ def write_atomic(path: str | Path, text: str) -> Path:
     return path
 
 
-def write_resolved(config: Config, path: str | Path) -> Path:
+def resolved_json(config: Config) -> str:
     """The whole resolved config (every section and run_given) as JSON, for load_resolved."""
-    return write_atomic(path, json.dumps(config.to_dict(), indent=1, sort_keys=True) + "\n")
+    return json.dumps(config.to_dict(), indent=1, sort_keys=True) + "\n"
+
+
+def write_resolved(config: Config, path: str | Path) -> Path:
+    """``resolved_json`` written to ``path`` (atomically)."""
+    return write_atomic(path, resolved_json(config))
 
 
 def load_resolved(path: str | Path) -> Config:
-    """A config written by write_resolved, validated again (raises ConfigError)."""
+    """A config written by write_resolved, or given as ``resolved_json`` on standard input where ``path`` is
+    ``-`` (how a supervisor hands its worker the config: no file to outlive it), validated again (raises
+    ConfigError)."""
+    stdin = str(path) == "-"
+    origin = "resolved config on standard input" if stdin else f"resolved config {path}"
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(sys.stdin.read() if stdin else Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"resolved config {path} does not exist") from None
+        raise ConfigError(f"{origin} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"resolved config {path} is not readable JSON: {e}") from None
+        raise ConfigError(f"{origin} is not readable JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"resolved config {path} is not a JSON object")
-    return config_from_dict(data, str(path))
+        raise ConfigError(f"{origin} is not a JSON object")
+    return config_from_dict(data, "standard input" if stdin else str(path))
 
 
 def config_from_dict(data: dict, origin: str = "config") -> Config:

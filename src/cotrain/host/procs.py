@@ -9,24 +9,21 @@ dies, and they print tracebacks when Ctrl+C reaches the whole terminal group. So
 - the worker watches its supervisor: if the supervisor vanishes (even by SIGKILL) the worker stops and
   kills its own process group, hivemind's children included, when it exits or after a grace period,
   whichever comes first (nobody else is left to clean up after it);
-- the worker gets the resolved config as a file (written by the supervisor into a private temporary
-  folder), never by parsing the user's command line again.
+- the worker gets the resolved config as JSON on its standard input (no file for a killed supervisor to
+  leave behind), never by parsing the user's command line again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-from cotrain.config import Config, write_resolved
+from cotrain.config import Config, resolved_json
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +55,26 @@ def exit_worker(rc: int, supervisor_pid: int | None) -> None:
 
 
 def supervise(role: str, config: Config) -> int:
-    """Run ``python -m cotrain._worker ROLE --resolved-config FILE`` as a worker in its own session, FILE
-    holding the resolved ``config`` (the worker never parses the user's command line again); return the
-    worker's exit code."""
-    folder = Path(tempfile.mkdtemp(prefix="cotrain-"))  # owner-only
+    """Run ``python -m cotrain._worker ROLE --resolved-config -`` as a worker in its own session, the
+    resolved ``config`` on its standard input (the worker never parses the user's command line again; no file
+    is left behind, however the supervisor ends); return the worker's exit code."""
+    return _run_worker([sys.executable, "-m", "cotrain._worker", role, "--resolved-config", "-"], config)
+
+
+def start_worker(command: list[str], config: Config, **popen) -> subprocess.Popen:
+    """Start ``command`` (a worker reading ``--resolved-config -``) and hand it ``config`` on its standard
+    input, which is then closed."""
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, **popen)
     try:
-        resolved = write_resolved(config, folder / "config.json")
-        return _run_worker(
-            [sys.executable, "-m", "cotrain._worker", role, "--resolved-config", str(resolved)]
-        )
+        proc.stdin.write(resolved_json(config).encode())
+    except BrokenPipeError:  # the worker is already gone: its exit code says why
+        pass
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+    return proc
 
 
 def worker_env() -> dict[str, str]:
@@ -81,8 +87,8 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def _run_worker(command: list[str]) -> int:
-    proc = subprocess.Popen(command, start_new_session=True, env=worker_env())
+def _run_worker(command: list[str], config: Config) -> int:
+    proc = start_worker(command, config, start_new_session=True, env=worker_env())
     stop_requested: list[float] = []
 
     def on_signal(signum, frame):

@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from cotrain.config import Config, write_resolved
-from cotrain.host.procs import GRACE_SECONDS, SUPERVISOR_ENV, kill_group
+from cotrain.config import Config
+from cotrain.host.procs import GRACE_SECONDS, SUPERVISOR_ENV, kill_group, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -117,16 +114,14 @@ class Ranks:
         self.world, self.stop = world, stop
         self.failure: str | None = None
         self._closing = False
-        self._folder = Path(tempfile.mkdtemp(prefix="cotrain-ranks-"))  # owner-only
-        resolved = write_resolved(config, self._folder / "config.json")
         port, self.listener = loopback_listener()  # the process group's rendezvous, on 127.0.0.1 only
         common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
         common.update({LOOPBACK: "1"}, **dict.fromkeys(IFNAME_VARIABLES, loopback_interface()))
         os.environ.update(common, RANK="0", LOCAL_RANK="0")
-        command = [sys.executable, "-m", "cotrain._worker", "train", "--resolved-config", str(resolved)]
+        command = [sys.executable, "-m", "cotrain._worker", "train", "--resolved-config", "-"]
         env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})  # each watches rank 0 as its supervisor
         self.procs = {
-            rank: subprocess.Popen(command, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
+            rank: start_worker(command, config, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
             for rank in range(1, world)
         }
         threading.Thread(target=self._watch, daemon=True, name="rank-watch").start()
@@ -183,4 +178,3 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(self._folder, ignore_errors=True)
