@@ -49,7 +49,6 @@ from cotrain.config.resolve import (
     toml_tables,
     validate,
     write_atomic,
-    write_resolved,
     write_toml,
 )
 from cotrain.config.run import MOVED_TO_PEER, RunConfig
@@ -96,6 +95,5 @@ __all__ = [
     "toml_tables",
     "validate",
     "write_atomic",
-    "write_resolved",
     "write_toml",
 ]

@@ -276,14 +276,9 @@ def resolved_json(config: Config) -> str:
     return json.dumps(config.to_dict(), indent=1, sort_keys=True) + "\n"
 
 
-def write_resolved(config: Config, path: str | Path) -> Path:
-    """``resolved_json`` written to ``path`` (atomically)."""
-    return write_atomic(path, resolved_json(config))
-
-
 def load_resolved(path: str | Path) -> Config:
-    """A config written by write_resolved, or given as ``resolved_json`` on standard input where ``path`` is
-    ``-`` (how a supervisor hands its worker the config: no file to outlive it), validated again (raises
+    """A config as ``resolved_json`` writes it, from a file or, where ``path`` is ``-``, from standard input
+    (how a supervisor hands its worker the config: no file to outlive it), validated again (raises
     ConfigError)."""
     stdin = str(path) == "-"
     origin = "resolved config on standard input" if stdin else f"resolved config {path}"
@@ -299,7 +294,7 @@ def load_resolved(path: str | Path) -> Config:
 
 
 def config_from_dict(data: dict, origin: str = "config") -> Config:
-    """A Config from ``Config.to_dict()`` (as write_resolved writes it), checked (raises ConfigError)."""
+    """A Config from ``Config.to_dict()`` (as resolved_json writes it), checked (raises ConfigError)."""
     data = dict(data)
     run_given = data.pop("run_given", [])
     values, problems = _defaults(), []
