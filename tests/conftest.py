@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -142,6 +143,20 @@ def machine_share(item):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def pytest_configure(config):
+    """Under xdist, the run's id is chosen here, so that the controller knows it too (below)."""
+    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_sessionfinish(session):
+    """The controller, once its workers are gone, removes this run's lock files (machine_share)."""
+    run = getattr(session.config.option, "testrunuid", None)
+    if run and not hasattr(session.config, "workerinput"):
+        for suffix in (".lock", ".turnstile"):
+            (Path(tempfile.gettempdir()) / f"cotrain-tests-{run}{suffix}").unlink(missing_ok=True)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
