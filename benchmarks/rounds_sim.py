@@ -107,9 +107,12 @@ def average(arm: Arm, codec, changes: list, feedback: list, exact, generator, ma
 
     if not arm.sparse:
         return torch.stack(changes).mean(0)
+    from cotrain.swarm.overlap import add_feedback
+    from cotrain.swarm.robust import RecordParts
+
     sent = []
     for change, buffer in zip(changes, feedback, strict=True):
-        whole = change.add_(buffer, alpha=codec.decay)
+        whole = add_feedback(codec, change, buffer)
         chosen = whole if mask is None else whole * mask
         decoded = codec.decode(codec.encode(chosen), whole.numel())
         decoded[exact] = whole[exact]
@@ -118,8 +121,6 @@ def average(arm: Arm, codec, changes: list, feedback: list, exact, generator, ma
     mean = torch.stack(sent).mean(0)
     if arm.union:
         return mean
-    from cotrain.swarm.robust import RecordParts
-
     n, out = len(changes), torch.empty_like(mean)
     records = torch.empty(codec.encoded_size(mean.numel()), dtype=torch.uint8)  # the parts' storage
     reducers = torch.randperm(n, generator=generator).tolist()
@@ -224,24 +225,21 @@ def vocab_average(arm: Arm, codec, shapes, parts, feedback, generator, draw):
     import torch
 
     form, size = arm.form
+    none = torch.zeros(parts[0].numel(), dtype=torch.bool)  # none of them sent exactly
     if form == "rank":
         return per_matrix(low_rank(int(size)), shapes, parts, feedback, codec.decay, generator, False)
     if form == "rows":
         return per_matrix(top_rows(size), shapes, parts, feedback, codec.decay, generator, True)
     if form == "dct":
         parts = [dct_rows(part, shapes, int(size)) for part in parts]
-        update = average(
-            arm, codec, parts, feedback, torch.zeros(parts[0].numel(), dtype=torch.bool), generator
-        )
+        update = average(arm, codec, parts, feedback, none, generator)
         return dct_rows(update, shapes, int(size), inverse=True)
     mask = None
     if form == "shared":  # the same random k of each chunk on every peer, drawn anew each round
         rows = codec.chunks(parts[0].numel())
         pick = torch.rand(rows, codec.chunk, generator=draw).topk(codec.k, dim=1).indices
         mask = torch.zeros(rows, codec.chunk).scatter_(1, pick, 1.0).reshape(-1)[: parts[0].numel()]
-    return average(
-        arm, codec, parts, feedback, torch.zeros(parts[0].numel(), dtype=torch.bool), generator, mask
-    )
+    return average(arm, codec, parts, feedback, none, generator, mask)
 
 
 def run_arm(arm: Arm, seed: int, args, data: Path) -> dict:

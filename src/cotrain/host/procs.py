@@ -15,6 +15,7 @@ dies, and they print tracebacks when Ctrl+C reaches the whole terminal group. So
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -65,15 +66,8 @@ def start_worker(command: list[str], config: Config, **popen) -> subprocess.Pope
     """Start ``command`` (a worker reading ``--resolved-config -``) and hand it ``config`` on its standard
     input, which is then closed."""
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, **popen)
-    try:
+    with contextlib.suppress(BrokenPipeError), proc.stdin:  # a worker already gone: its exit code says why
         proc.stdin.write(resolved_json(config).encode())
-    except BrokenPipeError:  # the worker is already gone: its exit code says why
-        pass
-    finally:
-        try:
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
     return proc
 
 
