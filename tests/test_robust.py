@@ -21,6 +21,7 @@ from cotrain.swarm import robust
 from cotrain.swarm.aggregation import (
     Aggregation,
     CenteredClip,
+    Mean,
     build,
     capped_weights,
     centered_clip,
@@ -128,6 +129,100 @@ def test_a_nan_or_misshaped_part_is_dropped_and_the_others_are_averaged(aggregat
         torch.testing.assert_close(r, torch.full((4,), 2.0))
     assert all(isinstance(r, Exception) for r in results[2:])
     assert reducer.suspicion() == [0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered-clip"])
+def test_a_weight_beyond_float32_or_the_cap_is_refused_and_the_others_averaged(aggregation):
+    good = [(torch.tensor([1.0, 1.0, 1.0, 1.0]), 1.0), (torch.tensor([3.0, 3.0, 3.0, 3.0]), 1.0)]
+    # 1e39 travels as a double and is inf in float32; the others are not finite, negative or past the cap
+    bad = [(torch.zeros(4), w) for w in (1e39, float("inf"), float("nan"), -1.0, robust.MAX_WEIGHT * 2)]
+    results, reducer = reduce(build(aggregation, tau=100.0), [*good, *bad])
+    for r in results[:2]:
+        torch.testing.assert_close(r, torch.full((4,), 2.0))
+    assert all(isinstance(r, AllreduceException) and "weight" in str(r) for r in results[2:])
+    assert reducer.suspicion() == [0, 0, 1, 1, 1, 1, 1]
+    # weights up to the cap are summed where they cannot overflow: their mean stays finite
+    results, _ = reduce(build("mean"), [(torch.ones(4), robust.MAX_WEIGHT)] * 64)
+    torch.testing.assert_close(results[0], torch.ones(4))
+
+
+def test_a_combined_part_that_is_not_finite_is_never_returned_and_its_sender_is_refused():
+    class Overflowing(Mean):  # a sum whose shares exceed one, as no aggregation of cotrain's makes
+        def shares(self, weights: torch.Tensor) -> torch.Tensor:
+            return torch.ones_like(weights, dtype=torch.float64)
+
+    big = torch.full((4,), 3e38)
+    results, reducer = reduce(Overflowing(), [(torch.ones(4), 1.0), (big, 1.0), (big * 0.9, 1.0)])
+    # 3e38 + 2.7e38 overflows: the largest sender is refused, then 1 + 2.7e38 is finite
+    for r in results:
+        assert torch.isfinite(r).all()
+        torch.testing.assert_close(r, torch.ones(4) + big * 0.9)
+    assert reducer.refused == [0, 1, 0]
+
+
+def test_the_reducer_combines_off_the_event_loop_one_part_at_a_time():
+    import threading
+
+    seen: list[str] = []
+
+    class Watched(Mean):
+        def shares(self, weights: torch.Tensor) -> torch.Tensor:
+            seen.append(threading.current_thread().name)
+            return super().shares(weights)
+
+    results, _ = reduce(Watched(), [(torch.ones(4), 1.0), (torch.zeros(4), 1.0)])
+    torch.testing.assert_close(results[0], torch.full((4,), 0.5))
+    assert seen and all(name.startswith("reducer") for name in seen), seen
+
+
+def test_an_auxiliary_sparse_reducer_stays_finite_when_a_sender_claims_a_huge_weight():
+    """An auxiliary reducer (the monitor) of sparse rounds keeps what its records leave out for its next
+    groups: a weight of 1e39 (inf in float32) once made that residue NaN, and every later group NaN."""
+    from cotrain.swarm.robust import RecordParts
+    from cotrain.swarm.sparse import CHUNK, TopK
+
+    codec = TopK()
+    local = torch.zeros(codec.encoded_size(CHUNK), dtype=torch.uint8)
+    feedback = torch.zeros(CHUNK)
+    aux = RecordParts([codec], [local], [local], feedback, carry=True)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):  # rounds: two honest clients and the attacker
+        sent = [codec.encode(torch.randn(CHUNK, generator=generator)) for _ in range(3)]
+
+        async def main():
+            reducer = RobustPartReducer([local.shape], 3, Mean(), records=aux)
+
+            async def send(i: int, weight: float):
+                try:
+                    return await reducer.accumulate_part(i, 0, sent[i], weight=weight)
+                except AllreduceException as e:
+                    reducer.on_sender_failed(i)
+                    return e
+
+            results = await asyncio.gather(send(0, 1.0), send(1, 1.0), send(2, 1e39))
+            return results, reducer
+
+        results, reducer = asyncio.run(main())
+        assert isinstance(results[2], AllreduceException) and reducer.refused == [0, 0, 1]
+        assert torch.equal(results[0], results[1]) and codec.problem(results[0]) == ""
+        assert torch.isfinite(codec.decode(results[0])).all() and torch.isfinite(feedback).all()
+        assert feedback.abs().sum() > 0  # the honest residue is carried, as before
+
+
+def test_a_carried_residue_that_overflows_the_average_is_dropped_and_never_encoded():
+    from cotrain.swarm.robust import RecordParts
+    from cotrain.swarm.sparse import CHUNK, TopK
+
+    codec = TopK()
+    local = torch.zeros(codec.encoded_size(CHUNK), dtype=torch.uint8)
+    aux = RecordParts([codec], [local], [local], torch.full((CHUNK,), 3e38), carry=True)
+    average = torch.full((CHUNK,), 3e38)
+    encoded, carried = aux.reduce_in_place(0, average, senders=2)
+    assert encoded is None and carried and not aux.feedback.any()  # dropped: the next try goes without it
+    encoded, carried = aux.reduce_in_place(0, torch.full((CHUNK,), 3e38), senders=2)
+    assert encoded is not None and not carried and torch.isfinite(aux.feedback).all()
+    with pytest.raises(ValueError, match="not finite"):
+        aux.reduced(0, torch.full((CHUNK,), float("inf")), senders=2)
 
 
 def test_the_replaced_reducer_retires_without_a_warning():

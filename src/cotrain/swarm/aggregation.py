@@ -41,6 +41,12 @@ class Aggregation:
     def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
+    def shares(self, weights: torch.Tensor) -> torch.Tensor | None:
+        """For an aggregation that is a weighted sum of the contributions: each sender's coefficient (float64,
+        summing to 1), so that a reducer adds the senders one at a time into one running sum; None for one
+        that needs every contribution at once."""
+        return None
+
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and (other.tau, other.iterations) == (self.tau, self.iterations)
 
@@ -57,9 +63,13 @@ class Mean(Aggregation):
     name = "mean"
 
     def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.shares(weights).to(parts.dtype) @ parts, None
+
+    def shares(self, weights: torch.Tensor) -> torch.Tensor:
+        """The weights divided by their sum, in float64 (no sum of float32 weights can overflow there)."""
+        weights = weights.double()
         total = weights.sum()
-        weights = weights / total if total > 0 else torch.full_like(weights, 1 / len(weights))
-        return weights @ parts, None
+        return weights / total if total > 0 else torch.full_like(weights, 1 / len(weights))
 
 
 class CenteredClip(Aggregation):

@@ -30,7 +30,9 @@ farther than ``FAR_OUTSIDE`` times the bound, the other peer counts a strike.
 """
 
 import asyncio
+import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Collection, Sequence
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises typing's, not collections.abc's)
@@ -57,11 +59,15 @@ logger = logging.getLogger(__name__)
 RECEIVED_BOUND = 1.0
 STRIKES = 3  # all-reduces in which a peer was caught before it is excluded
 EXCLUSION_SECONDS = 600.0
+# the most samples one contribution's weight may claim: an integer exact in float32, far above what a peer
+# accumulates in a round (the weights are summed in float64, so that no group of them overflows)
+MAX_WEIGHT = float(2**24)
 
 
 class RobustPartReducer(TensorPartReducer):
-    """hivemind's reducer with the aggregation of this module: contributions are kept until all senders'
-    copies of the current part are in, then combined; bad ones are refused (see the module's doc)."""
+    """hivemind's reducer with the aggregation of this module: contributions are kept as they were sent
+    until all senders' copies of the current part are in, then combined off the event loop, one combine at a
+    time; bad ones are refused (see the module's doc)."""
 
     def __init__(
         self,
@@ -74,12 +80,15 @@ class RobustPartReducer(TensorPartReducer):
         self.aggregation, self.excluded, self.records = aggregation, excluded, records
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self.outliers = [0] * num_senders  # parts where the sender's copy lay far outside tau
-        self.refused = [0] * num_senders  # parts refused: wrong shape, NaN or Inf
+        self.refused = [0] * num_senders  # parts refused: wrong shape, weight, NaN or Inf
+        self.combines: list[asyncio.Future] = []  # the parts being combined
+        # one thread: a combine's temporaries (a part's dense values) exist once at a time
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reducer")
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
         super().reset_accumulators()
-        self.accumulator = None  # contributions are kept whole, not summed
+        self.accumulator = None  # contributions are kept as sent, not summed
         self.contributions = {}
 
     async def accumulate_part(
@@ -114,8 +123,10 @@ class RobustPartReducer(TensorPartReducer):
         if tensor_part.shape != self.part_shapes[part_index]:
             expected = tuple(self.part_shapes[part_index])
             return f"a part of shape {tuple(tensor_part.shape)} (expected {expected})"
-        if not (weight >= 0 and weight < float("inf")):
-            return f"weight {weight}"
+        if not (
+            math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT
+        ):  # a protobuf double: 1e39 is inf in float32
+            return f"weight {weight} (expected 0 to {MAX_WEIGHT:.0f} samples)"
         codec = None if self.records is None else self.records.codecs[part_index]
         if codec is not None:
             return codec.problem(tensor_part)
@@ -128,31 +139,115 @@ class RobustPartReducer(TensorPartReducer):
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
-            self.current_part_future.set_result(self._combine())
+            future, index = self.current_part_future, self.current_part_index
+            contributions = self.contributions
+            combine = asyncio.wrap_future(self.pool.submit(self._combine, index, contributions))
+            self.combines.append(asyncio.ensure_future(self._resolve(future, index, combine)))
+            # a stand-in for the finished part's future, which finalize (after the last part) would cancel
+            self.current_part_future = asyncio.get_event_loop().create_future()
             self.reset_accumulators()
 
-    def _combine(self) -> torch.Tensor:
-        shape = self.part_shapes[self.current_part_index]
-        if not self.contributions:
-            return torch.zeros(shape)
-        senders = sorted(self.contributions)
-        codec = None if self.records is None else self.records.codecs[self.current_part_index]
-        if codec is not None:
-            parts = torch.stack([codec.decode(self.contributions[i][0]) for i in senders])
-        else:
-            parts = torch.stack([self.contributions[i][0].reshape(-1).float() for i in senders])
-        weights = torch.tensor([self.contributions[i][1] for i in senders])
-        result, outliers = self.aggregation.combine(parts, weights)
+    async def _resolve(self, future: asyncio.Future, index: int, combine: asyncio.Future) -> None:
+        """Give the senders waiting on ``future`` the result of part ``index`` combined in the reducer's
+        thread (or the reason it failed)."""
+        try:
+            result = await combine
+        except Exception as e:
+            if not future.done():
+                future.set_exception(AllreduceException(f"part {index} could not be combined: {e}"))
+            return
+        if not future.done():
+            future.set_result(result)
+
+    async def drained(self) -> None:
+        """Until every part is in and combined."""
+        await self.finished.wait()
+        await asyncio.gather(*self.combines, return_exceptions=True)
+
+    def finalize(self) -> None:
+        super().finalize()
+        if hasattr(self, "pool"):
+            self.pool.shutdown(wait=False)  # the combines it holds still run
+
+    def _combine(self, index: int, contributions: dict[int, tuple[torch.Tensor, float]]) -> torch.Tensor:
+        """The combined part ``index`` (records: re-encoded). A combined part that is not finite is never
+        returned, encoded or added to a feedback buffer: from finite contributions of capped weights it cannot
+        arise (the weights' shares are summed in float64, the values' mean stays within their range), so it is
+        blamed on the sender of the largest values, refused, and the part combined without it."""
+        shape = self.part_shapes[index]
+        codec = None if self.records is None else self.records.codecs[index]
+        senders = sorted(contributions)
+        while senders:
+            result = self._aggregate(index, codec, senders, contributions)
+            if codec is None and bool(torch.isfinite(result).all()):
+                return result.reshape(shape)
+            if codec is not None:
+                encoded, carried = self.records.reduce_in_place(index, result, len(senders))
+                if encoded is not None:
+                    return encoded
+                if carried:  # the carried residue (now dropped) overflowed it: once more without it
+                    continue
+            worst = max(senders, key=lambda i: largest(contributions[i][0], codec))
+            self.refused[worst] += 1
+            senders.remove(worst)
+            logger.warning(f"Reducer: part {index} was not finite; refused sender {worst}'s contribution")
+        raise AllreduceException(f"no contribution to part {index} left to combine")
+
+    def _aggregate(
+        self, index: int, codec: "TopK | Raw | None", senders: list[int], contributions: dict
+    ) -> torch.Tensor:
+        """The aggregation of the ``senders``' contributions to part ``index``, flat float32. A weighted sum
+        is added up one sender at a time into one running sum (records decoded into it a block at a time): the
+        reducer holds the part's values once, whatever the number of senders. An aggregation that needs every
+        contribution at once (centered-clip) gets them stacked, as they were sent."""
+        weights = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
+        values = [contributions[i][0] for i in senders]
+        numel = dense_numel(values[0], codec)
+        shares = self.aggregation.shares(weights)
+        if shares is not None:
+            total = torch.zeros(numel)
+            for data, share in zip(values, shares.tolist(), strict=True):
+                add_values(data, total, codec, share)
+            return total
+        if codec is None:
+            result, outliers = self.aggregation.combine(
+                torch.stack([v.reshape(-1).float() for v in values]), weights
+            )
+            self._count_outliers(senders, outliers)
+            return result
+        # sparse rounds run with the mean only (the run config refuses topk with another aggregation)
+        raise AllreduceException(f"{self.aggregation.name} cannot combine records: they are averaged only")
+
+    def _count_outliers(self, senders: list[int], outliers: torch.Tensor | None) -> None:
         if outliers is not None:
-            for i, far in zip(senders, outliers.tolist(), strict=True):
-                self.outliers[i] += int(far)
-        if codec is not None:
-            return self.records.reduced(self.current_part_index, result, len(senders))
-        return result.reshape(shape)
+            for i, is_far in zip(senders, outliers.tolist(), strict=True):
+                self.outliers[i] += int(is_far)
 
     def suspicion(self) -> list[int]:
         """Per sender: parts refused plus parts clipped far outside tau in this all-reduce."""
         return [a + b for a, b in zip(self.outliers, self.refused, strict=True)]
+
+
+def dense_numel(data: torch.Tensor, codec: "TopK | Raw | None") -> int:
+    """Values of a part as its reducer combines them (records: whole chunks)."""
+    if codec is None:
+        return data.numel()
+    return data.numel() // codec.record * (codec.chunk if isinstance(codec, TopK) else 1)
+
+
+def add_values(data: torch.Tensor, out: torch.Tensor, codec: "TopK | Raw | None", alpha: float) -> None:
+    """Add ``alpha`` times a contribution's values to the flat float32 ``out`` (records decoded into it)."""
+    if codec is None:
+        out.add_(data.reshape(-1).float(), alpha=alpha)
+    else:
+        codec.add_decoded(data, out, alpha=alpha)
+
+
+def largest(data: torch.Tensor, codec: "TopK | Raw | None") -> float:
+    """The largest magnitude of a contribution's values."""
+    if codec is not None:
+        return codec.largest(data)
+    return float(data.float().abs().max()) if data.numel() else 0.0
 
 
 class RecordParts:
@@ -187,19 +282,39 @@ class RecordParts:
         """The records of ``average``; what top-k records leave out goes to the feedback buffer, times the
         number of ``senders`` (this peer sends it in its next round, and that round's average divides it
         again). An auxiliary reducer (``carry``), which sends nothing, adds what it kept of these values to
-        the average itself the next time it reduces them."""
+        the average itself the next time it reduces them, times the codec's feedback decay (as every peer's
+        buffer fades). ValueError for an average that is not finite."""
+        encoded, _ = self.reduce_in_place(part_index, average.clone(), senders)
+        if encoded is None:
+            raise ValueError(f"the average of part {part_index} is not finite")
+        return encoded
+
+    def reduce_in_place(
+        self, part_index: int, average: torch.Tensor, senders: int
+    ) -> tuple[torch.Tensor | None, bool]:
+        """``reduced``, overwriting ``average`` (no copy of a part's values), and whether a carried residue
+        was added to it. An average that is not finite is never encoded (None), and a carried residue that
+        made it so is dropped; nothing that is not finite is ever added to the buffer."""
         codec = self.codecs[part_index]
         start = self.starts[part_index] * (codec.chunk if isinstance(codec, TopK) else 0)
         end = min(start + average.numel(), self.feedback.numel()) if isinstance(codec, TopK) else start
+        carried = False
         if self.carry and end > start:
-            average = average.clone()
-            average[: end - start].add_(self.feedback[start:end])
-            self.feedback[start:end].zero_()
+            residue = self.feedback[start:end]
+            if bool(residue.any()):
+                average[: end - start].add_(residue, alpha=codec.decay)
+                carried = True
+            residue.zero_()
+        if not bool(torch.isfinite(average).all()):
+            return None, carried
         encoded = codec.encode(average)
         if end > start:
-            left = average - codec.decode(encoded)
-            self.feedback[start:end].add_(left[: end - start], alpha=1.0 if self.carry else float(senders))
-        return encoded
+            codec.add_decoded(encoded, average, alpha=-1.0)  # the average is now what its records leave out
+            span = self.feedback[start:end]
+            span.add_(average[: end - start], alpha=1.0 if self.carry else float(senders))
+            if not bool(torch.isfinite(span).all()):
+                span.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return encoded, False
 
 
 class RobustAllReduceRunner(Runner):
@@ -246,11 +361,11 @@ class RobustAllReduceRunner(Runner):
 
     async def _until_reduced(self) -> None:
         reducer = self.tensor_part_reducer
-        if reducer.finished.is_set():
+        if reducer.finished.is_set() and all(c.done() for c in reducer.combines):
             return
         bound = sum(t for t in (self.sender_timeout, self.reducer_timeout) if t is not None) or None
         try:
-            await asyncio.wait_for(reducer.finished.wait(), bound)
+            await asyncio.wait_for(reducer.drained(), bound)
         except TimeoutError:
             logger.debug(f"{self} - its reducer did not finish within {bound} s after this peer's results")
 

@@ -254,6 +254,10 @@ class TopK:
                 dense.scatter_(1, index, values.mul_(alpha))
                 out[lo:hi].add_(dense.reshape(-1)[: hi - lo])
 
+    def largest(self, data: torch.Tensor) -> float:
+        """The largest magnitude that valid records ``data`` decode to (their largest high level)."""
+        return float(self._fields(data)[2][:, 1].max()) if data.numel() else 0.0
+
     def _decode_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, float32 values), each (m, k), of the (m, record) records ``rows``."""
         index, codes, bounds, _ = self._fields(rows.reshape(-1))
@@ -278,6 +282,13 @@ class Raw:
     def decode(self, data: torch.Tensor, numel: int | None = None) -> torch.Tensor:
         flat = data.contiguous().view(torch.float32)
         return flat if numel is None else flat[:numel]
+
+    def add_decoded(self, data: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> None:
+        """Add ``alpha`` times the values of ``data`` to the flat float32 ``out`` (no copy: a view)."""
+        out.add_(self.decode(data, out.numel()), alpha=alpha)
+
+    def largest(self, data: torch.Tensor) -> float:
+        return float(self.decode(data).abs().max()) if data.numel() else 0.0
 
     def problem(self, data: torch.Tensor) -> str:
         if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 4:
