@@ -68,25 +68,6 @@ def test_an_auxiliary_reducer_carries_what_its_records_left_out_into_its_next_av
     assert aux.feedback[codec.chunk :].abs().sum() == 0  # the other chunk was not this part's
 
 
-def test_a_dial_back_request_is_checked_before_anything_is_dialed():
-    ok = reachability.checked_addresses(
-        "/ip4/10.1.2.3/tcp/4001\n/ip6/::1/udp/4001/quic\n/dns4/a.example/tcp/1"
-    )
-    assert [str(a) for a in ok][0] == "/ip4/10.1.2.3/tcp/4001" and len(ok) == 3
-    for bad in (
-        "",
-        "\n".join(["/ip4/10.0.0.1/tcp/1"] * (reachability.MAX_ADDRESSES + 1)),
-        "/ip4/10.0.0.1/tcp/1/p2p/12D3KooWGvMubipKpiSJAGyrUfBEqBNQZAuACmdnb8437fXoXL7t",
-        "/ip4/10.0.0.1/tcp/1/p2p-circuit",
-        "/unix/tmp/socket",
-        "/ip4/10.0.0.1",
-        "not an address",
-        "/dns4/" + "a" * reachability.MAX_ADDRESS_CHARS + "/tcp/1",
-    ):
-        with pytest.raises(ValueError):
-            reachability.checked_addresses(bad)
-
-
 @pytest.mark.timeout(60)
 def test_a_probe_nobody_answers_returns_at_once_and_assumes_nothing():
     found = reachability.dial_back([DEAD_PEER], [LOCALHOST], [], timeout=5.0)

@@ -49,9 +49,11 @@ class SwarmConnection:
         client_mode = peer.client_mode if client_mode is None else client_mode
         self.reachability = None
         if not client_mode and role in PROBED and peer.initial_peers and not peer.public:
-            self.reachability = _probe(peer, role)
-            # a monitor stays a full peer (it serves the run's settings and state): _probe warned or refused
-            client_mode = self.reachability.reached is False and role != "monitor"
+            self.reachability = _probe(peer, role, self.access)
+            # a monitor stays a full peer (it serves the run's settings and state): _probe warned or refused;
+            # a peer that every answering peer called busy joins as a client (the safe side)
+            unsure = self.reachability.reached is None and self.reachability.busy
+            client_mode = (self.reachability.reached is False or unsure) and role != "monitor"
         self.dht = create_dht(
             initial_peers=peer.initial_peers,
             host_maddrs=peer.host_maddrs,
@@ -212,7 +214,7 @@ class SwarmConnection:
 PROBED = ("trainer", "api", "monitor")  # roles that find out whether others can dial them before joining
 
 
-def _probe(peer: PeerConfig, role: str) -> Any:
+def _probe(peer: PeerConfig, role: str, access: Any = None) -> Any:
     """Ask an initial peer to dial this one back (cotrain.swarm.reachability) and say in one line what was
     found and what this peer does about it. A monitor that cannot be dialed cannot reduce for others: a
     UserError unless --no-reduce."""
@@ -222,10 +224,15 @@ def _probe(peer: PeerConfig, role: str) -> Any:
     # checked as the DHT checks them (a malformed address is one line, before anything starts)
     initial = parse_maddrs(list(peer.initial_peers), "initial peer")
     hosts = parse_maddrs(list(peer.host_maddrs), "listen")
-    found = dial_back(initial, hosts, parse_maddrs(list(peer.announce_maddrs), "announce"))
+    found = dial_back(initial, hosts, parse_maddrs(list(peer.announce_maddrs), "announce"), access=access)
     where = ", ".join(found.addresses) or "its addresses"
     if found.reached is None and not found.connected:  # the DHT's join says why, in one line
         logger.debug("No initial peer could be connected to for the reachability probe")
+    elif found.reached is None and found.busy and role != "monitor":
+        logger.info(
+            f"The initial peers were too busy to answer the reachability probe within {ASK_TIMEOUT:.0f} s: "
+            "joining as a client (--public if others can dial this peer)"
+        )
     elif found.reached is None:
         logger.info(
             f"No initial peer answered the reachability probe within {ASK_TIMEOUT:.0f} s: assuming others "
@@ -236,8 +243,8 @@ def _probe(peer: PeerConfig, role: str) -> Any:
         logger.debug(f"Initial peer {found.peer} dialed this peer back at {where}: joining as a full peer")
     elif role == "monitor" and peer.reduce:
         raise UserError(
-            f"other peers cannot dial this monitor (initial peer {found.peer} could not reach it at {where}: "
-            f"{found.detail or 'no answer'}), so it cannot reduce for them: run it on a public machine, open "
+            f"other peers cannot dial this monitor (initial peer {found.peer} could not reach it at {where}"
+            f"{_why(found.detail)}), so it cannot reduce for them: run it on a public machine, open "
             "a port (--host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT, PORT "
             "forwarded to this machine), or pass --no-reduce"
         )
@@ -248,12 +255,19 @@ def _probe(peer: PeerConfig, role: str) -> Any:
         )
     else:
         logger.info(
-            f"Other peers cannot dial this peer (initial peer {found.peer} could not reach it at {where}: "
-            f"{found.detail or 'no answer'}): joining as a client, which sends its parts and receives the "
+            f"Other peers cannot dial this peer (initial peer {found.peer} could not reach it at {where}"
+            f"{_why(found.detail)}): joining as a client, which sends its parts and receives the "
             "averages through peers that can be dialed. To reduce for others too, forward a port to this "
             "machine (--host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT --public)"
         )
     return found
+
+
+def _why(detail: str) -> str:
+    """An answer's detail after a colon, where it says more than that the dial failed."""
+    from cotrain.swarm.reachability import NOT_REACHED
+
+    return f": {detail}" if detail and detail != NOT_REACHED else ""
 
 
 def _access(run_id: str, peer: PeerConfig, role: str) -> Any:

@@ -1,0 +1,189 @@
+"""The reachability probe (cotrain.swarm.reachability): what a request may name, who is dialed, the answer's
+words, a private swarm's proof, and a flood of requests against an answering peer on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import hivemind
+import pytest
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerInfo
+from hivemind.utils.multiaddr import Multiaddr
+
+from conftest import LOCALHOST
+from cotrain.swarm import reachability
+from cotrain.swarm.internals.hooks import p2p_client
+
+RUN = "probe-run"
+
+
+def test_a_request_names_tcp_ports_only_and_is_checked_before_anything_is_dialed():
+    ports = reachability.checked_ports(
+        "/ip4/10.1.2.3/tcp/4001\n/ip6/::1/udp/4001/quic\n/dns4/a.example/tcp/1\n/ip4/10.9.9.9/tcp/4001"
+    )
+    assert ports == [4001, 1]  # their hosts are never dialed; UDP and repeated ports left out
+    many = "\n".join(f"/ip4/10.0.0.1/tcp/{p}" for p in range(1, reachability.MAX_ADDRESSES + 1))
+    assert len(reachability.checked_ports(many)) == reachability.MAX_PORTS
+    for bad in (
+        "",
+        "\n".join(["/ip4/10.0.0.1/tcp/1"] * (reachability.MAX_ADDRESSES + 1)),
+        "/ip4/10.0.0.1/tcp/1/p2p/12D3KooWGvMubipKpiSJAGyrUfBEqBNQZAuACmdnb8437fXoXL7t",
+        "/ip4/10.0.0.1/tcp/1/p2p-circuit",
+        "/ip4/10.0.0.1/udp/1/quic",  # no TCP port at all
+        "/ip4/10.0.0.1",
+        "not an address",
+        "/dns4/" + "a" * reachability.MAX_ADDRESS_CHARS + "/tcp/1",
+    ):
+        with pytest.raises(ValueError):
+            reachability.checked_ports(bad)
+
+
+def test_the_dialed_host_is_the_address_the_askers_connection_came_from():
+    asker = PeerID.from_base58("12D3KooWGvMubipKpiSJAGyrUfBEqBNQZAuACmdnb8437fXoXL7t")
+    other = PeerID.from_base58("12D3KooWQ1nTnkz3jWJfQxEqYs1XNjfk3WDdmqkhKZpGvSMSq4eT")
+    relayed = Multiaddr(f"/ip4/10.0.0.9/tcp/4001/p2p/{other}/p2p-circuit")
+    peers = [
+        PeerInfo(other, [Multiaddr("/ip4/10.0.0.8/tcp/1")]),
+        PeerInfo(asker, [relayed, Multiaddr("/ip6/2001:db8::1/tcp/5")]),
+    ]
+    assert reachability.asker_host(peers, asker) == ("ip6", "2001:db8::1")
+    assert reachability.asker_host([PeerInfo(asker, [relayed])], asker) is None
+    assert reachability.asker_host(peers[:1], asker) is None
+
+
+def test_a_private_swarm_serves_the_probe_to_token_holders_who_prove_their_key(tmp_path):
+    from cotrain.access import AccessControl
+    from test_auth import issue
+
+    alice = AccessControl.for_token(RUN, str(issue(tmp_path, "alice")))
+    mallory = AccessControl.for_token(RUN, str(issue(tmp_path, "mallory", key="other.key")))
+    server = AccessControl.for_authority(RUN, str(tmp_path / "authority.key"))
+    service = reachability.DialBackService(p2p=None, access=server)
+    me = PeerID.from_base58("12D3KooWGvMubipKpiSJAGyrUfBEqBNQZAuACmdnb8437fXoXL7t")
+    them = PeerID.from_base58("12D3KooWQ1nTnkz3jWJfQxEqYs1XNjfk3WDdmqkhKZpGvSMSq4eT")
+    context = SimpleNamespace(remote_id=me, local_id=them)
+
+    def refusal(request) -> str:
+        return service._refusal(request, context)
+
+    assert refusal(reachability._request(["/ip4/127.0.0.1/tcp/1"], me, them, alice)) == ""
+    assert "no valid access token" in refusal(reachability._request(["/ip4/127.0.0.1/tcp/1"], me, them, None))
+    assert "no valid access token" in refusal(reachability._request([], me, them, mallory))
+    for_another = reachability._request([], me, me, alice)  # a proof made for another answering peer
+    assert "no proof" in refusal(for_another)
+    stale = reachability._request([], me, them, alice)
+    stale.time -= 2 * reachability.PROOF_WINDOW
+    assert "stale" in refusal(stale)
+    bare = reachability._request([], me, them, alice)  # a token copied from elsewhere, without its key
+    bare.proof = mallory.own().key.sign(reachability.proof_text(me.to_bytes(), them.to_bytes(), bare.time))
+    assert "no proof" in refusal(bare)
+
+
+class Sentinel:
+    """A TCP listener that counts the connections it accepts (``silent``: accepts and never answers)."""
+
+    def __init__(self, host: str) -> None:
+        self.sock = socket.socket()
+        self.sock.bind((host, 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+async def ask(host: P2P, peer: PeerID, maddr: str, addresses: list[str]):
+    await p2p_client(host).connect(peer, [Multiaddr(maddr)])
+    request = reachability.messages().DialBackRequest(addresses="\n".join(addresses))
+    return await host.call_protobuf_handler(
+        peer, reachability.DIAL_BACK_HANDLE, request, reachability.messages().DialBackReply
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_probe_dials_only_the_asker_and_a_flood_leaves_an_honest_answer_within_its_limit(tmp_path: Path):
+    """An answering peer on 127.0.0.1. An asker that names another host is dialed at its own address only, and
+    told "not reached" with no error text. Attackers of many identities on one address keep asking it to dial
+    a silent port: they hold one dial at a time and are told "busy" at once, while an honest joiner of
+    another address (127.0.0.2) is answered, reached, within its limit."""
+    dht = hivemind.DHT(start=True, host_maddrs=[LOCALHOST])
+    reachability.serve_dial_back(dht)
+    answerer = dht.get_visible_maddrs()[0]
+    where, peer = str(answerer).split("/p2p/")[0], PeerID.from_base58(str(answerer).split("/p2p/")[-1])
+    other_host, silent = Sentinel("127.0.0.2"), Sentinel("127.0.0.1")
+    replies: list[str] = []
+
+    async def scenario() -> float:
+        # another host named: never dialed; the asker's own address at that port has nothing listening
+        asker = await P2P.create(host_maddrs=[LOCALHOST], nat_port_map=False, auto_nat=False, use_relay=False)
+        try:
+            reply = await ask(
+                asker,
+                peer,
+                where,
+                [f"/ip4/127.0.0.2/tcp/{other_host.port}", f"/dns4/localhost/tcp/{other_host.port}"],
+            )
+            assert (reply.reached, reply.detail) == (False, reachability.NOT_REACHED)
+        finally:
+            await asker.shutdown()
+        assert not other_host.accepted, "the probe dialed a host other than the asker's"
+
+        attackers = [
+            await P2P.create(host_maddrs=[LOCALHOST], nat_port_map=False, auto_nat=False, use_relay=False)
+            for _ in range(3)
+        ]
+        stop = asyncio.Event()
+
+        async def flood(host: P2P) -> None:
+            while not stop.is_set():
+                try:
+                    reply = await ask(host, peer, where, [f"/ip4/127.0.0.1/tcp/{silent.port}"])
+                    replies.append(reply.detail)
+                except Exception as e:  # asked again too soon
+                    replies.append(type(e).__name__)
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(flood(host)) for host in attackers]
+        try:
+            await asyncio.sleep(2.0)  # the flood is on: one of its dials is in flight
+            started = time.monotonic()
+            found = await asyncio.to_thread(
+                reachability.dial_back, [str(answerer)], ["/ip4/127.0.0.2/tcp/0"], []
+            )
+            took = time.monotonic() - started
+            assert found.reached is True and found.detail == "", found
+            return took
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for host in attackers:
+                await host.shutdown()
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        other_host.close()
+        silent.close()
+        dht.shutdown()
+    assert took < reachability.ASK_TIMEOUT
+    assert reachability.BUSY in replies, replies  # the attackers' address holds one dial at a time
+    assert set(replies) <= {reachability.BUSY, reachability.NOT_REACHED, "P2PHandlerError"}, set(replies)
