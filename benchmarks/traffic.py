@@ -166,6 +166,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="diloco: rounds timed")
     ap.add_argument("--limit", type=float, default=3000.0, help="stop everything after this many seconds")
     ap.add_argument("--quick", action="store_true", help="H = 10 and 50, 4 sync steps, 1 round each")
+    ap.add_argument(
+        "--model-params", type=int, default=0, help="a simulated model of N parameters (utilization.py)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.local_steps, args.steps, args.rounds = [10, 50], 4, 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hivemind.optim.progress_tracker import GlobalTrainingProgress
@@ -146,3 +148,48 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
         if strategy == "diloco":  # it found out by itself, and said so in one line
             assert "could not reach it at /ip4/127.0.0.1/tcp/1" in log and "joining as a client" in log, log
     assert "Traceback" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_client_claiming_a_huge_weight_is_refused_and_the_honest_ones_keep_averaging(demo_data, tmp_path):
+    """Sparse rounds through the monitor, the only public peer, with two honest clients and one that sends
+    its parts with weight 1e39 every round (finite as a double, Inf in float32: it once made the monitor's
+    average NaN and its carried residue NaN for every later group). The monitor refuses that sender and
+    strikes it until it is excluded; the honest clients' rounds through it stay finite and keep averaging."""
+    common = ["--preset", "albert-tiny", "--run-id", "aux-weight", "--host-maddrs", LOCALHOST, *FAST]
+    common += ["--strategy", "diloco", "--local-steps", "2", "--outer-compression", "topk"]
+    steps = 5
+    monitor = Role(
+        monitor_args(common, tmp_path / "monitor", "--dataset-path", str(demo_data), "--save-every", "0"),
+        tmp_path / "monitor.log",
+    )
+    roles = [monitor]
+    unreachable = {"COTRAIN_DEBUG_UNREACHABLE": "1"}
+    attack = {**unreachable, "COTRAIN_ATTACK": "huge-weight", "COTRAIN_ATTACK_SCALE": "1e39"}
+    try:
+        initial = monitor_address(tmp_path / "monitor", 90)
+        for i, env in enumerate([unreachable, unreachable, attack]):
+            args = trainer_args(common, initial, demo_data, i + 1, tmp_path / f"t{i}")
+            extra = ["--max-steps", str(steps if i < 2 else 100)]  # the attacker trains until it is stopped
+            roles.append(Role([*args, *extra], tmp_path / f"trainer{i}.log", env=env))
+        honest, attacker = roles[1:3], roles[3]
+        for trainer in honest:
+            wait_until(lambda t=trainer: t.proc.poll() is not None, 330, what="the honest trainers to finish")
+            assert trainer.proc.returncode == 0, trainer.text()[-3000:]
+    finally:
+        for role in roles:
+            role.stop()
+    text = monitor.log_path.read_text()
+    attacker_id = trainer_rows(attacker)[0]["peer_id"] if trainer_rows(attacker) else ""
+    assert "Reducing the trainers'" in text and "Traceback" not in text, text[-3000:]
+    # struck in 3 all-reduces, then excluded by the monitor (one line naming it)
+    assert f"Excluding peer {attacker_id}" in text, text[-4000:]
+    rows = [trainer_rows(t) for t in honest]
+    together = [{r["step"] for r in rs if r["group_size"] >= 2} for rs in rows]
+    assert len(together[0] & together[1]) >= 2, rows  # they kept averaging through the monitor
+    for trainer, rs in zip(honest, rows, strict=True):
+        log = trainer.log_path.read_text()
+        assert "non-finite average" not in log and "Traceback" not in log, log[-3000:]
+        assert all(math.isfinite(r["loss"]) for r in rs) and rs[-1]["loss"] < rs[0]["loss"], rs
+        assert rs[-1]["step"] >= steps, rs

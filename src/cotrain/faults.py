@@ -18,7 +18,9 @@ Each hook is switched on by an environment variable of the peer's process and do
 - ``COTRAIN_ATTACK=<attack>`` (``COTRAIN_ATTACK_SCALE``, default 1000): a malicious peer, for the robustness
   tests and ``benchmarks/byzantine.py``: ``sign-flip``, ``random-direction``, ``stale``, ``constant``, ``nan``
   (what it sends in place of its gradient or pseudo-gradient, ``Attack``), ``label-shuffle``
-  (``attack_batches``), ``inflate-progress`` (``Attack.before_step``), ``silent`` (``silent_allreduce``).
+  (``attack_batches``), ``inflate-progress`` (``Attack.before_step``), ``huge-weight`` (diloco: its all-reduce
+  weight is the scale, e.g. 1e39: finite as a double, Inf in float32; ``Attack.weight``), ``silent``
+  (``silent_allreduce``).
 - ``COTRAIN_ATTACK=poisoned-state``: a trainer that trains honestly but serves newcomers corrupted parameters
   (``PoisonedState``), asked first by downloaders that follow hivemind's priorities.
 """
@@ -112,7 +114,7 @@ ATTACK_SCALE = "COTRAIN_ATTACK_SCALE"
 DEFAULT_ATTACK_SCALE = 1000.0
 # what a malicious peer sends in place of its gradient (sync) or pseudo-gradient (diloco)
 GRADIENT_ATTACKS = ("sign-flip", "random-direction", "stale", "constant", "nan")
-ATTACKS = (*GRADIENT_ATTACKS, "label-shuffle", "inflate-progress", "silent", "poisoned-state")
+ATTACKS = (*GRADIENT_ATTACKS, "label-shuffle", "inflate-progress", "huge-weight", "silent", "poisoned-state")
 LABEL_SEED = 0  # every label-shuffling peer maps the labels alike (colluding attackers pull one way)
 
 
@@ -173,6 +175,10 @@ class Attack:
         if self.name == "inflate-progress":
             return max(1, round(samples * self.scale))
         return samples
+
+    def weight(self, weight: float) -> float:
+        """DiLoCo: the weight this peer sends with its round's all-reduce parts in place of ``weight``."""
+        return self.scale if self.name == "huge-weight" else weight
 
     def pseudo_gradient(self, own: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """DiLoCo: the pseudo-gradient this peer sends in place of ``own`` (left unchanged)."""

@@ -10,7 +10,8 @@ the wire), and applies the outer step to the global parameters, which every peer
 
 Peers that diverged (a round alone, another group, a fresh download) must step from the same outer state
 again: each peer keeps a *lineage*, and a group whose lineages differ averages the outer state (global
-parameters and momentum) in the same all-reduce as the pseudo-gradients (cotrain.swarm.lineage).
+parameters and momentum) in the same all-reduce as the pseudo-gradients (cotrain.swarm.lineage); a member
+that shows a new lineage round after round is struck, and its lineage stops counting (``LineageWatch``).
 
 ``overlap``: a round's all-reduce runs in the background while the next round computes; its outer step is
 applied one round late, at the end of the next round, and the peer then continues from the new global
@@ -58,6 +59,9 @@ from cotrain.swarm.diloco_state import (
 from cotrain.swarm.internals.hooks import apply_optimizer_parameters
 from cotrain.swarm.keys import progress_key, state_averager_prefix
 from cotrain.swarm.lineage import (
+    LINEAGE_BREAKS,
+    LINEAGE_WINDOW,
+    LineageWatch,
     Voucher,
     carries_outer_state,
     fresh_lineage,
@@ -128,6 +132,7 @@ class DiLoCoOptimizer(OverlappedRounds):
             dht=dht,
             prefix=state_averager_prefix(run_id),
             progress_key=progress_key(run_id) if aggregation.robust else None,
+            witnessed_key=progress_key(run_id),  # a served state's round is bounded by the swarm's
             optimizer=outer_optimizer_factory(outer_lr, outer_momentum),
             params=groups,
             inner_optimizer=inner,
@@ -183,6 +188,7 @@ class DiLoCoOptimizer(OverlappedRounds):
         self.last_carried_state = False  # whether the last averaged round carried the outer state
         self.last_round_partial = False  # whether it ended with a member's contribution or a part missing
         self.lineage = initial_lineage(self.state_averager.global_parameters)  # see cotrain.swarm.lineage
+        self.lineage_watch = LineageWatch()  # the other peers that keep breaking their lineage
         self._vouch()
         self.bytes_sent, self.samples = 0, 0  # samples: those this peer trained on in the current round
         self.inner_steps_done = self.inner_steps_this_round = 0  # this peer's, since it started; this round
@@ -395,14 +401,17 @@ class DiLoCoOptimizer(OverlappedRounds):
         return self.tracker.passed_by(self.local_epoch)
 
     def _gather(self) -> dict[str, Any]:
-        """What this peer sends its group at matchmaking: its lineage and round (carries_outer_state)."""
-        return {"lineage": self.lineage, "round": self.local_epoch}
+        """What this peer sends its group at matchmaking: its lineage and round, and the peers it strikes
+        (carries_outer_state)."""
+        gather = {"lineage": self.lineage, "round": self.local_epoch}
+        struck = self.lineage_watch.struck()
+        return {**gather, "struck": struck} if struck else gather
 
     def _received(self, gathered: dict[Any, Any]) -> tuple[list[torch.Tensor], list | None, bool]:
         """What an all-reduce with the group that sent ``gathered`` left in the averager: (the average change,
         the average outer state, global parameters then momentum, or None when the group did not carry it,
         whether it did)."""
-        n, full = self.changes, carries_outer_state(gathered.values(), self.codec is None)
+        n, full = self.changes, carries_outer_state(gathered, self.codec is None)
         with self.outer_averager.get_tensors() as tensors:  # dense rounds averaged the outer state in place
             averaged = [t.clone() for t in tensors[:n]]
             base = [t.clone() for t in tensors[n:]] if full and self.codec is not None else None
@@ -424,7 +433,23 @@ class DiLoCoOptimizer(OverlappedRounds):
         self.last_carried_state, self.last_round_partial = full, partial
         if partial:
             logger.info(f"Round {self.local_epoch}: a partial all-reduce; the next carries the outer state")
+        self._watch_lineages(gathered, None if partial else self.lineage)
         return averaged, base, self._count_round(len(gathered), full)
+
+    def _watch_lineages(self, gathered: dict[Any, Any], lineage: bytes | None) -> None:
+        """Note which members of the round that sent ``gathered`` showed the lineage their previous round with
+        this peer gave them, and expect ``lineage`` of them next (cotrain.swarm.lineage.LineageWatch)."""
+        me = self.dht.peer_id
+        mine = gathered.get(me)
+        round_ = mine.get("round") if isinstance(mine, dict) else None
+        if not isinstance(round_, int) or isinstance(round_, bool):
+            return
+        for peer in self.lineage_watch.observe(me, round_, gathered, lineage):
+            logger.warning(
+                f"Peer {peer} showed a lineage other than the one its last round with this peer gave it in "
+                f"{LINEAGE_BREAKS} of its last {LINEAGE_WINDOW} rounds with it: striking it (its lineage no "
+                "longer makes this peer's groups average the outer state)"
+            )
 
     def _launch(self, sent: list[torch.Tensor], weight: int) -> Any:
         """Put ``sent`` (and, with a codec, the outer state's records) in the averager and start its
@@ -458,7 +483,7 @@ class DiLoCoOptimizer(OverlappedRounds):
                 state = [Raw().encode(flat(part)) for part in kinds]
             for buffer, value in zip(tensors, [*sent, *state], strict=False):
                 buffer.copy_(value)
-        control.weight = float(max(weight, 1))
+        control.weight = self.attack.weight(float(max(weight, 1)))  # fault injection: a claimed weight
         control.allow_allreduce()
 
     def _match_this_round(self) -> None:
@@ -539,11 +564,15 @@ class DiLoCoOptimizer(OverlappedRounds):
 
     def _vouch(self) -> None:
         """Vouch for the global parameters as they are now (after a round's outer step, a download or a
-        resume: lineage.Voucher). Not with overlap, where the global parameters and the lineage a round sends
-        are a round apart."""
+        resume: lineage.Voucher), and have the state's fingerprint record attest it at once (a newcomer takes
+        a lineage only where another peer attests it: cotrain.swarm.diloco_state). Not with overlap, where the
+        global parameters and the lineage a round sends are a round apart."""
         if not self.overlap:
             with self.state_averager.lock_averaged_tensors:
                 self.voucher.vouch(self.local_epoch, self.lineage, self.state_averager.global_parameters)
+            publisher = getattr(self.state_averager, "fingerprints", None)
+            if publisher is not None:
+                publisher.nudge()
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         """Download the swarm's state, bounded by load_state_timeout (cotrain.swarm.optimizer)."""

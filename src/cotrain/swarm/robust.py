@@ -179,7 +179,7 @@ class RobustPartReducer(TensorPartReducer):
         senders = sorted(contributions)
         while senders:
             result = self._aggregate(index, codec, senders, contributions)
-            if codec is None and bool(torch.isfinite(result).all()):
+            if codec is None and finite(result):
                 return result.reshape(shape)
             if codec is not None:
                 encoded, carried = self.records.reduce_in_place(index, result, len(senders))
@@ -226,6 +226,12 @@ class RobustPartReducer(TensorPartReducer):
     def suspicion(self) -> list[int]:
         """Per sender: parts refused plus parts clipped far outside tau in this all-reduce."""
         return [a + b for a, b in zip(self.outliers, self.refused, strict=True)]
+
+
+def finite(values: torch.Tensor, block: int = 2**20) -> bool:
+    """Whether every value of ``values`` is finite, checked ``block`` values at a time (no mask of all)."""
+    flat = values.reshape(-1)
+    return all(bool(torch.isfinite(piece).all()) for piece in flat.split(block))
 
 
 def dense_numel(data: torch.Tensor, codec: "TopK | Raw | None") -> int:
@@ -305,14 +311,14 @@ class RecordParts:
                 average[: end - start].add_(residue, alpha=codec.decay)
                 carried = True
             residue.zero_()
-        if not bool(torch.isfinite(average).all()):
+        if not finite(average):
             return None, carried
         encoded = codec.encode(average)
         if end > start:
             codec.add_decoded(encoded, average, alpha=-1.0)  # the average is now what its records leave out
             span = self.feedback[start:end]
             span.add_(average[: end - start], alpha=1.0 if self.carry else float(senders))
-            if not bool(torch.isfinite(span).all()):
+            if not finite(span):
                 span.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return encoded, False
 
