@@ -110,14 +110,14 @@ MANIFEST: tuple[Touch, ...] = (
         f"{AVG}._aggregate_with_group",
         "copied",
         f"{HOOKS}.Averager; cotrain.swarm.lineage.OuterAverager",
-        "DiLoCo's rounds send the outer state only where the group's lineages differ",
+        "DiLoCo's rounds send the outer state only where the lineages that count in the group differ",
         "0b9ff15fd3fc9676",
     ),
     Touch(
         f"{AVG}._load_state_from_peers",
         "copied",
         f"{HOOKS}.Averager; cotrain.swarm.statecheck.CheckedStateDownloads",
-        "a donor's state is checked against published fingerprints and a size budget",
+        "a donor's state is checked against published fingerprints, a size budget and (DiLoCo) its round",
         "db5f94b8ebb56fc1",
     ),
     Touch(
@@ -176,6 +176,35 @@ MANIFEST: tuple[Touch, ...] = (
         f"{HOOKS}.Tracker; cotrain.swarm.progress",
         "gone peers left out; robust counting copies it",
         "d276f107c99e8fce",
+    ),
+    # the reducer of a part (public names, overridden in cotrain.swarm.robust.RobustPartReducer)
+    Touch(
+        "hivemind.averaging.partition.TensorPartReducer.accumulate_part",
+        "copied",
+        "cotrain.swarm.robust.RobustPartReducer",
+        "contributions checked (shape, weight, finite values, records) and kept as sent, not summed at once",
+        "9e7690629be6676e",
+    ),
+    Touch(
+        "hivemind.averaging.partition.TensorPartReducer.check_current_part_finished",
+        "overridden",
+        "cotrain.swarm.robust.RobustPartReducer",
+        "a finished part is combined in the reducer's thread, off the averager's event loop",
+        "c7ecebe5aa2eeb6c",
+    ),
+    Touch(
+        "hivemind.averaging.partition.TensorPartReducer.reset_accumulators",
+        "overridden",
+        "cotrain.swarm.robust.RobustPartReducer",
+        "no dense accumulator: the senders' contributions are kept as sent",
+        "58865dc0c6b2f39a",
+    ),
+    Touch(
+        "hivemind.averaging.partition.TensorPartReducer.finalize",
+        "overridden",
+        "cotrain.swarm.robust.RobustPartReducer",
+        "the reducer's thread is shut down (the combines it holds still run)",
+        "5573a5b15546e270",
     ),
     Touch(
         "hivemind.averaging.allreduce.AllReduceRunner._communicate_with_peer",
