@@ -155,6 +155,350 @@ def test_the_api_refuses_a_bad_strategy_before_the_network_starts():
         )
 
 
+# --- what a newcomer takes from its donor, and whom a group's choice leaves out ---------------------
+
+
+def peer_ids(n: int) -> list:
+    from hivemind.p2p import PeerID
+
+    return [PeerID(bytes([0x12, 0x20, i] + [7] * 32)) for i in range(1, n + 1)]
+
+
+class FakeDHT:
+    """A DHT's ``get`` over fixed records (key -> subkey -> value), as hivemind returns them."""
+
+    def __init__(self, peer_id, records: dict) -> None:
+        self.peer_id, self.records = peer_id, records
+
+    def get(self, key, latest=True):
+        from hivemind.utils.timed_storage import ValueWithExpiration
+
+        found = self.records.get(key)
+        if found is None:
+            return None
+        return ValueWithExpiration({k: ValueWithExpiration(v, 1e12) for k, v in found.items()}, 1e12)
+
+
+def diloco_holder(local_steps: int = 4, momentum: float = 0.9, seed: int = 0):
+    """A DiLoCoStateAverager's downloading side without its averager (no DHT, no process): its outer optimizer
+    over two global parameters, with momentum buffers."""
+    from types import SimpleNamespace
+
+    from cotrain.swarm.diloco_state import DiLoCoStateAverager
+
+    g = torch.Generator().manual_seed(seed)
+    params = [
+        torch.nn.Parameter(torch.randn(40, 8, generator=g)),
+        torch.nn.Parameter(torch.randn(8, generator=g)),
+    ]
+    holder = DiLoCoStateAverager.__new__(DiLoCoStateAverager)
+    holder._parent_pid = None  # no averager process to stop when it is collected
+    holder.optimizer = outer_optimizer_factory(0.7, momentum)([{"params": params}])
+    for p in params:
+        holder.optimizer.state[p]["momentum_buffer"] = torch.randn(p.shape, generator=g) if momentum else None
+        if not momentum:
+            holder.optimizer.state.pop(p)
+    holder.pinned_momentum = (
+        [holder.optimizer.state[p]["momentum_buffer"] for p in params] if momentum else []
+    )
+    holder._outer_layout = holder.optimizer.state_dict()
+    holder.extra_tensors, holder.local_steps, holder.prefix = (), local_steps, "run_state_averager"
+    holder.suspects, holder.unreachable, holder._held = {}, {}, SimpleNamespace(value=-1.0)
+    holder.public_key, holder.progress_key, holder.witnessed_key = b"[owner:me]", None, "run_progress"
+    holder._matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix=holder.prefix))
+    return holder
+
+
+def served(holder, epoch: int, inner_steps: int | None = None, lineage: bytes | None = None, **changes):
+    """What a donor holding ``holder``'s outer state serves at round ``epoch`` (``changes``: in its
+    metadata)."""
+    from hivemind.optim.state_averager import dump_optimizer_state
+
+    params = [p.detach().clone() for p in holder.global_parameters]
+    meta, statistics = dump_optimizer_state(holder.optimizer)
+    metadata = dict(
+        epoch=epoch,
+        strategy="diloco",
+        optimizer_metadata=meta,
+        outer_tensors=len(params) + len(statistics),
+        inner_metadata=[],
+        inner_steps=epoch * holder.local_steps if inner_steps is None else inner_steps,
+    )
+    if lineage is not None:
+        metadata["lineage"] = lineage
+    metadata.update(changes)
+    return metadata, [*params, *(t.clone() for t in statistics)]
+
+
+def progress(peer, epoch: int) -> dict:
+    return dict(
+        peer_id=peer.to_bytes(), epoch=epoch, samples_accumulated=0, samples_per_second=1.0, time=1.0,
+        client_mode=False,
+    )  # fmt: skip
+
+
+def download(holder, donors: dict, records: dict):
+    """``holder``'s download (cotrain.swarm.statecheck) from ``donors`` (peer -> (priority, served state)),
+    with the DHT's ``records``: the state it would load, or None."""
+    import asyncio
+    import concurrent.futures
+
+    me = peer_ids(9)[-1]
+    key = f"{holder.prefix}.all_averagers"
+    holder.dht = FakeDHT(me, {key: {p.to_bytes(): prio for p, (prio, _) in donors.items()}, **records})
+    by_id = {p.to_base58(): state for p, (_, state) in donors.items()}
+
+    async def from_donor(peer, chunk_timeout, timeout):
+        return by_id[peer.to_base58()]
+
+    holder._download_bounded = from_donor
+    future = concurrent.futures.Future()
+    asyncio.run(holder.download_state(future, None))
+    return future.result(0)
+
+
+def test_a_served_state_at_round_2_to_the_60_is_refused_and_the_next_donor_asked(caplog):
+    """A donor on the unverified fallback (nobody published a fingerprint for its step) that serves round
+    2^60, or an inner step outside its round, is refused with one line and asked last; the next donor's state
+    is loaded. The round is bounded by the largest that two other peers' progress records reach (by MAX_ROUND
+    where fewer than two report)."""
+    import logging
+
+    from cotrain.swarm.diloco_state import MAX_ROUND, ROUND_SLACK, round_refusal
+
+    liar, honest, a, b = peer_ids(4)
+    holder = diloco_holder(local_steps=4)
+    records = {"run_progress": {a.to_bytes(): progress(a, 5), b.to_bytes(): progress(b, 5)}}
+    caplog.set_level(logging.INFO, logger="cotrain.swarm.statecheck")
+    for bad in (served(holder, 2**60), served(holder, 5, inner_steps=10**9)):
+        holder.suspects = {}
+        donors = {liar: (max(6.0, bad[0]["epoch"]), bad), honest: (5.0, served(holder, 5))}  # the liar first
+        loaded = download(holder, donors, records)
+        assert loaded is not None and loaded[0]["epoch"] == 5 and loaded[0]["inner_steps"] == 20
+        assert liar.to_base58() in holder.suspects and honest.to_base58() not in holder.suspects
+        refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"Peer {liar}")]
+        assert len(refusals) == 1 and "not loading it, trying another peer" in refusals[0], refusals
+        caplog.clear()
+    # alone, it is refused too: no state is loaded, even where no other peer's progress is read
+    assert download(holder, {liar: (2.0**60, served(holder, 2**60))}, records) is None
+    assert download(holder, {liar: (2.0**60, served(holder, 2**60))}, {}) is None
+    # its own progress record is no witness of its round: one record alone, or beside an honest one
+    alone = {"run_progress": {liar.to_bytes(): progress(liar, 2**60)}}
+    lying = {"run_progress": {**alone["run_progress"], a.to_bytes(): progress(a, 5)}}
+    for claims in (alone, lying):
+        assert download(holder, {liar: (2.0**60, served(holder, 2**60))}, claims) is None
+    # an honest donor ahead of a peer that lags is within the slack of what the two reach
+    lagging = {"run_progress": {honest.to_bytes(): progress(honest, 7), a.to_bytes(): progress(a, 5)}}
+    assert download(holder, {honest: (7.0, served(holder, 7))}, lagging)[0]["epoch"] == 7
+    # the decision: the round within ROUND_SLACK of the witnessed one, the inner step within the round's
+    assert round_refusal(5 + ROUND_SLACK, (5 + ROUND_SLACK) * 4, 5, 4) is None
+    assert "beyond the round" in round_refusal(6 + ROUND_SLACK, (6 + ROUND_SLACK) * 4, 5, 4)
+    assert round_refusal(5, 23, 5, 4) is None and round_refusal(5, 24, 5, 4) is None  # the round's last step
+    assert "outside its round" in round_refusal(5, 25, 5, 4) and "outside its round" in round_refusal(
+        5, 19, 5, 4
+    )
+    assert round_refusal(MAX_ROUND, MAX_ROUND * 4, None, 4) is None
+    assert "beyond any run" in round_refusal(MAX_ROUND + 1, (MAX_ROUND + 1) * 4, None, 4)
+    for epoch, steps in ((True, 4), (-1, 0), (5.0, 20), (5, None), (5, "20")):
+        assert round_refusal(epoch, steps, 5, 4) is not None, (epoch, steps)
+
+
+def attesting(holder, epoch: int, lineage: bytes, peer: str, momentum_shift: float = 0.0):
+    """Another holder's published record of ``holder``'s state at ``epoch``, attesting ``lineage`` (its
+    momentum moved by ``momentum_shift``)."""
+    from cotrain.swarm import statecheck as sc
+
+    params = holder.global_parameters
+    momentum = [holder.optimizer.state[p]["momentum_buffer"] + momentum_shift for p in params]
+    record = sc.step_record(sc.fingerprint(params, epoch), lineage, sc.fingerprint(momentum, epoch))
+    parsed = sc.StepFingerprint.parse_obj(record.dict())
+    return sc.Published(peer, {epoch: parsed.fingerprint()}, {epoch: parsed.attestation()})
+
+
+def test_a_newcomer_keeps_its_donors_lineage_only_where_another_peer_attests_it_for_that_state(caplog):
+    """The lineage a donor serves is kept only where another peer's record for that round attests it, and the
+    state (global parameters and momentum) matches every such record; a poisoned momentum, the donor's own
+    word, another lineage or a record that disagrees: a fresh lineage (the first round carries the state)."""
+    import logging
+
+    group, other = fresh_lineage(), fresh_lineage()
+    holder = diloco_holder()
+    donor, peer, third = "QmDonor", "QmPeer", "QmThird"
+
+    def kept(records: dict, state=None) -> bool:
+        loaded = state or served(holder, 5, lineage=group)
+        holder.settle_download(donor, loaded, records)
+        return loaded[0].get("lineage") == group
+
+    caplog.set_level(logging.INFO, logger="cotrain.swarm.diloco_state")
+    assert kept({"k1": attesting(holder, 5, group, peer)})
+    assert not kept({})  # the donor's word alone
+    assert "this peer starts a fresh one" in caplog.text
+    assert not kept({"k1": attesting(holder, 5, group, donor)})  # its own record is its word too
+    assert not kept({"k1": attesting(holder, 5, other, peer)})  # another lineage
+    assert not kept({"k1": attesting(holder, 4, group, peer)})  # another round
+    assert not kept({"k1": attesting(holder, 5, group, peer, momentum_shift=1.0)})  # the momentum differs
+    disagree = {"k1": attesting(holder, 5, group, peer), "k2": attesting(holder, 5, group, third, 1.0)}
+    assert not kept(disagree)  # every peer that attests the lineage must hold the state
+    # a poisoned momentum served under the group's lineage: the global parameters match, the momentum not
+    poisoned = served(holder, 5, lineage=group)
+    n = len(holder.global_parameters)
+    for t in poisoned[1][n:]:
+        t.mul_(-50.0)
+    assert not kept({"k1": attesting(holder, 5, group, peer)}, poisoned)
+    garbled = served(holder, 5, lineage=group, optimizer_metadata=[{"type": "tensor", "index": 99}])
+    assert not kept({"k1": attesting(holder, 5, group, peer)}, garbled)
+    # a run without momentum: the global parameters alone are attested
+    plain = diloco_holder(momentum=0.0)
+    record = attesting(diloco_holder(momentum=0.9), 5, group, peer)
+    loaded = served(plain, 5, lineage=group)
+    plain.settle_download(donor, loaded, {"k1": record})
+    assert "lineage" not in loaded[0]  # a record with a momentum does not match a state without
+    from cotrain.swarm import statecheck as sc
+
+    params = plain.global_parameters
+    bare = sc.StepFingerprint.parse_obj(sc.step_record(sc.fingerprint(params, 5), group).dict())
+    loaded = served(plain, 5, lineage=group)
+    plain.settle_download(
+        donor, loaded, {"k1": sc.Published(peer, {5: bare.fingerprint()}, {5: bare.attestation()})}
+    )
+    assert loaded[0]["lineage"] == group
+
+
+def test_a_holder_attests_the_lineage_it_vouches_for_with_its_momentum():
+    """A DiLoCo holder's record attests its lineage and momentum where it vouches for its state (the same
+    round and values), nothing otherwise; the record's schema reads it back and refuses a bad momentum."""
+    import threading
+
+    from cotrain.swarm import statecheck as sc
+
+    holder = diloco_holder()
+    holder.lock_averaged_tensors = threading.Lock()
+    voucher, lineage = Voucher(2), fresh_lineage()
+    holder.served_lineage = voucher.served
+    params = holder.global_parameters
+    assert holder.attestation(5, params) is None  # nothing vouched for
+    voucher.vouch(5, lineage, params)
+    attested, momentum = holder.attestation(5, params)
+    assert attested == lineage and all(
+        m is holder.optimizer.state[p]["momentum_buffer"] for m, p in zip(momentum, params, strict=True)
+    )
+    assert holder.attestation(6, params) is None
+    record = sc.step_record(sc.fingerprint(params, 5), lineage, sc.fingerprint(momentum, 5))
+    back = sc.StepFingerprint.parse_obj(record.dict()).attestation()
+    assert back.lineage == lineage and sc.distance(back.momentum, sc.fingerprint(momentum, 5)) < 1e-6
+    old = sc.StepFingerprint.parse_obj(
+        {k: v for k, v in record.dict().items() if k not in ("lineage", "momentum")}
+    )
+    assert old.attestation() is None  # a record without one (an older peer's, a sync holder's)
+    for bad in ({"lineage": b"short"}, {"momentum": record.momentum[:-4]}, {"momentum": record.momentum * 3}):
+        with pytest.raises(ValueError):
+            sc.StepFingerprint.parse_obj({**record.dict(), **bad})
+
+
+def test_a_peer_that_breaks_its_lineage_round_after_round_is_struck():
+    """A member of a whole round should show, in its next round, the lineage that round gave the group; one
+    that shows another in LINEAGE_BREAKS of its last LINEAGE_WINDOW watched rounds is struck. An honest break
+    now and then, a partial round, a member not met again: nobody struck."""
+    from cotrain.swarm.lineage import LINEAGE_BREAKS, LINEAGE_WINDOW, MAX_STRUCK, LineageWatch
+
+    me, honest, liar = peer_ids(3)
+    watch = LineageWatch()
+    lineage = fresh_lineage()
+    struck_at = []
+    for r in range(3 * LINEAGE_WINDOW):
+        broke = r % LINEAGE_WINDOW == 1  # once per window: the honest peer's bad luck
+        gathered = {
+            me: {"lineage": lineage, "round": r},
+            honest: {"lineage": fresh_lineage() if broke else lineage, "round": r},
+            liar: {"lineage": fresh_lineage(), "round": r},
+        }
+        lineage = next_lineage(r, gathered)
+        for peer in watch.observe(me, r, gathered, lineage):
+            struck_at.append((peer, r))
+    assert struck_at == [(liar, LINEAGE_BREAKS)]  # its breaks are watched from round 1 on
+    assert watch.struck() == [liar.to_bytes()] and not watch.strikes(honest)
+    # a partial round here gives no expectation; a member met again later than the next round is not judged
+    watch = LineageWatch()
+    for r, partial in ((0, True), (1, False), (3, False), (4, False)):
+        gathered = {me: {"lineage": b"m" * 8, "round": r}, liar: {"lineage": fresh_lineage(), "round": r}}
+        assert watch.observe(me, r, gathered, None if partial else next_lineage(r, gathered)) == []
+    assert [watch.strikes(liar), len(watch.history[liar])] == [False, 1]  # judged at round 4 only
+    assert len(watch.struck()) <= MAX_STRUCK
+
+
+def test_a_group_leaves_out_the_lineage_of_a_member_most_others_strike():
+    """The same choice on every member: a member struck by a strict majority of the others does not make its
+    group carry the outer state; one liar cannot discount an honest member of a larger group."""
+    from cotrain.swarm.lineage import MAX_STRUCK, discounted
+
+    a, b, x = peer_ids(3)
+    group = fresh_lineage()
+
+    def member(lineage, *struck, round_=3):
+        return {
+            "lineage": lineage,
+            "round": round_,
+            **({"struck": [p.to_bytes() for p in struck]} if struck else {}),
+        }
+
+    fresh = {a: member(group, x), b: member(group, x), x: member(fresh_lineage())}
+    assert discounted(fresh) == {x} and not carries_outer_state(fresh)
+    assert carries_outer_state(list(fresh.values()))  # unnamed members: every lineage counts
+    assert carries_outer_state({**fresh, b: member(group)})  # only a half of the others strike it: it counts
+    diverged = {a: member(fresh_lineage()), b: member(group), x: member(fresh_lineage(), a)}
+    assert discounted(diverged) == set() and carries_outer_state(diverged)  # a lone liar strikes nobody
+    pair = {a: member(group, x), x: member(fresh_lineage(), a)}
+    assert discounted(pair) == {a, x} and not carries_outer_state(pair)  # in a pair the other's word decides
+    assert carries_outer_state({a: member(group, x), x: member(fresh_lineage())}, periodic=True) is False
+    periodic = {
+        a: member(group, x, round_=OUTER_STATE_EVERY - 1),
+        x: member(fresh_lineage(), round_=OUTER_STATE_EVERY - 1),
+    }
+    assert carries_outer_state(periodic)  # the periodic rounds of dense rounds stay
+    garbage = {a: {**member(group), "struck": "x" * 100}, b: member(group), x: member(fresh_lineage())}
+    assert carries_outer_state(garbage)  # a malformed list strikes nobody
+    flood = {a: {**member(group), "struck": [b"?"] * MAX_STRUCK + [x.to_bytes()]}, b: member(group, x)}
+    assert discounted({**flood, x: member(fresh_lineage())}) == set()  # names past MAX_STRUCK are not read
+
+
+def test_a_member_fresh_every_round_makes_its_group_carry_the_state_only_until_it_is_struck(caplog):
+    """Two honest peers (each a DiLoCoOptimizer's bookkeeping: what it sends, what it notes after a round) and
+    one that shows a fresh lineage every round: their group carries the outer state in its first rounds only,
+    then never again for its sake; each honest peer names it once in a warning."""
+    import logging
+    from types import SimpleNamespace
+
+    from cotrain.swarm.diloco import DiLoCoOptimizer
+    from cotrain.swarm.lineage import LINEAGE_BREAKS, LineageWatch
+
+    caplog.set_level(logging.WARNING, logger="cotrain.swarm.diloco")
+    a, b, x = peer_ids(3)
+    honest = []
+    for peer in (a, b):
+        opt = DiLoCoOptimizer.__new__(DiLoCoOptimizer)
+        opt.dht, opt.lineage, opt.lineage_watch = SimpleNamespace(peer_id=peer), b"\x00" * 8, LineageWatch()
+        opt.state_averager = SimpleNamespace(local_epoch=0)
+        honest.append(opt)
+    carried = []
+    for r in range(30):
+        for opt in honest:
+            opt.state_averager.local_epoch = r
+        gathered = {
+            a: honest[0]._gather(),
+            b: honest[1]._gather(),
+            x: {"lineage": fresh_lineage(), "round": r},
+        }
+        if carries_outer_state(gathered, periodic=False):
+            carried.append(r)
+        for opt in honest:
+            opt.lineage = next_lineage(r, gathered)
+            opt._watch_lineages(gathered, opt.lineage)
+    assert carried == list(range(LINEAGE_BREAKS + 1)), carried  # round 0, then each break until struck
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all(f"Peer {x} showed a lineage" in w for w in warnings), warnings
+
+
 # --- live -------------------------------------------------------------------------------------------
 
 
@@ -364,8 +708,10 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
     assert trio, [p.rows("average") for p in (a, b, c)]
     check_rounds([a, b, c], trio)
     # a newcomer downloads the state as it joins: a peer serves its state with its lineage (from its start,
-    # after each round, alone too), and the newcomer takes it (its rounds with them then leave the outer
-    # state out); at round 0, without a download too, all start in the lineage of the same initial weights
+    # after each round, alone too), and the newcomer takes it where another peer's record attests it for
+    # that state (its rounds with them then leave the outer state out), else starts a fresh one, and its
+    # first round with them carries the outer state; at round 0, without a download too, all start in the
+    # lineage of the same initial weights
     for newcomer, others, first in ((b, [a], pairs[0]), (c, [a, b], trio[0])):
         joined = newcomer.rows("ready")[0]
         if joined["step"] == 0:  # the lineage of the initial weights, unless its state came without one
@@ -374,7 +720,14 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
             assert joined["lineage"] in held or carried, (joined, held)
             continue
         held = {r["lineage"] for p in others for r in p.rows("average") if r["round"] == joined["step"] - 1}
-        assert joined["lineage"] in held, (joined, held)
+        rounds = by_round(newcomer, "average")
+        own_first = rounds[min(rounds)]
+        if len(others) == 1:  # its donor's word alone (nobody else holds that lineage): a fresh one
+            assert joined["lineage"] not in held, (joined, held)
+        assert joined["lineage"] in held or own_first["carried"] or own_first["size"] == 1, (
+            joined,
+            own_first,
+        )
     # rounds among peers that already averaged together carry the pseudo-gradients alone
     b_averages = by_round(b, "average")
     joint = [b_averages[r] for r in pairs + trio]

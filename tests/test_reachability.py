@@ -17,6 +17,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerInfo
 from hivemind.utils.multiaddr import Multiaddr
 
 from conftest import LOCALHOST
+from cotrain.access import possession
 from cotrain.swarm import reachability
 from cotrain.swarm.internals.hooks import p2p_client
 
@@ -73,16 +74,22 @@ def test_a_private_swarm_serves_the_probe_to_token_holders_who_prove_their_key(t
         return service._refusal(request, context)
 
     assert refusal(reachability._request(["/ip4/127.0.0.1/tcp/1"], me, them, alice)) == ""
-    assert "no valid access token" in refusal(reachability._request(["/ip4/127.0.0.1/tcp/1"], me, them, None))
-    assert "no valid access token" in refusal(reachability._request([], me, them, mallory))
-    for_another = reachability._request([], me, me, alice)  # a proof made for another answering peer
-    assert "no proof" in refusal(for_another)
+    assert "no access token" in refusal(reachability._request(["/ip4/127.0.0.1/tcp/1"], me, them, None))
+    assert "not issued by this swarm" in refusal(reachability._request([], me, them, mallory))
+    replayed = reachability._request([], me, them, alice)
+    assert refusal(replayed) == "" and "replayed" in refusal(replayed)
+    assert "not signed" in refusal(reachability._request([], me, me, alice))  # made for another peer
     stale = reachability._request([], me, them, alice)
-    stale.time -= 2 * reachability.PROOF_WINDOW
-    assert "stale" in refusal(stale)
+    stale.time -= 2 * possession.MAX_CLOCK_SKEW
+    assert "old or ahead" in refusal(stale)
     bare = reachability._request([], me, them, alice)  # a token copied from elsewhere, without its key
-    bare.proof = mallory.own().key.sign(reachability.proof_text(me.to_bytes(), them.to_bytes(), bare.time))
-    assert "no proof" in refusal(bare)
+    signed = possession.payload(
+        reachability.PURPOSE, RUN, me.to_bytes(), them.to_bytes(), bare.time, bare.nonce
+    )
+    bare.signature = mallory.own().key.sign(signed)
+    assert "not signed" in refusal(bare)
+    config = possession.payload("cotrain-config-request/1", RUN, me.to_bytes(), them.to_bytes(), 0.0, b"")
+    assert config != signed  # a proof for another purpose is not this one's
 
 
 class Sentinel:

@@ -189,7 +189,7 @@ def test_an_auxiliary_sparse_reducer_stays_finite_when_a_sender_claims_a_huge_we
     for _ in range(3):  # rounds: two honest clients and the attacker
         sent = [codec.encode(torch.randn(CHUNK, generator=generator)) for _ in range(3)]
 
-        async def main():
+        async def main(sent: list[torch.Tensor] = sent):
             reducer = RobustPartReducer([local.shape], 3, Mean(), records=aux)
 
             async def send(i: int, weight: float):

@@ -19,7 +19,17 @@ from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, train
 from cotrain.config import RunConfig
 from cotrain.engine.join import take_swarm_run
 from cotrain.swarm.configrecord import ConfigPublisher, make_record, read_configs, schema_validators
-from cotrain.swarm.vouch import MAX_ANSWER, _answer, ask_initial_peers, messages, parse_answer, serve_config
+from cotrain.swarm.vouch import (
+    MAX_ANSWER,
+    SeenNonces,
+    _answer,
+    ask_initial_peers,
+    messages,
+    parse_answer,
+    request_payload,
+    serve_config,
+    signed_request,
+)
 
 PEER = "12D3KooWJ7mZQEzN7b4Yq1Mk8s3x5Z1pQ2a3b4c5d6e7f8g9h1j2"
 RUN = "anchor-test"
@@ -87,17 +97,58 @@ def test_a_private_swarm_answers_only_a_request_with_an_accepted_token():
     served = {RUN: (answer(run_fields()), b"")}
     token = AccessToken(username="alice").SerializeToString()
     refusing = SimpleNamespace(refusal=lambda token: "no access token" if token is None else "revoked")
-    accepting = SimpleNamespace(refusal=lambda token: None if token is not None else "no access token")
 
     def ask(access, **request):
-        return asyncio.run(_answer(served, access, m.ConfigRequest(**request), None)).record
+        return asyncio.run(
+            _answer(served, access, m.ConfigRequest(**request), None, seen=SeenNonces())
+        ).record
 
     assert ask(None, run_id=RUN) == served[RUN][0]  # a public swarm
     assert ask(None, run_id="other-run") == b""
-    assert ask(accepting, run_id=RUN, token=token) == served[RUN][0]
-    assert ask(accepting, run_id=RUN) == b""
     assert ask(refusing, run_id=RUN, token=token) == b""
-    assert ask(accepting, run_id=RUN, token=b"\xff garbage") == b""
+    assert ask(refusing, run_id=RUN) == b""
+    assert ask(refusing, run_id=RUN, token=b"\xff garbage") == b""
+
+
+def test_a_private_swarm_answers_only_a_request_that_proves_its_token_key_for_this_peer_now():
+    """A bare token (voter records and every DHT request carry one) is refused: the request must be signed by
+    the token's key, over both peer ids, the time and a fresh nonce."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto.auth_pb2 import AccessToken
+
+    from cotrain.access.crypto import PrivateKey
+
+    m = messages()
+    served = {RUN: (answer(run_fields()), b"")}
+    alice, mallory = PrivateKey(), PrivateKey()
+    token = AccessToken(username="alice", public_key=alice.get_public_key().to_bytes(), expiration_time="9")
+    own = SimpleNamespace(proto=token, key=alice)
+    # the token itself is accepted (its authority's signature is the access control's check: test_auth.py)
+    access = SimpleNamespace(
+        run_id=RUN, refusal=lambda token: None if token is not None else "no access token", own=lambda: own
+    )
+    asker, asked, other = (PeerID(bytes([0x12, 0x20, i] + [7] * 32)) for i in (1, 2, 3))
+    seen = SeenNonces()
+
+    def reply(request, sender=asker) -> bytes:
+        context = SimpleNamespace(remote_id=sender, local_id=asked)
+        return asyncio.run(_answer(served, access, request, context, seen=seen)).record
+
+    assert reply(m.ConfigRequest(run_id=RUN, token=token.SerializeToString())) == b""  # a bare token
+    with_proof = signed_request(access, RUN, asker, asked)
+    assert with_proof.signature and len(with_proof.nonce) == 16
+    assert reply(with_proof) == served[RUN][0]
+    assert reply(with_proof) == b""  # replayed: its nonce was seen
+    assert reply(signed_request(access, RUN, asker, other)) == b""  # made for another peer
+    assert reply(signed_request(access, RUN, asker, asked), sender=other) == b""  # sent by another peer id
+    late = signed_request(access, RUN, asker, asked)
+    late.time -= 120
+    late.signature = alice.sign(request_payload(RUN, asker, asked, late.time, late.nonce))
+    assert reply(late) == b""  # signed, but over 60 s old
+    own.key = mallory  # signed by a key other than the one the token names
+    assert reply(signed_request(access, RUN, asker, asked)) == b""
+    own.key = alice
+    assert reply(signed_request(access, RUN, asker, asked)) == served[RUN][0]
 
 
 @pytest.mark.timeout(60)

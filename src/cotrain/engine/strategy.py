@@ -527,6 +527,7 @@ class DiLoCoStrategy(HivemindStrategy):
             dht=dht,
             prefix=state_averager_prefix(run.run_id),
             progress_key=progress_key(run.run_id) if aggregation_of(run).robust else None,
+            witnessed_key=progress_key(run.run_id),  # a served state's round is bounded by the swarm's
             optimizer=outer_optimizer_factory(run.outer_lr, run.outer_momentum),
             params=groups,
             inner_optimizer=inner,

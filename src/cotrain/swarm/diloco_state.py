@@ -1,6 +1,22 @@
 """The state of a DiLoCo peer as hivemind serves and downloads it (``DiLoCoStateAverager``: global parameters,
 outer momentum, round, inner optimizer and schedule), and the outer optimizer's pieces. The monitor's and the
-evaluation peer's state holder is one too (cotrain.engine.strategy)."""
+evaluation peer's state holder is one too (cotrain.engine.strategy).
+
+What a downloader takes from a donor beyond the checked fingerprint of its global parameters
+(cotrain.swarm.statecheck) is checked too:
+- the round and the inner step (``round_refusal``): a round more than ``ROUND_SLACK`` beyond the one the
+  swarm's progress records witness (the largest that two other peers' records reach, the donor's among
+  them: cotrain.swarm.progress.witnessed_epoch), or beyond ``MAX_ROUND`` where fewer than two records are
+  read, and an inner step outside its round's
+  (``round x local_steps`` to ``(round + 1) x local_steps``: the schedule's position) are refused, and the
+  next donor asked. A donor on the unverified fallback could otherwise put a newcomer at round 2^60, where it
+  averages with nobody again, or at the end of the inner schedule;
+- the lineage (cotrain.swarm.lineage) it serves with the state: kept only where another peer's record for
+  that round attests the same lineage and the state matches every such record, momentum included
+  (``DiLoCoStateAverager.settle_download``, fingerprint.lineage_attested); otherwise the newcomer starts a
+  fresh lineage, and its first round averages the outer state with its group. Each holder's record attests
+  the lineage it vouches for, with the fingerprint of its outer momentum (``attestation``).
+"""
 
 from __future__ import annotations
 
@@ -19,15 +35,43 @@ from hivemind.optim.state_averager import (
     dump_optimizer_state,
     load_optimizer_state,
 )
+from hivemind.utils import nested_pack
 
+from cotrain.swarm.fingerprint import fingerprint, lineage_attested
 from cotrain.swarm.internals.hooks import Averager, apply_optimizer_parameters
 from cotrain.swarm.internals.hosting import ServedInThread
 from cotrain.swarm.lineage import LINEAGE_BYTES
-from cotrain.swarm.statecheck import CheckedStateDownloads
+from cotrain.swarm.statecheck import MAX_STEP, CheckedStateDownloads, Published
 
 logger = logging.getLogger(__name__)
 
 STRATEGY = "diloco"  # what a served state says it is, so that a state of another strategy is refused
+ROUND_SLACK = 2  # rounds a served state may be ahead of the witnessed one (records lag a round's end)
+MAX_ROUND = MAX_STEP  # the most a served round may be where no other peer's progress is read
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def round_refusal(epoch: Any, inner_steps: Any, witnessed: int | None, local_steps: int) -> str | None:
+    """Why a served DiLoCo state's round ``epoch`` or inner step ``inner_steps`` is out of range (what the
+    donor served, for a log line), or None: the round must be at most ``ROUND_SLACK`` beyond ``witnessed``
+    (the round the swarm's progress records witness; ``MAX_ROUND`` when None), the inner step within its
+    round's (``local_steps`` per round: see the module's doc)."""
+    if not _is_int(epoch) or epoch < 0:
+        return f"a state without a valid round ({epoch!r})"
+    if witnessed is None and epoch > MAX_ROUND:
+        return f"a state at round {epoch}, beyond any run's ({MAX_ROUND})"
+    if witnessed is not None and epoch > witnessed + ROUND_SLACK:
+        return (
+            f"a state at round {epoch}, beyond the round the swarm's progress records witness ({witnessed}, "
+            f"+{ROUND_SLACK})"
+        )
+    first, last = epoch * local_steps, (epoch + 1) * local_steps
+    if not _is_int(inner_steps) or not first <= inner_steps <= last:
+        return f"a state at inner step {inner_steps!r}, outside its round {epoch}'s ({first} to {last})"
+    return None
 
 
 def outer_optimizer_factory(lr: float, momentum: float) -> Callable[[Iterable], torch.optim.Optimizer]:
@@ -111,6 +155,8 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
         glob = self.global_parameters
         self.pinned_momentum = [torch.zeros_like(p).share_memory_() for p in glob] if momentum else []
         self.pin_momentum()
+        # the outer optimizer's state as a served state packs it (its tensors: the pinned momentum, no copy)
+        self._outer_layout = self.optimizer.state_dict()
 
     state_optimizers = 2  # the outer optimizer's statistics and the inner one's (cotrain.swarm.statelimit)
 
@@ -148,6 +194,75 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
             finally:
                 for param, saved in zip(self.main_parameters, local, strict=True):
                     param.copy_(saved)
+
+    # --- what a download checks (cotrain.swarm.statecheck; see the module's doc) ---
+
+    def attestation(self, epoch: int, tensors: list[torch.Tensor]) -> tuple[bytes, list | None] | None:
+        """The lineage this holder vouches for at ``epoch`` for ``tensors`` (the global parameters; under
+        their lock) and its outer momentum (None at momentum 0), which its fingerprint record attests."""
+        lineage = self.served_lineage(epoch, list(tensors))
+        if lineage is None:
+            return None
+        return lineage, self.outer_state()[len(self.global_parameters) :] if self.pinned_momentum else None
+
+    def served_refusal(self, metadata: Any, witnessed: int | None) -> str | None:
+        return round_refusal(metadata.get("epoch"), metadata.get("inner_steps"), witnessed, self.local_steps)
+
+    def settle_download(self, donor: str, loaded: tuple, records: Any) -> None:
+        """Drop the lineage a donor served with its state unless another peer's record attests it for that
+        state, momentum included (fingerprint.lineage_attested): the newcomer's first round then carries the
+        outer state."""
+        metadata, tensors = loaded
+        lineage = metadata.get("lineage")
+        if lineage is None:
+            return
+        epoch, count = metadata.get("epoch"), self._fingerprinted_count()
+        others = [
+            (p.steps[epoch], p.attested[epoch])
+            for p in records.values()
+            if isinstance(p, Published) and p.peer_id != donor and epoch in p.attested and epoch in p.steps
+        ]
+        momentum = self._served_momentum(metadata, tensors)
+        if momentum is not False and isinstance(lineage, bytes) and len(lineage) == LINEAGE_BYTES:
+            state = fingerprint(tensors[:count], epoch)
+            moment = None if momentum is None else fingerprint(momentum, epoch)
+            if lineage_attested(lineage, state, moment, others):
+                return
+        del metadata["lineage"]
+        logger.info(
+            f"No other peer's record attests the lineage peer {donor} served with its state for round "
+            f"{epoch}: this peer starts a fresh one (its first round averages the outer state with its group)"
+        )
+
+    def _served_momentum(
+        self, metadata: Any, tensors: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None | bool:
+        """The outer momentum a served state holds, as loading it would read it (hivemind's
+        ``load_optimizer_state``): one buffer per global parameter, zeros where it has none; None in a run
+        without momentum; False where the state's outer optimizer statistics cannot be read so."""
+        if not self.pinned_momentum:
+            return None
+        params = self.global_parameters
+        n, outer = len(params) + len(self.extra_tensors), metadata.get("outer_tensors")
+        try:
+            flat, statistics = [], tensors[n:outer]
+            for elem in metadata["optimizer_metadata"]:
+                if elem.get("type") == "tensor" and isinstance(elem.get("index"), int):
+                    flat.append(statistics[elem["index"]])
+                elif elem.get("type") == "value" and "value" in elem:
+                    flat.append(elem["value"])
+            state = nested_pack(flat, structure=self._outer_layout)["state"]
+            buffers = [state.get(i, {}).get("momentum_buffer") for i in range(len(params))]
+        except Exception:
+            return False
+        if not all(
+            b is None or (isinstance(b, torch.Tensor) and b.shape == p.shape)
+            for b, p in zip(buffers, params, strict=True)
+        ):
+            return False
+        return [torch.zeros_like(p) if b is None else b for b, p in zip(buffers, params, strict=True)]
+
+    # --- serving and downloading ---
 
     def get_current_state(self):
         metadata, tensors, infos = super().get_current_state()
@@ -202,8 +317,9 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
                 load_optimizer_state(self.inner_optimizer, metadata.get("inner_metadata", []), flat[outer:])
             except (StopIteration, KeyError, IndexError, ValueError) as e:
                 logger.info(f"Inner optimizer statistics not loaded ({e!r}); this peer starts them afresh")
-            steps = metadata.get("inner_steps")
-            self.inner_steps = steps if isinstance(steps, int) and steps >= 0 else epoch * self.local_steps
+            steps = metadata.get("inner_steps")  # checked against its round by the download (round_refusal)
+            in_round = _is_int(steps) and epoch * self.local_steps <= steps <= (epoch + 1) * self.local_steps
+            self.inner_steps = steps if in_round else epoch * self.local_steps
             set_schedule(self.inner_scheduler, self.inner_steps)
         apply_optimizer_parameters(self)
         self.local_epoch = epoch

@@ -1,6 +1,7 @@
 """A state's fingerprint and the vote on it: values sampled at positions every peer derives alike, their
-distances, and the verdict on a downloaded state against the records of other peers. The module doc of
-cotrain.swarm.statecheck explains the scheme; this module holds its arithmetic, with no network."""
+distances, the verdict on a downloaded state against the records of other peers, and whether they attest the
+DiLoCo lineage its donor served with it. The module doc of cotrain.swarm.statecheck explains the scheme; this
+module holds its arithmetic, with no network."""
 
 from __future__ import annotations
 
@@ -213,3 +214,41 @@ def spread(fingerprints: Sequence[Fingerprint]) -> float:
         min(distance(a, b) for j, b in enumerate(fingerprints) if j != i) for i, a in enumerate(fingerprints)
     ]
     return statistics.median(nearest)
+
+
+# --- a lineage's attestation (DiLoCo) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """What a DiLoCo holder's record says of its state at a step beyond its fingerprint: the lineage it
+    vouches for there (cotrain.swarm.lineage.Voucher), and the fingerprint of its outer momentum (None in a
+    run without momentum)."""
+
+    lineage: bytes
+    momentum: Fingerprint | None
+
+
+def lineage_attested(
+    lineage: bytes,
+    state: Fingerprint,
+    momentum: Fingerprint | None,
+    others: Sequence[tuple[Fingerprint, Attestation]],
+    tolerance: float = TOLERANCE,
+) -> bool:
+    """Whether a downloaded state may keep the ``lineage`` its donor served it with: peers of a lineage hold
+    the same outer state (global parameters and momentum, to the rounding of their averages), so the state
+    (``state``: its global parameters' fingerprint; ``momentum``: its momentum's) must match, within
+    ``tolerance``, the fingerprints of every other peer whose record (``others``: fingerprint and
+    attestation, for the state's step, never the donor's) attests that lineage, and at least one must. The
+    donor's word alone does not do: the momentum is in no other check, and a round among peers of one lineage
+    never averages it."""
+    claims = [(fp, attested) for fp, attested in others if attested.lineage == lineage]
+    if not claims:
+        return False
+    for fp, attested in claims:
+        if distance(state, fp) > tolerance or (momentum is None) != (attested.momentum is None):
+            return False
+        if momentum is not None and distance(momentum, attested.momentum) > tolerance:
+            return False
+    return True

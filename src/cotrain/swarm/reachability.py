@@ -21,7 +21,7 @@ beyond which a request is answered "busy" at once (never queued: the asker asks 
 seconds until its time limit). Identities are free, addresses are not: many identities on one address hold
 one dial at a time. In a private swarm
 the probe is served to holders of a valid token only, who prove they hold its key (a signature over both
-peers' ids and the time).
+peers' ids, the time and a nonce: cotrain.access.possession).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import logging
 import time
 from typing import Any
 
+from cotrain.access import possession
 from cotrain.faults import unreachable_addresses
 from cotrain.swarm.internals.hooks import p2p_client
 
@@ -49,7 +50,7 @@ MAX_PORTS = 4  # ports of one request dialed
 REQUEST_EVERY = 10.0  # seconds between two requests of one asking peer that are answered
 MAX_DIALS = 4  # dials in flight at once, over all askers
 DIALS_PER_MINUTE = 60  # dials started a minute, over all askers
-PROOF_WINDOW = 60.0  # seconds a private swarm's proof of holding the token's key stays fresh
+PURPOSE = "cotrain-dial-back/1"  # what a private swarm's request proves its token key for
 MAX_DETAIL = 200  # characters of an answer's detail read
 NOT_REACHED = "not reached"  # the whole detail of an answer that could not dial the asker
 BUSY = "busy"  # the detail of an answer that refused at once: too many requests in flight
@@ -64,12 +65,13 @@ def messages():
         "cotrain_dialback.proto",
         {
             # newline-separated multiaddrs, without /p2p (only their TCP ports are used); in a private swarm
-            # the asker's token, and its key's signature over the proof's text (``proof_text``)
+            # the asker's token and its proof of holding the token's key (cotrain.access.possession)
             "DialBackRequest": [
                 ("addresses", "string"),
                 ("token", "bytes"),
-                ("proof", "bytes"),
                 ("time", "double"),
+                ("nonce", "bytes"),
+                ("signature", "bytes"),
             ],
             "DialBackReply": [("reached", "bool"), ("detail", "string")],
         },
@@ -114,11 +116,6 @@ def checked_ports(text: str) -> list[int]:
     return ports[:MAX_PORTS]
 
 
-def proof_text(asker: bytes, answerer: bytes, at: float) -> bytes:
-    """What a private swarm's asker signs with its token's key: both peers' ids and the time."""
-    return b"cotrain.DialBack\n" + asker + b"\n" + answerer + b"\n" + repr(float(at)).encode()
-
-
 def asker_host(peers: list[Any], asker: Any) -> tuple[str, str] | None:
     """("ip4" or "ip6", address) of the direct connection of ``asker`` among the daemon's ``peers``
     (hivemind PeerInfo: a connection's remote address each), or None (relayed, or gone)."""
@@ -146,6 +143,7 @@ class DialBackService:
         self.last: dict[bytes, float] = {}  # asker -> when its last answered request came
         self.started: list[float] = []  # when the dials of the last minute started
         self.dialing: set[tuple[str, str]] = set()  # the asker hosts being dialed
+        self.seen = possession.SeenNonces() if access is not None else None
 
     async def answer(self, request: Any, context: Any) -> Any:
         m = messages()
@@ -179,24 +177,11 @@ class DialBackService:
         """Why a private swarm refuses the request ("" where it is served)."""
         if self.access is None:
             return ""
-        from hivemind.proto.auth_pb2 import AccessToken
-
-        from cotrain.access.crypto import PublicKey
-
-        try:
-            token = AccessToken.FromString(request.token)
-        except Exception:
-            return "refused: a malformed access token"
-        if not request.token or self.access.refusal(token) is not None:
-            return "refused: no valid access token"
-        if not abs(time.time() - request.time) <= PROOF_WINDOW:
-            return "refused: a stale proof"
-        text = proof_text(context.remote_id.to_bytes(), context.local_id.to_bytes(), request.time)
-        try:
-            proven = PublicKey.from_bytes(token.public_key).verify(text, request.proof)
-        except Exception:
-            proven = False
-        return "" if proven else "refused: no proof of holding the token's key"
+        proof = possession.Proof(request.token, request.time, request.nonce, request.signature)
+        reason = possession.refusal(
+            self.access, PURPOSE, proof, context.remote_id.to_bytes(), context.local_id.to_bytes(), self.seen
+        )
+        return "" if reason is None else f"refused: {reason}"[:MAX_DETAIL]
 
 
 async def dial(peer: Any, addresses: list[str], timeout: float = DIAL_TIMEOUT) -> bool:
@@ -314,8 +299,7 @@ def _request(addresses: list[str], asker: Any, answerer: Any, access: Any) -> An
     """A dial-back request; in a private swarm with this peer's token and its proof of holding the key."""
     request = messages().DialBackRequest(addresses="\n".join(addresses))
     if access is not None:
-        own = access.own()
-        request.time = time.time()
-        request.token = own.proto.SerializeToString()
-        request.proof = own.key.sign(proof_text(asker.to_bytes(), answerer.to_bytes(), request.time))
+        proof = possession.prove(access, PURPOSE, asker.to_bytes(), answerer.to_bytes())
+        request.token, request.time, request.nonce = proof.token, proof.time, proof.nonce
+        request.signature = proof.signature
     return request

@@ -67,12 +67,20 @@ sign-flipped parameters, not a state crafted against it. Optimizer statistics ar
 statistics differ between honest peers by design, and sync's are not averaged. A donor's stream is counted as
 it comes against the most a state of the downloader's model can hold (``state_bound``;
 cotrain.swarm.statelimit): more tensors or bytes than that and it is refused, and the next donor asked.
+
+A holder's record may say more of a step than its fingerprint (``attestation``): a DiLoCo trainer's names the
+lineage it vouches for there, with a fingerprint of its outer momentum, and a downloader keeps the lineage a
+donor served only where another peer's record attests it for that state (``settle_download``). Before a
+state is judged, a holder may refuse it outright (``served_refusal``: DiLoCo's round beyond the step that the
+progress records under ``witnessed_key`` witness, or an inner step outside its round), as it refuses a state
+that is not finite; both are cotrain.swarm.diloco_state's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import math
 import multiprocessing as mp
@@ -87,7 +95,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.optim.state_averager import TrainingStateAverager
-from pydantic.v1 import BaseModel, confloat, conint, conlist, constr, root_validator
+from pydantic.v1 import BaseModel, conbytes, confloat, conint, conlist, constr, root_validator
 
 from cotrain.access.voters import one_vote_each, voters_of
 from cotrain.swarm.direct import DirectTransport
@@ -106,6 +114,7 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
     SCALE_FLOOR,
     SPREAD_FACTOR,
     TOLERANCE,
+    Attestation,
     Fingerprint,
     Verdict,
     distance,
@@ -120,8 +129,9 @@ from cotrain.swarm.fingerprint import (  # noqa: F401 (re-exported)
 from cotrain.swarm.internals.hooks import Averager
 from cotrain.swarm.internals.hosting import ServedInThread, join_at_exit
 from cotrain.swarm.keys import fingerprints_key, state_averager_prefix
+from cotrain.swarm.lineage import LINEAGE_BYTES
 from cotrain.swarm.liveness import WatchedRounds
-from cotrain.swarm.progress import witnessed_epoch
+from cotrain.swarm.progress import WITNESSES, witnessed_epoch
 from cotrain.swarm.statelimit import StateBudget, StateTooLarge, state_bound
 
 logger = logging.getLogger(__name__)
@@ -144,17 +154,35 @@ class StepFingerprint(BaseModel):
     layout: constr(regex=r"^[0-9a-f]{16}$", strict=True)  # layout_hash of the tensors' sizes
     numels: conlist(conint(ge=0, strict=True), max_items=MAX_RECORD_BYTES // 36)
     values: bytes  # float32: the norms, then SAMPLES_PER_TENSOR values per tensor
+    # DiLoCo: the lineage its holder vouches for at this step, and the fingerprint of its outer momentum (as
+    # ``values``, of the leading tensors: the global parameters); absent elsewhere and in older records
+    lineage: conbytes(min_length=LINEAGE_BYTES, max_length=LINEAGE_BYTES, strict=True) | None = None
+    momentum: bytes | None = None
 
     @root_validator(skip_on_failure=True)
     def _consistent(cls, values: dict) -> dict:
         if layout_hash(values["numels"]) != values["layout"]:
             raise ValueError("the layout's hash does not match the tensors' sizes")
-        if len(values["values"]) != 4 * len(values["numels"]) * (1 + SAMPLES_PER_TENSOR):
+        row = 4 * (1 + SAMPLES_PER_TENSOR)
+        if len(values["values"]) != row * len(values["numels"]):
             raise ValueError("the fingerprint's length does not match its tensors")
+        momentum = values.get("momentum")
+        if momentum is not None and (len(momentum) % row or len(momentum) > len(values["values"])):
+            raise ValueError("the momentum's fingerprint does not match the tensors")
         return values
 
     def fingerprint(self) -> Fingerprint:
         return Fingerprint.from_bytes(self.epoch, self.numels, self.values)
+
+    def attestation(self) -> Attestation | None:
+        """The lineage this step's record attests and its momentum's fingerprint (None without a lineage)."""
+        if self.lineage is None:
+            return None
+        momentum = None
+        if self.momentum is not None:
+            count = len(self.momentum) // (4 * (1 + SAMPLES_PER_TENSOR))
+            momentum = Fingerprint.from_bytes(self.epoch, self.numels[:count], self.momentum)
+        return Attestation(self.lineage, momentum)
 
 
 class FingerprintRecord(BaseModel):
@@ -174,16 +202,29 @@ def fingerprint_validators(run_id: str) -> list[SchemaValidator]:
     return [SchemaValidator(FingerprintSchema, prefix=state_averager_prefix(run_id))]
 
 
-def step_record(fp: Fingerprint) -> StepFingerprint:
-    return StepFingerprint(epoch=fp.epoch, layout=fp.layout, numels=list(fp.numels), values=fp.to_bytes())
+def step_record(
+    fp: Fingerprint, lineage: bytes | None = None, momentum: Fingerprint | None = None
+) -> StepFingerprint:
+    """The record of ``fp``, with the lineage its holder vouches for at that step and its momentum's
+    fingerprint (DiLoCo) where given."""
+    return StepFingerprint(
+        epoch=fp.epoch,
+        layout=fp.layout,
+        numels=list(fp.numels),
+        values=fp.to_bytes(),
+        lineage=lineage,
+        momentum=momentum.to_bytes() if lineage is not None and momentum is not None else None,
+    )
 
 
 @dataclass(frozen=True)
 class Published:
-    """One holder's record as read: the peer id it names, and its fingerprint per step."""
+    """One holder's record as read: the peer id it names, its fingerprint per step, and per step the lineage
+    it attests there (DiLoCo holders that vouch for one)."""
 
     peer_id: str
     steps: dict[int, Fingerprint]
+    attested: dict[int, Attestation] = dataclasses.field(default_factory=dict)
 
 
 def state_finite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -203,47 +244,66 @@ def read_fingerprints(dht: Any, key: str) -> dict[bytes, Published]:
     for subkey, entry in found.value.items():
         try:
             record = FingerprintRecord.parse_obj(entry.value)
-            out[subkey] = Published(record.peer_id, {s.epoch: s.fingerprint() for s in record.states})
+            attested = {s.epoch: s.attestation() for s in record.states if s.lineage is not None}
+            out[subkey] = Published(
+                record.peer_id, {s.epoch: s.fingerprint() for s in record.states}, attested
+            )
         except Exception as e:  # a record of another version, or garbage: never crash the reader
             logger.debug(f"ignoring a malformed state fingerprint record: {e}")
     return out
 
 
 class FingerprintPublisher(threading.Thread):
-    """Publishes a holder's fingerprints every POLL seconds when its step or its parameters changed (every
-    REPUBLISH seconds otherwise), keeping its last HISTORY steps."""
+    """Publishes a holder's fingerprints every POLL seconds when its step, its parameters or the lineage it
+    attests changed (every REPUBLISH seconds otherwise, at once when ``nudge``d), keeping its last HISTORY
+    steps."""
 
     def __init__(self, holder: Any) -> None:
         super().__init__(daemon=True, name="state-fingerprints")
         self.holder = holder
         self.key = fingerprints_key(holder.prefix)
         self.history: dict[int, StepFingerprint] = {}
-        self.published = (-1, torch.zeros(0), 0.0)  # step, sampled values, time
+        self.published = (-1, torch.zeros(0), 0.0, None)  # step, sampled values, time, lineage attested
         self.closed = threading.Event()
+        self.nudged = threading.Event()
 
     def run(self) -> None:
-        while not self.closed.wait(POLL):
+        while not self.closed.is_set():
+            self.nudged.wait(POLL)
+            self.nudged.clear()
+            if self.closed.is_set():
+                break
             try:
                 self.publish()
             except Exception as e:  # network trouble degrades: the next round tries again
                 logger.debug(f"publishing the state's fingerprint failed: {e!r}")
 
+    def nudge(self) -> None:
+        """Look at the holder now (it just vouched for a lineage), not at the next POLL."""
+        self.nudged.set()
+
     def publish(self, force: bool = False) -> None:
-        """Publish the holder's fingerprint if its step or its sampled values changed since the last one (the
-        norms, a pass over every parameter, are computed only then), or REPUBLISH seconds went by."""
+        """Publish the holder's fingerprint if its step, its sampled values or the lineage it attests changed
+        since the last one (the norms, a pass over every parameter, are computed only then), or REPUBLISH
+        seconds went by."""
         from hivemind.utils import get_dht_time
 
         holder = self.holder
-        last_epoch, last_samples, last_time = self.published
+        last_epoch, last_samples, last_time, last_lineage = self.published
         with holder.lock_averaged_tensors:
             epoch = int(holder.local_epoch)
             tensors = holder.fingerprinted_tensors()
             samples = sampled_values(tensors, epoch)
-            changed = epoch != last_epoch or not torch.equal(samples, last_samples)
+            attested = holder.attestation(epoch, tensors)
+            lineage = attested[0] if attested is not None else None
+            changed = epoch != last_epoch or not torch.equal(samples, last_samples) or lineage != last_lineage
             if not (force or changed or time.monotonic() - last_time >= REPUBLISH):
                 return
             fp = fingerprint(tensors, epoch, samples)
-        self.history[epoch] = step_record(fp)
+            momentum = None
+            if attested is not None and attested[1] is not None:
+                momentum = fingerprint(attested[1], epoch)
+        self.history[epoch] = step_record(fp, lineage, momentum)
         for old in sorted(self.history)[:-HISTORY]:
             del self.history[old]
         record = FingerprintRecord(
@@ -258,10 +318,11 @@ class FingerprintPublisher(threading.Thread):
             subkey=holder.public_key,
             return_future=True,
         )
-        self.published = (epoch, samples, time.monotonic())
+        self.published = (epoch, samples, time.monotonic(), lineage)
 
     def close(self) -> None:
         self.closed.set()
+        self.nudged.set()
         join_at_exit(self)  # it may be computing a fingerprint, a pass over every parameter
 
 
@@ -275,11 +336,18 @@ class CheckedStateDownloads(Averager):
     optimizer's parameters and the extra tensors, are the ones fingerprinted."""
 
     def __init__(
-        self, *args: Any, progress_key: str | None = None, keeps_state: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        progress_key: str | None = None,
+        witnessed_key: str | None = None,
+        keeps_state: bool = False,
+        **kwargs: Any,
     ) -> None:
         """``progress_key``: the run's progress records (cotrain.swarm.keys.progress_key), given where the
         swarm's progress is counted robustly: donors beyond the epoch that two other full peers reached are
-        then not asked while one within it serves (``within_witnessed``). ``keeps_state``: the copy of a
+        then not asked while one within it serves (``within_witnessed``). ``witnessed_key``: the same records,
+        read at every download to bound the step of a served state (``served_refusal``: DiLoCo's round and
+        inner step) by the one the swarm witnesses, whatever the aggregation. ``keeps_state``: the copy of a
         monitor (or evaluation peer), which never averages: it answers state downloads only. An auxiliary
         reducer's (``auxiliary=True``) answers all-reduces only, and publishes no fingerprint: the state it
         holds is not the swarm's (it reduces for others and never steps)."""
@@ -290,7 +358,7 @@ class CheckedStateDownloads(Averager):
         elif kwargs.get("auxiliary"):
             self.serve_only(frozenset({"rpc_join_group", "rpc_aggregate_part", "rpc_direct_offer"}))
 
-        self.progress_key = progress_key
+        self.progress_key, self.witnessed_key = progress_key, witnessed_key
         self.poisoned = PoisonedState.from_env()  # fault injection: serve a corrupted copy
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key that signs records
         self.suspects: dict[str, float] = {}  # donor -> until when it is asked last (averager's process)
@@ -315,6 +383,22 @@ class CheckedStateDownloads(Averager):
     def fingerprinted_tensors(self) -> list[torch.Tensor]:
         """The tensors the fingerprint covers, in the order they are served (call under the tensors' lock)."""
         return [p for g in self.optimizer.param_groups for p in g["params"]] + list(self.extra_tensors)
+
+    def attestation(self, epoch: int, tensors: list[torch.Tensor]) -> tuple[bytes, list | None] | None:
+        """What this holder's record attests at ``epoch`` for its ``tensors`` (``fingerprinted_tensors``;
+        called under their lock) beyond their fingerprint: a DiLoCo holder's lineage and outer momentum
+        (cotrain.swarm.diloco_state). None here."""
+        return None
+
+    def served_refusal(self, metadata: Mapping[str, Any], witnessed: int | None) -> str | None:
+        """Why a donor's state is refused before its fingerprint is judged (what it is, for the log line), or
+        None: DiLoCo refuses a round far beyond ``witnessed`` (the step the swarm's progress records witness,
+        None when none is read) and an inner step outside its round (cotrain.swarm.diloco_state)."""
+        return None
+
+    def settle_download(self, donor: str, loaded: tuple, records: Mapping[Any, Published]) -> None:
+        """Adjust a donor's state that is about to be loaded, given the others' ``records``: a DiLoCo holder
+        drops a lineage that no other record attests for that state (cotrain.swarm.diloco_state)."""
 
     # --- serving ---
 
@@ -395,6 +479,8 @@ class CheckedStateDownloads(Averager):
                         "the one that two other peers reached"
                     )
             order = donor_order(offered, records, {**self.unreachable, **self.suspects}, self._held.value)
+            rounds = self._progress_epochs(self.witnessed_key) if self.witnessed_key is not None else []
+            witnessed = self._witnessed_for(rounds)
             fallback, refuted = None, 0
             for position, (donor, worth) in enumerate(order):
                 if deadline is not None and time.monotonic() >= deadline:
@@ -410,8 +496,15 @@ class CheckedStateDownloads(Averager):
                     refuted += 1
                     self.suspects[donor] = time.monotonic() + SUSPECT_SECONDS
                     continue
+                why = self.served_refusal(loaded[0], witnessed)
+                if why is not None:
+                    logger.warning(f"Peer {donor} served {why}: not loading it, trying another peer")
+                    refuted += 1
+                    self.suspects[donor] = time.monotonic() + SUSPECT_SECONDS
+                    continue
                 found = self._judge(donor, loaded, records, anchors, own)
                 if found.accepted:
+                    self.settle_download(donor, loaded, records)
                     future.set_result(loaded)
                     return
                 if found.kind == "unverifiable":
@@ -427,6 +520,7 @@ class CheckedStateDownloads(Averager):
                     f"No other peer published a fingerprint of the state at step {loaded[0]['epoch']}: "
                     f"loading peer {donor}'s state unchecked"
                 )
+                self.settle_download(donor, loaded, records)
                 future.set_result(loaded)
             elif refuted:
                 logger.warning(
@@ -441,20 +535,36 @@ class CheckedStateDownloads(Averager):
 
     def _witnessed_epoch(self) -> int | None:
         """``witnessed_epoch`` of the other full peers' progress records (None when none could be read)."""
+        return witnessed_epoch(
+            [epoch for epoch, client in self._progress_epochs(self.progress_key) if not client]
+        )
+
+    def _progress_epochs(self, key: str) -> list[tuple[int, bool]]:
+        """(epoch, client mode) of the other peers' progress records under ``key``, one per participant in a
+        private swarm; malformed and expired records count for nothing."""
         from hivemind.optim.progress_tracker import LocalTrainingProgress
 
-        found = self.dht.get(self.progress_key, latest=True)
+        found = self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
-            return None
-        mine, epochs = self.peer_id.to_bytes(), []
+            return []
+        mine, out = self.peer_id.to_bytes(), []
         for entry in one_vote_each(found.value, voters_of(self.dht)).values():
             try:
                 progress = LocalTrainingProgress.parse_obj(entry.value)
-            except Exception:  # an expired or malformed record counts for nothing
+            except Exception:
                 continue
-            if not progress.client_mode and progress.peer_id != mine:
-                epochs.append(progress.epoch)
-        return witnessed_epoch(epochs)
+            if progress.peer_id != mine:
+                out.append((progress.epoch, bool(progress.client_mode)))
+        return out
+
+    def _witnessed_for(self, rounds: list[tuple[int, bool]]) -> int | None:
+        """The largest step that two of the other peers' progress records (``rounds``: ``_progress_epochs``,
+        clients and donors included) reach, at least the step this peer holds; None where fewer than two
+        report one (a single record, a donor's own perhaps, witnesses nothing)."""
+        epochs = [epoch for epoch, _ in rounds]
+        if len(epochs) < WITNESSES:
+            return None
+        return max(witnessed_epoch(epochs, WITNESSES), int(self._held.value))
 
     def _judge(
         self,

@@ -10,8 +10,13 @@ count of keys, cotrain.swarm.statecheck). A peer that does not answer (unreachab
 handler) is skipped; an answer is size-capped, schema-checked (``ConfigRecord``) and must name the asked peer
 and run.
 
-In a private swarm a peer answers only a request that carries an access token the swarm accepts, so the run's
-settings stay with its members, as its DHT records do.
+In a private swarm a peer answers only a request that carries an access token the swarm accepts and proves
+that the asker holds the token's key: a signature by that key over the run, both peer ids (the asker's, which
+libp2p authenticates, and the answering peer's own), the time and a random nonce (``request_payload``). The
+answering peer checks the signature with the key the token names, the time against its own clock (within
+``MAX_CLOCK_SKEW``) and that it has not seen the nonce before, so a token read elsewhere (voter records carry
+tokens, and every DHT request does) or a recorded request, replayed or sent to another peer, is refused. The
+run's settings stay with its members, as its DHT records do.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import json
 import logging
 from typing import Any
 
+from cotrain.access import possession
+from cotrain.access.possession import MAX_CLOCK_SKEW, SeenNonces  # noqa: F401 (re-exported)
 from cotrain.swarm.configrecord import MAX_CONFIG_CHARS, ConfigRecord
 
 logger = logging.getLogger(__name__)
@@ -30,6 +37,7 @@ CONFIG_HANDLE = "cotrain.RunConfig"  # answered by every full peer that publishe
 MAX_ANSWER = 2 * MAX_CONFIG_CHARS + 4096  # bytes of an answer's record (its JSON escapes the config's text)
 ASK_TIMEOUT = 5.0  # seconds an initial peer has to answer
 MAX_SIGNER = 4096  # bytes of an answer's signing key (an RSA public key in OpenSSH form, wrapped)
+PURPOSE = "cotrain-config-request/1"  # what a private swarm's request proves its token key for
 
 
 @functools.cache
@@ -37,11 +45,18 @@ def messages():
     """The request and answer of the config handler, built at first use from a descriptor."""
     from cotrain.access.wire import build_messages
 
-    # token: a private swarm's; record: JSON, empty when there is none
+    # token: a private swarm's, with its proof (time, nonce, signature: request_payload); record: JSON,
+    # empty when there is none
     return build_messages(
         "cotrain_config.proto",
         {
-            "ConfigRequest": [("run_id", "string"), ("token", "bytes")],
+            "ConfigRequest": [
+                ("run_id", "string"),
+                ("token", "bytes"),
+                ("time", "double"),
+                ("nonce", "bytes"),
+                ("signature", "bytes"),
+            ],
             # signer: the key that signs the answering peer's DHT records (its state fingerprints count as
             # the address's own, cotrain.swarm.statecheck)
             "ConfigReply": [("record", "bytes"), ("signer", "bytes")],
@@ -54,23 +69,43 @@ def _access(node) -> Any:
     return getattr(getattr(node.protocol, "authorizer", None), "access", None)
 
 
+def request_payload(run_id: str, asker: Any, asked: Any, t: float, nonce: bytes) -> bytes:
+    """What the asker's token key signs in a private swarm's config request: the run, the asker's and the
+    asked peer's ids (hivemind PeerIDs), the time and the nonce (cotrain.access.possession)."""
+    return possession.payload(PURPOSE, run_id, asker.to_bytes(), asked.to_bytes(), t, nonce)
+
+
+def proof_refusal(access: Any, request, context, seen: SeenNonces) -> str | None:
+    """Why a private swarm's config ``request`` (from ``context.remote_id`` to ``context.local_id``) is not
+    answered, or None: its token is not one the swarm accepts, or the request does not prove that the asker
+    holds the token's key, freshly and for this peer (cotrain.access.possession)."""
+    asker = getattr(context, "remote_id", None)
+    asked = getattr(context, "local_id", None)
+    proof = possession.Proof(request.token, request.time, request.nonce, request.signature)
+    return possession.refusal(
+        access,
+        PURPOSE,
+        proof,
+        None if asker is None else asker.to_bytes(),
+        b"" if asked is None else asked.to_bytes(),
+        seen,
+    )
+
+
 # --- the answering side ---------------------------------------------------------------------------------
 
 
-async def _answer(served: dict[str, bytes], access: Any, request, context):
+async def _answer(served: dict[str, bytes], access: Any, request, context, *, seen: SeenNonces):
     m = messages()
     found = served.get(request.run_id)
     if found is None:
         return m.ConfigReply()
     record, signer = found
     if access is not None:
-        from hivemind.proto.auth_pb2 import AccessToken
-
-        try:
-            token = AccessToken.FromString(request.token) if request.token else None
-        except Exception:
-            return m.ConfigReply()
-        if access.refusal(token) is not None:
+        reason = proof_refusal(access, request, context, seen)
+        if reason is not None:
+            peer = getattr(context, "remote_id", None)
+            logger.debug(f"Not answering peer {peer}'s config request: {reason}")
             return m.ConfigReply()
     return m.ConfigReply(record=record, signer=signer)
 
@@ -82,9 +117,8 @@ async def _serve(dht, node, run_id: str, record: bytes, signer: bytes) -> None:
     if served is None:
         served = dht.served_configs = {}
         if not node.protocol.client_mode:  # nobody can dial a client
-            await node.p2p.add_protobuf_handler(
-                CONFIG_HANDLE, functools.partial(_answer, served, _access(node)), messages().ConfigRequest
-            )
+            answer = functools.partial(_answer, served, _access(node), seen=SeenNonces())
+            await node.p2p.add_protobuf_handler(CONFIG_HANDLE, answer, messages().ConfigRequest)
     served[run_id] = (record, signer)
 
 
@@ -133,15 +167,12 @@ async def _ask(
 
     m = messages()
     access = _access(node)
-    token = access.own().proto.SerializeToString() if access is not None else b""
-    request = m.ConfigRequest(run_id=run_id, token=token)
     for peer in peers:
         try:
+            peer_id = PeerID.from_base58(peer)
+            request = signed_request(access, run_id, node.peer_id, peer_id)
             reply = await asyncio.wait_for(
-                node.p2p.call_protobuf_handler(
-                    PeerID.from_base58(peer), CONFIG_HANDLE, request, m.ConfigReply
-                ),
-                timeout,
+                node.p2p.call_protobuf_handler(peer_id, CONFIG_HANDLE, request, m.ConfigReply), timeout
             )
         except Exception as e:  # unreachable, or a version without the handler: the next one
             logger.debug(f"initial peer {peer} did not answer the config request: {e!r}")
@@ -151,6 +182,18 @@ async def _ask(
             signer = reply.signer if _is_signer(reply.signer) else b""
             return peer, record, signer
     return None
+
+
+def signed_request(access: Any, run_id: str, asker: Any, asked: Any):
+    """A config request for ``run_id`` from ``asker`` to ``asked`` (PeerIDs): in a private swarm (``access``)
+    with this peer's token and its proof, signed by the token's key for this one request."""
+    m = messages()
+    if access is None:
+        return m.ConfigRequest(run_id=run_id)
+    proof = possession.prove(access, PURPOSE, asker.to_bytes(), asked.to_bytes())
+    return m.ConfigRequest(
+        run_id=run_id, token=proof.token, time=proof.time, nonce=proof.nonce, signature=proof.signature
+    )
 
 
 def _is_signer(signer: bytes) -> bool:
