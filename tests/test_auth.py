@@ -386,14 +386,25 @@ def test_a_registry_of_format_1_keeps_its_revoked_tokens_revoked(tmp_path, caplo
     [
         (lambda d: d.update(extra="x"), "extra: extra inputs are not permitted"),
         (lambda d: d.pop("private_key"), "private_key: field required"),
-        (lambda d: d.update(name="a" * 65), "name: string should match pattern"),
+        (lambda d: d.update(name="a" * 65), "name: value error, must be 1-64 letters"),
+        (lambda d: d.update(name="alice\n"), "name: value error, must be 1-64 letters"),
         (lambda d: d.update(name=7), "name: input should be a valid string"),
         (lambda d: d.update(public_key="A" * 5000), "public_key: string should have at most"),
         (lambda d: d.update(signature="A" * 5000), "signature: string should have at most"),
-        (lambda d: d.update(expiration_time="1e10"), "expiration_time: string should match pattern"),
+        (lambda d: d.update(expiration_time="1e10"), "expiration_time: value error, must be whole seconds"),
         (lambda d: d.update(private_key="x" * 70000), "over 65536 bytes"),
     ],
-    ids=["extra", "missing", "long name", "name type", "huge key", "huge signature", "expiry", "huge file"],
+    ids=[
+        "extra",
+        "missing",
+        "long name",
+        "final newline",
+        "name type",
+        "huge key",
+        "huge signature",
+        "expiry",
+        "huge file",
+    ],
 )
 def test_token_files_pass_a_strict_schema(tmp_path, change, problem):
     data = json.loads(issue(tmp_path, "alice").read_text())
@@ -411,14 +422,14 @@ def test_registries_and_tokens_on_the_wire_pass_a_strict_schema(tmp_path, capsys
     registry = registry_path(tmp_path / "authority.key")
     good = json.loads(registry.read_text())
     key = ["--authority-key", str(tmp_path / "authority.key")]
-    bad = {
-        "revoked as text": {**good["tokens"][0], "revoked": "yesterday"},
-        "an extra field": {**good["tokens"][0], "admin": True},
-        "no expiry": {k: v for k, v in good["tokens"][0].items() if k != "expires"},
-        "a name with a newline": {**good["tokens"][0], "name": "alice\nroot"},
+    damaged = {  # the file itself: refused whole
+        "not JSON": "{",
+        "another format": json.dumps({**good, "format": "cotrain-token-registry/9"}),
+        "tokens not a list": json.dumps({**good, "tokens": {"alice": good["tokens"][0]}}),
+        "an extra field": json.dumps({**good, "admin": True}),
     }
-    for what, entry in bad.items():
-        registry.write_text(json.dumps({**good, "tokens": [entry]}))
+    for what, text in damaged.items():
+        registry.write_text(text)
         capsys.readouterr()
         assert main(["token", "list", *key]) == 2, what
         err = capsys.readouterr().err.strip().splitlines()
@@ -427,7 +438,9 @@ def test_registries_and_tokens_on_the_wire_pass_a_strict_schema(tmp_path, capsys
     authority = Authority.load(tmp_path / "authority.key")
     for field, value in [
         ("username", "x" * 10_000),
+        ("username", "alice\n"),
         ("expiration_time", "9" * 40),
+        ("expiration_time", token_as_sent(path).expiration_time + "\n"),
         ("public_key", b"A" * 10_000),
     ]:
         token = token_as_sent(path)
@@ -435,11 +448,92 @@ def test_registries_and_tokens_on_the_wire_pass_a_strict_schema(tmp_path, capsys
         assert check_token(token, authority.public_key) == MALFORMED, field
 
 
+def test_one_bad_registry_entry_is_skipped_and_the_others_still_list_and_revoke(tmp_path, capsys, caplog):
+    """A registry entry that does not pass its schema (a name with a final newline, as `token issue` once
+    accepted; a field of the wrong type) is skipped with a warning naming it; list and revoke go on with the
+    others, the entry is kept, and one marked revoked keeps its fingerprints in the revocation list."""
+    import logging
+
+    key = ["--authority-key", str(tmp_path / "authority.key")]
+    assert main(["token", "issue", "--name", "alice\n", "--output", str(tmp_path / "nl.token"), *key]) == 2
+    assert "token name 'alice\\n'" in capsys.readouterr().err
+    assert not (tmp_path / "nl.token").exists() and not list(tmp_path.glob("alice*"))
+    alice, bob, carol = (read_token_file(issue(tmp_path, name)) for name in ("alice", "bob", "carol"))
+    registry = registry_path(tmp_path / "authority.key")
+    data = json.loads(registry.read_text())
+    data["tokens"][0]["name"] = "alice\n"  # what `token issue --name $'alice\n'` used to record
+    data["tokens"][1]["issued"] = "yesterday"
+    data["tokens"][2]["revoked"] = "yes"  # revoked, in a shape the schema refuses: stays revoked
+    data["tokens"].append(["not", "an", "entry"])
+    registry.write_text(json.dumps(data))
+    bad_entries = data["tokens"]
+    issue(tmp_path, "dave")  # issuing goes on too
+    capsys.readouterr()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cotrain.access.authority"):
+        assert main(["token", "list", "--json", *key]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["name"] for r in rows] == ["dave"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 4 and all("skipping entry" in w for w in warnings), warnings
+    assert "entry 1 (name 'alice\\n')" in warnings[0] and "entry 2 (name 'bob')" in warnings[1]
+    assert "entry 4," in warnings[3] and all("\n" not in w for w in warnings), warnings
+    assert main(["token", "revoke", "--name", "dave", *key]) == 0
+    assert main(["token", "revoke", "--name", "bob", *key]) == 0  # its entry is skipped, still revoked
+    tokens = json.loads(registry.read_text())["tokens"]
+    assert [t["name"] if isinstance(t, dict) else t for t in tokens] == [
+        "alice\n",
+        "bob",
+        "carol",
+        ["not", "an", "entry"],
+        "dave",
+    ]  # the skipped entries are kept as they were, in their place; bob's now marked revoked
+    assert tokens[1] == {**bad_entries[1], "revoked": tokens[1]["revoked"]} and tokens[1]["revoked"] > 0
+    assert tokens[0] == bad_entries[0] and tokens[2:4] == bad_entries[2:] and tokens[4]["revoked"] > 0
+    revoked = Authority.load(tmp_path / "authority.key").revoked_fingerprints()
+    assert {bob.fingerprint, carol.fingerprint, carol.signature_fingerprint} <= revoked
+    assert alice.fingerprint not in revoked  # never revoked: its name alone is out of shape
+
+
+def test_secret_files_open_to_other_users_are_used_with_one_warning(tmp_path, caplog):
+    """A token file or an authority key that its group or others may read is used, with one warning line
+    naming it and the chmod to run; the files cotrain writes are its owner's only, whatever the umask."""
+    import logging
+    import os
+
+    old = os.umask(0)
+    try:
+        token_path = issue(tmp_path, "alice")
+    finally:
+        os.umask(old)
+    key_path = tmp_path / "authority.key"
+    for path in (token_path, key_path, registry_path(key_path)):
+        assert (path.stat().st_mode & 0o777) == 0o600, path
+
+    def warnings(read) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            read()
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    for path, what, read in [
+        (token_path, "access token file", lambda: read_token_file(token_path)),
+        (key_path, "authority key", lambda: Authority.load(key_path)),
+        (key_path, "authority key", lambda: main(["token", "list", "--authority-key", str(key_path)])),
+    ]:
+        assert warnings(read) == [], path
+        path.chmod(0o644)
+        said = warnings(read)
+        assert len(said) == 1 and said[0].startswith(f"The {what} {path} is open to other users"), said
+        assert said[0].endswith(f"run `chmod 600 {path}`"), said
+        path.chmod(0o600)
+
+
 def test_private_files_are_written_through_a_new_temp_file(tmp_path):
     """A symlink or file planted at the temp name that writes used to take is neither followed nor used."""
     import os
 
-    from cotrain.access.tokens import write_private
+    from cotrain.privatefile import write_private
 
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")

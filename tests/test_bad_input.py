@@ -83,6 +83,24 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "run.learning_rate: expected float, got str 'fast'",
         "call",
     ),
+    (
+        "model config with a model_type of the wrong type",
+        [*TRAIN, "--model-config-path", "{ws}/model_type.json"],
+        "model_type must be a string, got an integer",
+        "call",
+    ),
+    (
+        "model config with values of the wrong type",
+        [*TRAIN, "--model-config-path", "{ws}/model_types.json"],
+        "hidden_size must be an integer (as in the preset), got a string 'wide'",
+        "call",
+    ),
+    (
+        "model config nested too deeply",
+        [*TRAIN, "--model-config-path", "{ws}/deep.json"],
+        "cannot read a JSON model config (nested too deeply)",
+        "call",
+    ),
     ("malformed multiaddr", [*STATUS, "--initial-peers", "/ip4/nonsense"], "malformed initial peer", "call"),
     ("old-style IP:PORT peer", [*STATUS, "--initial-peers", "10.0.0.1:1337"], "old-style IP:PORT", "call"),
     ("missing dataset", [*TRAIN, "--dataset-path", "{ws}/no-data"], "no prepared dataset at", "call"),
@@ -220,6 +238,9 @@ def workspace(root: Path, data: Path | None = None) -> Iterator[dict[str, str]]:
     (root / "unknown_key.toml").write_text("[run]\nlearning_rat = 0.1\n")
     (root / "bad_table.toml").write_text("[trainer]\nlearning_rate = 0.1\n")
     (root / "bad_type.toml").write_text("[run]\nlearning_rate = 'fast'\n")
+    (root / "model_type.json").write_text('{"model_type": 5}')
+    (root / "model_types.json").write_text('{"hidden_size": "wide", "num_attention_heads": [4]}')
+    (root / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (root / "empty.txt").write_text("\n\n")
     ck = Path(CK.format(ws=root))
     ck.mkdir(parents=True)

@@ -191,6 +191,43 @@ def test_export_command_line(tmp_path, tokenizer, capsys):
     assert "cotrain export: error:" in err and "truncated or corrupted" in err and "Traceback" not in err
 
 
+def test_export_replaces_only_a_folder_that_holds_nothing_but_an_export(tmp_path, tokenizer, capsys):
+    from cotrain.cli import main
+
+    path = save(tmp_path / "checkpoints", 5, tokenizer, trained_state(tokenizer, steps=1))
+    out = ck.export(path, tmp_path / "hf")
+    written = sorted(p.name for p in out.iterdir())
+    # a user's folder that holds a cotrain.json (here an export's own) beside a file of theirs is refused
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / ck.EXPORT_MARKER).write_bytes((out / ck.EXPORT_MARKER).read_bytes())
+    (mine / "thesis.tex").write_text("a user's file")
+    capsys.readouterr()
+    assert main(["export", str(path), str(mine)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "not a cotrain export (it holds 'thesis.tex'" in err[0], err
+    assert sorted(f.name for f in mine.iterdir()) == [ck.EXPORT_MARKER, "thesis.tex"]
+    assert (mine / "thesis.tex").read_text() == "a user's file"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["checkpoints", "hf", "mine"]  # no temp folder
+    # so is an export folder that someone added a file, a folder or a link to
+    added = {"notes.txt": lambda p: p.write_text("mine"), "sub": Path.mkdir}
+    added["link"] = lambda p: p.symlink_to(mine / "thesis.tex")
+    for name, make in added.items():
+        make(out / name)
+        with pytest.raises(ck.UserError, match=f"it holds '{name}'"):
+            ck.export(path, out)
+        assert sorted(p.name for p in out.iterdir()) == sorted([*written, name])
+        (out / name).rmdir() if name == "sub" else (out / name).unlink()
+    # its own folder is replaced, and so is one made before cotrain.json named its files
+    marker = json.loads((out / ck.EXPORT_MARKER).read_text())
+    assert marker["files"] == written
+    del marker["files"]
+    (out / ck.EXPORT_MARKER).write_text(json.dumps(marker))
+    ck.export(path, out)
+    assert sorted(p.name for p in out.iterdir()) == written
+    assert (mine / "thesis.tex").read_text() == "a user's file"
+
+
 @pytest.mark.slow  # several seconds: the full suite runs it, not the daily "not slow" run
 def test_export_refuses_a_folder_it_did_not_make_and_replaces_its_own(tmp_path, tokenizer):
     import subprocess
@@ -214,9 +251,9 @@ def test_export_refuses_a_folder_it_did_not_make_and_replaces_its_own(tmp_path, 
     assert sorted(f.name for f in tmp_path.iterdir()) == ["checkpoints", "mine"]  # no temp folder left
 
     out = ck.export(path, tmp_path / "hf")  # an export folder is replaced by the next export
-    (out / "stale.txt").write_text("from the previous export")
+    (out / "model.safetensors").write_bytes(b"from the previous export")
     ck.export(path, out)
-    assert (out / "model.safetensors").is_file() and not (out / "stale.txt").exists()
+    assert (out / "model.safetensors").stat().st_size > 100
     (tmp_path / "empty").mkdir()  # an empty folder is used
     assert (ck.export(path, tmp_path / "empty") / "cotrain.json").is_file()
 

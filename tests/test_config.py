@@ -370,3 +370,41 @@ def test_demo_help_lists_the_strategy_flags_and_the_demo_default(capsys):
         assert flag in text, flag
     assert "--grad-compression" in text and "8bit" in text
     assert "With --strategy diloco and no --local-steps, the demo's rounds are --local-steps 5" in text
+
+
+def test_a_model_config_of_the_wrong_types_is_one_line(tmp_path):
+    """--model-config-path values of the wrong JSON type: refused when the config resolves where the preset
+    sets that key, else when the model is built (transformers checks each field), in one line either way."""
+    from cotrain.errors import UserError
+    from cotrain.models import build_model
+
+    def resolved(content: object) -> cfg.Config:
+        (tmp_path / "config.json").write_text(json.dumps(content))
+        return cfg.resolve("albert-tiny", overrides={"peer": {"model_config_path": str(tmp_path)}})
+
+    for content, problem in [
+        ({"model_type": 5}, "model_type must be a string, got an integer"),
+        ({"model_type": ["albert"]}, "model_type must be a string, got a list"),
+        ({"hidden_size": "wide"}, "hidden_size must be an integer (as in the preset), got a string 'wide'"),
+        ({"hidden_size": 32.5}, "hidden_size must be an integer (as in the preset), got a number 32.5"),
+        ({"num_hidden_layers": True}, "num_hidden_layers must be an integer (as in the preset), got true"),
+        ({"hidden_act": {"name": "gelu"}}, "hidden_act must be a string (as in the preset), got an object"),
+        ({"hidden_dropout_prob": None}, "hidden_dropout_prob must be a number (as in the preset), got null"),
+    ]:
+        with pytest.raises(cfg.ConfigError) as e:
+            resolved(content)
+        assert problem in str(e.value) and "\n" not in str(e.value), (content, str(e.value))
+    assert (
+        resolved({"hidden_dropout_prob": 0}).run.model["hidden_dropout_prob"] == 0
+    )  # an integer is a number
+    # a key the preset does not set: transformers' own check, as one line when the model is built
+    run = resolved({"classifier_dropout_prob": "high"}).run
+    with pytest.raises(UserError) as e:
+        build_model(run, vocab_size=300)
+    message = str(e.value)
+    assert message.startswith("[run.model] does not fit AlbertConfig: ") and "\n" not in message, message
+    assert "'classifier_dropout_prob'" in message and "'high'" in message, message
+    run = resolved({"intermediate_size": -5}).run  # the right type, a value the model cannot take
+    with pytest.raises(UserError, match=r"cannot build the AlbertForPreTraining from \[run.model\]") as e:
+        build_model(run, vocab_size=300)
+    assert "\n" not in str(e.value)

@@ -458,7 +458,7 @@ def test_a_local_dataset_whose_shard_links_outside_is_refused(prepared, tmp_path
             "manifest.json has no format_version",
         ),
         ({"manifest.json": '{"format_version": 2}', "index.html": "<html></html>"}, "it holds 'index.html'"),
-        ({"manifest.json": '{"format_version": 2}', "train/app.js": "x"}, "train/'app.js'"),
+        ({"manifest.json": '{"format_version": 2}', "train/app.js": "x"}, "it holds 'train/app.js'"),
     ],
     ids=["unrelated manifest", "extra file", "extra file in a shard folder"],
 )

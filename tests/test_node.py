@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -53,26 +54,20 @@ def batch_of(rank: int, step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def _rank_main(rank: int, world: int, steps: int, ports) -> None:
+def _rank_main(rank: int, world: int, steps: int, rendezvous: str) -> None:
     """One rank of the in-process check (spawned): rank 0 drives, checks and raises on a mismatch."""
     import torch.distributed as dist
 
     from cotrain.engine.node import Node
     from cotrain.host.hardware import Precision
-    from cotrain.host.ranks import LOOPBACK, init_ranks, loopback_listener
+    from cotrain.host.ranks import RENDEZVOUS, init_ranks
     from cotrain.models import forward_loss
     from cotrain.optim import parameter_groups
 
-    listener = None
-    if rank == 0:  # the rendezvous on 127.0.0.1, as cotrain's own launch has it
-        port, listener = loopback_listener()
-        for _ in range(world - 1):
-            ports.put(port)
-    else:
-        port = ports.get(timeout=60)
-    os.environ.update({LOOPBACK: "1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)})
+    # the private rendezvous, as cotrain's own launch has it
+    os.environ.update({RENDEZVOUS: rendezvous, "RANK": str(rank), "WORLD_SIZE": str(world)})
     torch.set_num_threads(1)
-    init_ranks(torch.device("cpu"), listener)
+    init_ranks(torch.device("cpu"))
     adamw = lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)  # noqa: E731
     node = Node(tiny_llama(), lambda m: parameter_groups(m, 0.1), adamw, torch.device("cpu"))
     stream = (batch_of(rank, step) for step in range(10**6))
@@ -126,8 +121,13 @@ def _rank_main(rank: int, world: int, steps: int, ports) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_node_step_is_the_one_process_step_and_its_state_moves_whole():
-    ports = mp.get_context("spawn").Queue()
-    mp.spawn(_rank_main, args=(2, 3, ports), nprocs=2, join=True)
+    from cotrain.host.ranks import private_folder
+
+    rendezvous = private_folder()
+    try:
+        mp.spawn(_rank_main, args=(2, 3, rendezvous), nprocs=2, join=True)
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def test_what_a_node_refuses_before_any_rank_starts():
@@ -142,6 +142,83 @@ def test_what_a_node_refuses_before_any_rank_starts():
         cfg.resolve("albert-tiny", overrides=lamb)
     ok = cfg.resolve("llama-tiny", overrides={"run": {"strategy": "diloco"}, "peer": {"nproc_per_node": 2}})
     assert ok.problems() == []
+
+
+def test_the_ranks_meet_only_in_a_folder_closed_to_other_users(tmp_path, monkeypatch):
+    """The store of a node's rendezvous is a file in a folder of this user's, mode 0700: a rank refuses a
+    folder that another user could enter (who could then read the ranks' addresses and write their own)."""
+    from cotrain.host.ranks import RENDEZVOUS, STORE_FILE, node_store, private_folder, rendezvous_problem
+
+    folder = Path(private_folder())
+    try:
+        assert (folder.stat().st_mode & 0o777) == 0o700 and rendezvous_problem(str(folder)) is None
+        monkeypatch.setenv(RENDEZVOUS, str(folder))
+        first, second = node_store(2), node_store(2)  # two ranks' ends of the one store
+        first.set("rank-1-address", "127.0.0.1:5000")
+        assert second.get("rank-1-address") == b"127.0.0.1:5000"
+        del first, second
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(shared)
+    (tmp_path / "file").write_text("")
+    cases = {shared: "other users may open it (mode drwxr-x---)", tmp_path / "link": "it is not a folder"}
+    cases.update({tmp_path / "file": "it is not a folder", tmp_path / "none": "it cannot be opened"})
+    for path, problem in cases.items():
+        shared.chmod(0o750)
+        assert problem in (rendezvous_problem(str(path)) or ""), path
+        monkeypatch.setenv(RENDEZVOUS, str(path))
+        with pytest.raises(UserError, match="cannot meet in their rendezvous folder") as e:
+            node_store(2)
+        assert problem in str(e.value) and not (shared / STORE_FILE).exists()
+    if os.getuid() == 0:  # a folder of another user's, mode 0700: that user could read the store
+        os.chown(shared, 65534, 65534)
+        shared.chmod(0o700)
+        assert rendezvous_problem(str(shared)) == "another user owns it"
+    monkeypatch.delenv(RENDEZVOUS)
+    with pytest.raises(UserError, match="none was given"):
+        node_store(2)
+
+
+def test_rank_zero_hands_its_ranks_the_rendezvous_in_their_environment_only(monkeypatch):
+    """Rank 0 makes the private folder, gives its path to the ranks it starts in their environment (never on
+    their command line, which every user of the machine can read) and removes it when the ranks are done."""
+    import threading
+
+    from cotrain.host import ranks as ranks_module
+
+    started: list[tuple[list[str], dict]] = []
+
+    class Started:
+        def poll(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 0
+
+    def start_worker(command, config, env):
+        started.append((command, env))
+        return Started()
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", ranks_module.RENDEZVOUS, *ranks_module.IFNAME_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ranks_module, "start_worker", start_worker)
+    config = cfg.resolve(
+        "llama-tiny", overrides={"run": {"strategy": "diloco"}, "peer": {"nproc_per_node": 3}}
+    )
+    node = ranks_module.Ranks(config, 3, threading.Event())
+    folder = node.rendezvous
+    try:
+        assert ranks_module.rendezvous_problem(folder) is None
+        assert [env["RANK"] for _, env in started] == ["1", "2"]
+        for command, env in started:
+            assert env[ranks_module.RENDEZVOUS] == folder and not any(folder in arg for arg in command)
+        assert os.environ[ranks_module.RENDEZVOUS] == folder and os.environ["RANK"] == "0"  # rank 0's own
+    finally:
+        node.stopping()
+        node.close(timeout=0.1)
+    assert not os.path.exists(folder)
 
 
 @pytest.fixture(scope="module")

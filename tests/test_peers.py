@@ -64,6 +64,32 @@ def test_a_new_identity_is_private_and_stable(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["peer.id"]  # no temporary file left
 
 
+def test_an_identity_open_to_other_users_is_used_with_one_warning(tmp_path, caplog):
+    import logging
+    import os
+
+    path = tmp_path / "peer.id"
+    old = os.umask(0)  # a permissive umask: the new file is still its owner's only
+    try:
+        first = ensure_identity(path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for mode in (0o644, 0o640, 0o606):
+        path.chmod(mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert ensure_identity(path) == first  # still used
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and str(path) in warnings[0], (oct(mode), warnings)
+        assert f"run `chmod 600 {path}`" in warnings[0] and "identity file" in warnings[0], warnings
+    path.chmod(0o600)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ensure_identity(path)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 @pytest.mark.parametrize("content", [b"", b"not a key at all", b"\x08\x00\x12\x05hello"])
 def test_a_corrupt_identity_is_one_clear_error(tmp_path, content):
     path = tmp_path / "peer.id"

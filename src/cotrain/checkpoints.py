@@ -34,7 +34,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from cotrain.data.errors import DataError
-from cotrain.data.fsutil import inside, sha256_file
+from cotrain.data.fsutil import (
+    check_replaceable,
+    foreign_entry,
+    inside,
+    replace_dir,
+    sha256_file,
+    temp_dir_beside,
+)
 from cotrain.data.manifest import Sha256, first_problem, matching
 from cotrain.errors import UserError
 
@@ -46,7 +53,14 @@ MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 INNER_OPTIMIZER = "inner_optimizer.safetensors"
 TOKENIZER = "tokenizer"
-EXPORT_MARKER = "cotrain.json"  # in every folder `cotrain export` writes
+EXPORT_MARKER = "cotrain.json"  # in every folder `cotrain export` writes, naming the files it wrote
+MAX_EXPORT_MARKER_BYTES = 1 << 20
+# what exports made before cotrain.json named its files may hold: save_pretrained's files of the families
+EXPORT_FILES = re.compile(
+    r"(?:generation_)?config\.json|model(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+    r"|tokenizer(?:_config)?\.json|special_tokens_map\.json|added_tokens\.json|vocab\.(?:txt|json)"
+    r"|merges\.txt|spiece\.model|tokenizer\.model|chat_template\.(?:jinja|json)"
+)
 MAX_META_BYTES = 64 << 20  # checkpoint.json holds the config and the optimizer's scalars: a few MB at most
 NAME = re.compile(r"^step-(\d+)$")
 
@@ -396,17 +410,45 @@ def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module
     return model, tokenizer
 
 
+def why_not_exported(folder: Path) -> str | None:
+    """None when ``folder`` is one that ``cotrain export`` wrote (so that the next export may replace it): its
+    ``cotrain.json`` is an export's, and it holds nothing but the files that ``cotrain.json`` names (or, for
+    an export that named none, the files ``save_pretrained`` writes). Otherwise the reason, in a few words."""
+    marker = folder / EXPORT_MARKER
+    try:
+        if marker.is_symlink() or marker.stat().st_size > MAX_EXPORT_MARKER_BYTES:
+            return f"its {EXPORT_MARKER} is not an export's"
+        content = json.loads(marker.read_bytes())
+    except FileNotFoundError:
+        return f"it has no {EXPORT_MARKER}"
+    except (OSError, ValueError, RecursionError):
+        return f"its {EXPORT_MARKER} is not an export's"
+    if not isinstance(content, dict) or not isinstance(content.get("auto_class"), str):
+        return f"its {EXPORT_MARKER} is not an export's"
+    files = content.get("files")
+    if files is None:
+        written = EXPORT_FILES.fullmatch
+    elif isinstance(files, list) and all(isinstance(name, str) for name in files):
+        written = set(files).__contains__
+    else:
+        return f"its {EXPORT_MARKER} is not an export's"
+    stray = foreign_entry(folder, lambda name: name == EXPORT_MARKER or bool(written(name)))
+    if stray is not None:
+        return f"it holds {stray!r}, which `cotrain export` does not write"
+    return None
+
+
 def export(checkpoint: str | Path, out_dir: str | Path, local_path: bool = True) -> Path:
     """Write a Hugging Face model folder (config.json, model.safetensors, tokenizer files) that the
     family's Auto class loads (``AutoModelForPreTraining`` for ALBERT, ``AutoModelForMaskedLM`` for BERT,
     DistilBERT and RoBERTa, ``AutoModelForCausalLM`` for GPT-2, Llama and Qwen2). Written beside ``out_dir``,
     then renamed. Its ``cotrain.json`` names the checkpoint by its full path, or with ``local_path`` False (a
     folder that leaves this machine) by its folder name only."""
-    from cotrain.data.fsutil import check_replaceable, replace_dir, temp_dir_beside
     from cotrain.families import FAMILIES
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    check_replaceable(out_dir, EXPORT_MARKER, "a cotrain export")  # a user's folder is refused, untouched
+    # a folder holding anything an export does not write is refused, untouched
+    check_replaceable(out_dir, EXPORT_MARKER, "a cotrain export", why_not_exported)
     if checkpoint.is_dir() and not (checkpoint / META).exists():  # a checkpoints folder: its newest good one
         found = latest_good(checkpoint)
         if found is None:
@@ -422,6 +464,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, local_path: bool = True)
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        files = sorted([p.name for p in tmp.iterdir()] + [EXPORT_MARKER])
         (tmp / EXPORT_MARKER).write_text(
             json.dumps(
                 {
@@ -429,10 +472,11 @@ def export(checkpoint: str | Path, out_dir: str | Path, local_path: bool = True)
                     "run_id": meta.get("run_id"),
                     "checkpoint": str(checkpoint) if local_path else checkpoint.name,
                     "auto_class": auto_class,
+                    "files": files,
                 }
             )
         )
-        replace_dir(tmp, out_dir, EXPORT_MARKER, "a cotrain export")
+        replace_dir(tmp, out_dir, EXPORT_MARKER, "a cotrain export", why_not_exported)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -286,9 +286,11 @@ def cmd_export(checkpoint: str, out_dir: str) -> int:
 
 def cmd_token(ns: argparse.Namespace) -> int:
     import json
+    import logging
 
     from cotrain import access
 
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # a skipped registry entry, say
     key = ns.authority_key
     if ns.token_action == "issue":
         issued = access.issue_token(key, ns.name, ns.valid_days, ns.output)

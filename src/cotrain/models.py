@@ -49,7 +49,10 @@ def model_config(
         elif (getattr(defaults, name, None) or 0) >= vocab_size:  # GPT-2's 50256 past a smaller vocabulary
             special[name] = None
     attention = {"attn_implementation": family.attention} if family.attention else {}
-    return config_class(vocab_size=vocab_size, **special, **attention, **run.model)
+    try:
+        return config_class(vocab_size=vocab_size, **special, **attention, **run.model)
+    except Exception as e:  # a value of the wrong type (transformers checks each field): one line
+        raise UserError(f"[run.model] does not fit {family.config_class}: {_last_line(e)}") from None
 
 
 def max_positions(config: transformers.PretrainedConfig) -> int:
@@ -88,7 +91,11 @@ def build_model(
         model.config.pad_token_id = pad_token_id
     else:
         config = model_config(run, vocab_size, pad_token_id, bos_token_id, eos_token_id)
-        model = getattr(transformers, family.model_class)(config)
+        try:
+            model = getattr(transformers, family.model_class)(config)
+        except (TypeError, ValueError, KeyError, RuntimeError) as e:  # e.g. a negative size, an unknown act
+            why = f"{type(e).__name__}: {_first_line(e)}"
+            raise UserError(f"cannot build the {family.model_class} from [run.model] ({why})") from None
     fuse_activations(model)
     return model
 
@@ -171,6 +178,13 @@ def _pretrained(run: RunConfig, family: Family, vocab_size: int) -> torch.nn.Mod
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def _last_line(e: BaseException, limit: int = 300) -> str:
+    """The line of an error that says what is wrong (transformers' field checks put it last), shortened."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -11,29 +11,38 @@ format 1 kept). A registry of format 1 is read as format 2 with no ``fingerprint
 keys that the new name needs, so its revoked tokens stay revoked under their signature's name (peers accept a
 signature in its one canonical spelling only, which keeps that name sound). It is written as format 2 on its
 next change.
+
+The registry file is checked whole (JSON of at most 64 MiB, its format, a list of tokens, nothing else) and
+each entry on its own: an entry that does not fit (a name that is no token name, a field of the wrong type) is
+skipped with a warning naming it, so the others can still be listed and revoked. A skipped entry is kept in
+the file as it is, and where it says it was revoked, every fingerprint it holds stays in the revocation list.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cotrain.access.crypto import PrivateKey
 from cotrain.access.tokens import (
     FINGERPRINT_PATTERN,
-    NAME,
+    NAME_RULE,
     Name,
     TokenFile,
+    is_name,
     schema_problems,
     token_payload,
-    write_private,
+    whole_match,
 )
 from cotrain.errors import UserError
+from cotrain.privatefile import warn_if_exposed, write_private
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +51,9 @@ REGISTRY_FORMAT_1 = "cotrain-token-registry/1"
 DEFAULT_AUTHORITY_KEY = "authority.key"
 MAX_VALID_DAYS = 3650.0
 MAX_REVOKED = 100_000  # fingerprints in one revocation list
+MAX_REGISTRY_BYTES = 64 << 20  # an entry takes about 200 bytes: room for 300,000 tokens
 
-Fingerprint = Annotated[str, StringConstraints(pattern=FINGERPRINT_PATTERN)]
+Fingerprint = Annotated[str, whole_match(FINGERPRINT_PATTERN, "24 lowercase hex digits")]
 
 
 class _Schema(BaseModel):
@@ -62,8 +72,10 @@ class Entry(_Schema):
 
 
 class Registry(_Schema):
-    format: Literal["cotrain-token-registry/2"]
-    tokens: list[Entry]
+    """The registry file; each of its tokens is checked on its own (``Entry``, ``EntryFormat1``)."""
+
+    format: Literal["cotrain-token-registry/2", "cotrain-token-registry/1"]
+    tokens: list[Any]
 
 
 class EntryFormat1(_Schema):
@@ -72,11 +84,6 @@ class EntryFormat1(_Schema):
     issued: float
     expires: float
     revoked: float | None
-
-
-class RegistryFormat1(_Schema):
-    format: Literal["cotrain-token-registry/1"]
-    tokens: list[EntryFormat1]
 
 
 def _from_format_1(entry: EntryFormat1) -> dict:
@@ -89,6 +96,32 @@ def _from_format_1(entry: EntryFormat1) -> dict:
         expires=entry.expires,
         revoked=entry.revoked,
     ).model_dump()
+
+
+@dataclass
+class Skipped:
+    """A registry entry that did not pass its schema, as the file holds it: written back as it is (revoking
+    its name sets its ``revoked``), never dropped."""
+
+    raw: Any
+
+    @property
+    def name(self) -> object:
+        return self.raw.get("name") if isinstance(self.raw, dict) else None
+
+    def revoked_fingerprints(self) -> set[str]:
+        """The fingerprints it holds, where it says it was revoked (anything but null): its token stays
+        revoked."""
+        if not isinstance(self.raw, dict) or self.raw.get("revoked") is None:
+            return set()
+        found = (self.raw.get(key) for key in ("fingerprint", "signature_fingerprint"))
+        return {f for f in found if isinstance(f, str) and re.fullmatch(FINGERPRINT_PATTERN, f)}
+
+
+def _describe(index: int, entry: Skipped) -> str:
+    """A skipped registry entry, for a log line: its position and, where it has one, its name (quoted, so that
+    a newline or a control character shows as an escape)."""
+    return f"entry {index + 1}" + (f" (name {repr(entry.name)[:80]})" if entry.name is not None else "")
 
 
 def token_name(entry: dict) -> str:
@@ -134,6 +167,7 @@ class Authority:
         self.public_key = private_key.get_public_key()
         self.public_key_bytes = self.public_key.to_bytes()
         self._told_format_1 = False
+        self._told_skipped: set[str] = set()
 
     @property
     def registry_path(self) -> Path:
@@ -152,11 +186,13 @@ class Authority:
             write_private(key_path, key.to_pem())
             return cls(key_path, key)
         try:
-            return cls(key_path, PrivateKey.from_pem(key_path.read_bytes()))
+            key = PrivateKey.from_pem(key_path.read_bytes())
         except Exception as e:
             raise UserError(
                 f"authority key {key_path} is not a PEM private key ({type(e).__name__})"
             ) from None
+        warn_if_exposed(key_path, "authority key")  # a key in use that others may have read
+        return cls(key_path, key)
 
     def sign(self, data: bytes) -> bytes:
         return self.private_key.sign(data)
@@ -170,27 +206,54 @@ class Authority:
     # --- the registry ---------------------------------------------------------------------------
 
     def entries(self) -> list[dict]:
+        """The registry's entries that pass their schema (each as format 2), oldest first."""
+        return [e for e in self._read() if isinstance(e, dict)]
+
+    def _read(self) -> list[dict | Skipped]:
+        """The registry's entries in its order: each as format 2, or, where it does not pass its schema, as
+        ``Skipped`` (with a warning). A registry file that is not one raises UserError."""
         path = self.registry_path
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            return []
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"token registry {path} cannot be read ({type(e).__name__})") from None
         damaged = f"token registry {path} is damaged; it lists the tokens issued with this key"
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
+            with path.open("rb") as f:
+                raw = f.read(MAX_REGISTRY_BYTES + 1)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise UserError(f"token registry {path} cannot be read ({type(e).__name__})") from None
+        if len(raw) > MAX_REGISTRY_BYTES:
+            raise UserError(f"{damaged} (over {MAX_REGISTRY_BYTES >> 20} MiB)")
+        try:
+            data = json.loads(raw.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise UserError(f"{damaged} (not JSON)") from None
         try:
-            if isinstance(data, dict) and data.get("format") == REGISTRY_FORMAT_1:
-                entries = [_from_format_1(e) for e in RegistryFormat1.model_validate(data).tokens]
-            else:
-                entries = [e.model_dump() for e in Registry.model_validate(data).tokens]
+            registry = Registry.model_validate(data)
         except ValidationError as e:
             raise UserError(f"{damaged} ({schema_problems(e)})") from None
-        self._tell_older_names(entries)
-        return entries
+        schema = EntryFormat1 if registry.format == REGISTRY_FORMAT_1 else Entry
+        tokens: list[dict | Skipped] = []
+        for index, raw_entry in enumerate(registry.tokens):
+            try:
+                entry = schema.model_validate(raw_entry)
+            except ValidationError as e:
+                tokens.append(Skipped(raw_entry))
+                self._tell_skipped(index, tokens[-1], schema_problems(e, limit=1))
+                continue
+            tokens.append(_from_format_1(entry) if isinstance(entry, EntryFormat1) else entry.model_dump())
+        self._tell_older_names([e for e in tokens if isinstance(e, dict)])
+        return tokens
+
+    def _tell_skipped(self, index: int, entry: Skipped, problem: str) -> None:
+        """Say once per entry that it is skipped, and why."""
+        told = f"{index}:{json.dumps(entry.raw, sort_keys=True)}"
+        if told in self._told_skipped:
+            return
+        self._told_skipped.add(told)
+        logger.warning(
+            f"Token registry {self.registry_path}: skipping {_describe(index, entry)}, which is not a "
+            f"token's ({problem}); the other tokens are listed and revoked as usual"
+        )
 
     def _tell_older_names(self, entries: list[dict]) -> None:
         """Say once which revoked tokens only a format-1 name (of the signature's text) keeps revoked."""
@@ -210,20 +273,20 @@ class Authority:
                 "registry lacks what their content fingerprint needs)"
             )
 
-    def _save(self, entries: list[dict]) -> None:
-        body = json.dumps({"format": REGISTRY_FORMAT, "tokens": entries}, indent=1).encode() + b"\n"
+    def _save(self, tokens: list[dict | Skipped]) -> None:
+        """Write the registry (a skipped entry as it was: never dropped)."""
+        raw = [e.raw if isinstance(e, Skipped) else e for e in tokens]
+        body = json.dumps({"format": REGISTRY_FORMAT, "tokens": raw}, indent=1).encode() + b"\n"
         write_private(self.registry_path, body)
 
     def issue(self, name: str, valid_days: float, out: str | Path) -> TokenFile:
-        if not NAME.match(name):
-            raise UserError(
-                f"token name {name!r}: use 1-64 letters, digits and _.@- (starting with a letter)"
-            )
+        if not is_name(name):
+            raise UserError(f"token name {name!r}: use {NAME_RULE}")
         if not 0 < valid_days <= MAX_VALID_DAYS:
             raise UserError(f"--valid-days must be between 0 and {MAX_VALID_DAYS:g}, got {valid_days:g}")
         token = self.mint(name, PrivateKey(), time.time() + valid_days * 86400)
-        entries = self.entries()
-        entries.append(
+        tokens = self._read()
+        tokens.append(
             {
                 "name": name,
                 "fingerprint": token.fingerprint,
@@ -234,31 +297,38 @@ class Authority:
             }
         )
         write_private(Path(out), token.to_json())
-        self._save(entries)
+        self._save(tokens)
         return token
 
     def revoke(self, name: str) -> list[dict]:
-        """Revoke every token issued to ``name``; return the entries revoked now."""
-        entries = self.entries()
-        mine = [e for e in entries if e["name"] == name]
+        """Revoke every token issued to ``name``; return the entries revoked now. A skipped entry (see the
+        module's doc) of that name is marked revoked too: its fingerprints join the revocation list."""
+        tokens = self._read()
+        mine = [e for e in tokens if isinstance(e, dict) and e["name"] == name]
+        mine += [
+            e.raw for e in tokens if isinstance(e, Skipped) and e.name == name and isinstance(e.raw, dict)
+        ]
         if not mine:
             raise UserError(
                 f"no token was issued to {name!r} with {self.key_path} (see `cotrain token list`)"
             )
         now = time.time()
-        newly = [e for e in mine if e["revoked"] is None]
+        newly = [e for e in mine if e.get("revoked") is None]
         for e in newly:
             e["revoked"] = now
         if newly:
-            self._save(entries)
+            self._save(tokens)
         return newly
 
     def revoked_fingerprints(self) -> set[str]:
-        """Both names of every revoked token that has not expired yet (expired ones are refused anyway)."""
+        """Both names of every revoked token that has not expired yet (expired ones are refused anyway), and
+        every name that a skipped entry marked revoked holds (its expiry cannot be trusted)."""
         now = time.time()
         names: set[str] = set()
-        for e in self.entries():
-            if e["revoked"] is not None and e["expires"] > now:
+        for e in self._read():
+            if isinstance(e, Skipped):
+                names.update(e.revoked_fingerprints())
+            elif e["revoked"] is not None and e["expires"] > now:
                 names.update(n for n in (e["fingerprint"], e["signature_fingerprint"]) if n)
         return names
 

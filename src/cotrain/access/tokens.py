@@ -3,7 +3,7 @@
 A token is a file given to one participant: their name, an RSA key pair made for them, an expiry, the
 authority's public key and the authority's signature over (name, public key, expiry). It is a credential:
 whoever holds the file can join the swarm until it expires or is revoked, so it is written readable by its
-owner only.
+owner only, and one readable by others is used with a warning (cotrain.privatefile).
 
 A token is named by what the authority signed (``token_fingerprint``: a hash of the signed payload), so every
 spelling of the same token has the same name and a revoked token stays revoked however it is re-encoded.
@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints, ValidationError
 
 from cotrain.access.crypto import PrivateKey, PublicKey, decode_signature
 from cotrain.errors import UserError
+from cotrain.privatefile import warn_if_exposed
 
 TOKEN_FORMAT = "cotrain-access-token/1"
 NO_TOKEN = (
@@ -39,14 +38,33 @@ REVOKED = "was revoked by the swarm's operator"
 FOREIGN = "was not issued by this swarm's authority"
 MALFORMED = "the access token is malformed"
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
+# each matched against a whole string (re.fullmatch: "$" would also match before a final newline)
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}"
 NAME = re.compile(NAME_PATTERN)
-EXPIRATION_PATTERN = r"^[0-9]{1,12}$"  # whole seconds since the epoch, as the authority signs them
-FINGERPRINT_PATTERN = r"^[0-9a-f]{24}$"
+NAME_RULE = "1-64 letters, digits and _.@- (starting with a letter or digit)"
+EXPIRATION_PATTERN = r"[0-9]{1,12}"  # whole seconds since the epoch, as the authority signs them
+FINGERPRINT_PATTERN = r"[0-9a-f]{24}"
 MAX_PUBLIC_KEY = 2048  # characters of an OpenSSH RSA public key (8192 bits: ~1,400)
 MAX_SIGNATURE = 1400  # characters of a base64 signature (8192 bits: 1,368)
 MAX_PRIVATE_KEY = 8192  # characters of a PEM RSA private key (8192 bits: ~6,400)
 MAX_TOKEN_FILE = 64 * 1024  # bytes
+
+
+def is_name(value: object) -> bool:
+    """Whether ``value`` is a token name: the whole string, nothing before or after (no final newline)."""
+    return isinstance(value, str) and NAME.fullmatch(value) is not None
+
+
+def whole_match(pattern: str, what: str) -> AfterValidator:
+    """A pydantic validator of a string field: the whole string matches ``pattern``, else "must be what"."""
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if compiled.fullmatch(value) is None:
+            raise ValueError(f"must be {what}")
+        return value
+
+    return AfterValidator(check)
 
 
 def iso(t: float) -> str:
@@ -82,8 +100,8 @@ def fingerprints(token) -> frozenset[str]:
 def is_malformed(token) -> bool:
     """Whether ``token``'s fields are out of shape (checked before any signature work)."""
     return (
-        not NAME.match(token.username)
-        or not re.match(EXPIRATION_PATTERN, token.expiration_time)
+        not is_name(token.username)
+        or not re.fullmatch(EXPIRATION_PATTERN, token.expiration_time)
         or len(token.public_key) > MAX_PUBLIC_KEY
         or len(token.signature) > MAX_SIGNATURE
     )
@@ -113,24 +131,6 @@ def check_token(token, authority_public_key, revoked: frozenset[str] | set[str] 
     if expiration <= time.time():
         return f"access token {name!r} expired at {iso(expiration)}"
     return None
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write a file readable by its owner only: a new temp file first, then a rename (never half-written).
-    The temp file has an unpredictable name and is created exclusively (O_CREAT | O_EXCL, mode 0600), so a
-    file or symlink planted beside ``path`` is neither followed nor written through."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass
@@ -187,7 +187,7 @@ class TokenFile:
         )
 
 
-Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+Name = Annotated[str, whole_match(NAME_PATTERN, NAME_RULE)]
 PublicKeyText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PUBLIC_KEY)]
 
 
@@ -200,7 +200,7 @@ class TokenFileSchema(BaseModel):
     name: Name
     issued: Annotated[str, StringConstraints(max_length=64)]
     expires: Annotated[str, StringConstraints(max_length=64)]
-    expiration_time: Annotated[str, StringConstraints(pattern=EXPIRATION_PATTERN)]
+    expiration_time: Annotated[str, whole_match(EXPIRATION_PATTERN, "whole seconds since the epoch")]
     public_key: PublicKeyText
     authority_public_key: PublicKeyText
     signature: Annotated[str, StringConstraints(min_length=1, max_length=MAX_SIGNATURE)]
@@ -263,4 +263,5 @@ def read_token_file(path: str | Path) -> TokenFile:
         raise UserError(
             f"access token file {path} is not validly signed by its authority (altered or forged)"
         )
+    warn_if_exposed(path, "access token file")  # a token in use that others may have read
     return token

@@ -218,7 +218,8 @@ def resolve(
     if name:
         given.add("preset")
     name = name or default_preset or values["run"]["preset"]
-    _apply(values, load_preset(name), f"preset {name}", problems, given if "preset" in given else None)
+    preset_layer = load_preset(name)
+    _apply(values, preset_layer, f"preset {name}", problems, given if "preset" in given else None)
     if file_layer:
         _apply(values, file_layer, str(config_file), problems, given)
     _apply(values, overrides, "command line", problems, given)
@@ -227,7 +228,10 @@ def resolve(
     values["run"].update({k: v for k, v in outer_step_defaults(values["run"]).items() if k not in given})
     if values["peer"].get("model_config_path") and not problems:
         architecture = model_config_overrides(
-            values["peer"]["model_config_path"], values["run"]["model_family"], problems
+            values["peer"]["model_config_path"],
+            values["run"]["model_family"],
+            problems,
+            preset_layer.get("run", {}).get("model", {}),
         )
         values["run"]["model"] = {**values["run"]["model"], **architecture}
         given.add("model")

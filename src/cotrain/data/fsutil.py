@@ -2,16 +2,17 @@
 temporary name, then renamed.
 
 A target that already exists is replaced only when this code made it: it is empty, or it holds the
-``marker`` file that every folder of its kind holds (an export's ``cotrain.json``), or, where the caller gives
-a stricter test (``why_not``: a prepared dataset's), that test accepts it. Anything else is refused before any
-work starts, and nothing in it is touched."""
+``marker`` file that every folder of its kind holds (a saved tokenizer's ``tokenizer_config.json``), or,
+where the caller gives a stricter test (``why_not``: a prepared dataset's, an export's), that test accepts
+it; such a test checks that the folder holds nothing but what cotrain writes there (``foreign_entry``).
+Anything else is refused before any work starts, and nothing in it is touched."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from cotrain.data.errors import DataError
@@ -41,6 +42,25 @@ def _sibling(target: Path, tag: str) -> Path:
 
 
 WhyNot = Callable[[Path], str | None]  # the reason a folder is not one of ours, or None
+NameTest = Callable[[str], bool]  # whether cotrain writes a file of that name
+
+
+def foreign_entry(folder: Path, files: NameTest, folders: Mapping[str, NameTest] | None = None) -> str | None:
+    """The first entry of ``folder`` that cotrain does not write there (its path relative to ``folder``), or
+    None when it holds nothing else. cotrain writes plain files (no symbolic links) whose names ``files``
+    accepts, and the folders named in ``folders``, each holding only plain files whose names that folder's
+    test accepts."""
+    folders = folders or {}
+    for entry in sorted(folder.iterdir()):
+        if entry.is_symlink():
+            return entry.name
+        if entry.name in folders and entry.is_dir():
+            for inner in sorted(entry.iterdir()):
+                if inner.is_symlink() or not inner.is_file() or not folders[entry.name](inner.name):
+                    return f"{entry.name}/{inner.name}"
+        elif not (entry.is_file() and files(entry.name)):
+            return entry.name
+    return None
 
 
 def check_replaceable(target: Path, marker: str, what: str, why_not: WhyNot | None = None) -> None:

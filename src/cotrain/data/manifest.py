@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from cotrain.data.errors import DataError
+from cotrain.data.fsutil import foreign_entry
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -41,8 +42,6 @@ MAX_SHARDS = 50_000
 MAX_TOKENIZER_FILES = 32
 # 64 MiB per tokenizer file: the largest common tokenizer.json files (Gemma's, about 34 MB) fit twice.
 MAX_TOKENIZER_FILE_BYTES = 64 << 20
-# what `prepare` writes into an output folder (and so what a folder that `prepare` may replace holds)
-PREPARED_ENTRIES = (MANIFEST, TOKENIZER, *SPLITS)
 
 SHARD_NAME = r"[0-9]{5,6}\.parquet"  # ShardWriter's names: 00000.parquet ... (MAX_SHARDS fits in 6 digits)
 
@@ -233,16 +232,9 @@ def why_not_prepared(folder: Path) -> str | None:
     version = content.get("format_version") if isinstance(content, dict) else None
     if not isinstance(version, int) or isinstance(version, bool):
         return f"its {MANIFEST} has no format_version"
-    for entry in folder.iterdir():
-        if entry.name not in PREPARED_ENTRIES or entry.is_symlink():
-            return f"it holds {entry.name!r}, which `cotrain prepare` does not write"
-        if entry.name == MANIFEST:
-            continue
-        if not entry.is_dir():
-            return f"its {entry.name!r} is not a folder"
-        for inner in entry.iterdir():
-            plain = inner.is_file() and not inner.is_symlink()
-            shard = entry.name == TOKENIZER or re.fullmatch(SHARD_NAME, inner.name)
-            if not (plain and shard):
-                return f"it holds {entry.name}/{inner.name!r}, which `cotrain prepare` does not write"
+    # what `prepare` writes: the manifest, the tokenizer's files and the splits' shards
+    shards = dict.fromkeys(SPLITS, lambda name: re.fullmatch(SHARD_NAME, name) is not None)
+    stray = foreign_entry(folder, lambda name: name == MANIFEST, {TOKENIZER: bool, **shards})
+    if stray is not None:
+        return f"it holds {stray!r}, which `cotrain prepare` does not write"
     return None

@@ -4,22 +4,32 @@
   torchrun's agent stops them all when one fails; cotrain launches nothing (``rank_env``).
 - ``cotrain train --nproc-per-node N`` (or ``--devices`` listing several GPUs, with DiLoCo): the worker is
   rank 0 and starts the N-1 others as processes of the same worker (``Ranks``), with torchrun's
-  variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``), in its
-  process group: the supervisor's stop, and its kill after the grace period, reach them too. A launched
-  rank watches rank 0 as a worker watches its supervisor, so it stops when rank 0's process is gone,
-  however it went. Rank 0 watches the others: when one ends before it was told to, the peer stops with one
-  line naming that rank (``failure``), and if rank 0 is stuck in a collective, the group is killed after
-  the grace period.
+  variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), in its process group: the supervisor's stop, and
+  its kill after the grace period, reach them too. A launched rank watches rank 0 as a worker watches its
+  supervisor, so it stops when rank 0's process is gone, however it went. Rank 0 watches the others: when
+  one ends before it was told to, the peer stops with one line naming that rank (``failure``), and if rank
+  0 is stuck in a collective, the group is killed after the grace period.
+
+The ranks cotrain launches meet in a private rendezvous: a ``torch.distributed.FileStore`` inside a folder
+that rank 0 creates with mode 0700 (``tempfile.mkdtemp``) and removes at the end, whose path the ranks get in
+their environment (``COTRAIN_NODE_RENDEZVOUS``, never on a command line). Every rank checks that the folder
+is its own user's and closed to everyone else before it opens the store, so a process of another user of the
+machine can neither read the store's keys (the ranks' addresses) nor write its own, and cannot join the
+process group. (A ``TCPStore`` on a loopback port would let any local user connect, list its keys and
+overwrite them.) The collectives' own sockets are still TCP on the loopback interface.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -28,11 +38,14 @@ import torch
 import torch.distributed as dist
 
 from cotrain.config import Config
+from cotrain.errors import UserError
 from cotrain.host.procs import GRACE_SECONDS, SUPERVISOR_ENV, kill_group, start_worker
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK = "COTRAIN_NODE_LOOPBACK"  # set for the ranks cotrain launched: they meet on 127.0.0.1
+# set for the ranks cotrain launched: the private folder of the store they meet in
+RENDEZVOUS = "COTRAIN_NODE_RENDEZVOUS"
+STORE_FILE = "store"
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 RENDEZVOUS_TIMEOUT = timedelta(minutes=5)  # every rank joins within this (importing torch, reading data)
 # a rank waits for rank 0 through a whole swarm round (matchmaking, averaging, a download): gloo and NCCL
@@ -51,13 +64,38 @@ def rank_env() -> tuple[int, int, int] | None:
     return rank, world, int(os.environ.get("LOCAL_RANK", rank))
 
 
-def loopback_listener() -> tuple[int, int]:
-    """A socket listening on 127.0.0.1 at a free port, for a node's rendezvous: (port, its descriptor, which
-    the store of rank 0 takes over)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    return sock.getsockname()[1], sock.detach()
+def private_folder() -> str:
+    """A new folder for a node's rendezvous: an unpredictable name, created exclusively, mode 0700."""
+    return tempfile.mkdtemp(prefix="cotrain-ranks-")
+
+
+def rendezvous_problem(folder: str) -> str | None:
+    """Why the ranks must not meet in ``folder``, in a few words; None when it is a folder (not a link) that
+    this process's user owns and that no other user may enter, read or write."""
+    try:
+        info = os.lstat(folder)
+    except OSError as e:
+        return f"it cannot be opened ({e.strerror})"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a folder"
+    if info.st_uid != os.getuid():
+        return "another user owns it"
+    if info.st_mode & 0o077:
+        return f"other users may open it (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def node_store(world: int) -> dist.Store:
+    """The store that the ranks cotrain launched meet in (see the module's doc), after checking its folder."""
+    folder = os.environ.get(RENDEZVOUS, "")
+    problem = rendezvous_problem(folder) if folder else "none was given"
+    if problem is not None:
+        raise UserError(
+            f"the ranks of this peer cannot meet in their rendezvous folder {folder!r}: {problem}"
+        )
+    store = dist.FileStore(os.path.join(folder, STORE_FILE), world)
+    store.set_timeout(RENDEZVOUS_TIMEOUT)
+    return store
 
 
 def loopback_interface() -> str:
@@ -66,27 +104,20 @@ def loopback_interface() -> str:
     return names[0] if names else "lo"
 
 
-def init_ranks(device: torch.device, listener: int | None = None) -> None:
-    """Join this node's process group. Ranks cotrain launched (LOOPBACK in the environment) meet on
-    127.0.0.1 alone: rank 0's store serves on ``listener`` (from ``loopback_listener``) and the collectives'
-    sockets are on the loopback interface. Under torchrun: its rendezvous (env://)."""
+def init_ranks(device: torch.device) -> None:
+    """Join this node's process group. Ranks cotrain launched (RENDEZVOUS in the environment) meet in its
+    private store (``node_store``), and the collectives' sockets are on the loopback interface. Under
+    torchrun: its rendezvous (env://)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not os.environ.get(LOOPBACK):
+    if not os.environ.get(RENDEZVOUS):
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
         return
     for name in IFNAME_VARIABLES:
         os.environ.setdefault(name, loopback_interface())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(
-        "127.0.0.1",
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=rank == 0,
-        master_listen_fd=listener,
-        timeout=RENDEZVOUS_TIMEOUT,
-    )
+    store = node_store(world)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
 
 
@@ -114,16 +145,20 @@ class Ranks:
         self.world, self.stop = world, stop
         self.failure: str | None = None
         self._closing = False
-        port, self.listener = loopback_listener()  # the process group's rendezvous, on 127.0.0.1 only
-        common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
-        common.update({LOOPBACK: "1"}, **dict.fromkeys(IFNAME_VARIABLES, loopback_interface()))
+        self.rendezvous = private_folder()  # the process group's store, this user's only
+        common = {"WORLD_SIZE": str(world), RENDEZVOUS: self.rendezvous}
+        common.update(dict.fromkeys(IFNAME_VARIABLES, loopback_interface()))
         os.environ.update(common, RANK="0", LOCAL_RANK="0")
         command = [sys.executable, "-m", "cotrain._worker", "train", "--resolved-config", "-"]
         env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})  # each watches rank 0 as its supervisor
-        self.procs = {
-            rank: start_worker(command, config, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
-            for rank in range(1, world)
-        }
+        self.procs: dict[int, subprocess.Popen] = {}
+        try:
+            for rank in range(1, world):
+                rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+                self.procs[rank] = start_worker(command, config, env=rank_env)
+        except BaseException:
+            self.close(timeout=1.0)
+            raise
         threading.Thread(target=self._watch, daemon=True, name="rank-watch").start()
 
     def stopping(self) -> None:
@@ -169,7 +204,8 @@ class Ranks:
         os._exit(1)
 
     def close(self, timeout: float = GRACE_SECONDS) -> None:
-        """Wait for the ranks to end (they were told to stop), then kill what is left."""
+        """Wait for the ranks to end (they were told to stop), then kill what is left; remove the
+        rendezvous folder."""
         self._closing = True
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
@@ -178,3 +214,4 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(self.rendezvous, ignore_errors=True)

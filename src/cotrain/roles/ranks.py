@@ -82,7 +82,7 @@ def start_node(config: Config, world: int, model: torch.nn.Module, stop: threadi
         )
     ranks = Ranks(config, world, stop) if rank_env() is None else None
     try:
-        init_ranks(device, ranks.listener if ranks is not None else None)
+        init_ranks(device)
         dist.broadcast_object_list([config, manifest], src=0)
         node = Node(copy.deepcopy(model), _groups(config), optimizer_factory(config.run), device)
     except BaseException:

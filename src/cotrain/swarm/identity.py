@@ -3,7 +3,8 @@
 The file holds a libp2p private key in the format hivemind's ``p2pd`` reads (a ``crypto_pb2.PrivateKey``
 protobuf around a DER RSA key). A missing file is created here, readable by its owner only (0600), written to
 a temporary file and renamed so that no half-written key is ever left; an unreadable or corrupt file is one
-clear error instead of a daemon that fails to start.
+clear error instead of a daemon that fails to start, and one readable by other users is used with a warning
+naming the ``chmod`` that fixes it (cotrain.privatefile).
 
 Two running peers must not share an identity: before starting, a peer that joins a swarm asks it whether its
 peer id is already online (hivemind does the same, but from a helper node that maps router ports and
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from cotrain.errors import UserError
+from cotrain.privatefile import warn_if_exposed
 from cotrain.swarm.internals.hooks import p2p_client
 
 logger = logging.getLogger(__name__)
@@ -57,12 +59,14 @@ def ensure_identity(path: str | Path):
         except OSError as e:
             raise UserError(f"cannot read identity file {path}: {e.strerror}") from None
         try:
-            return peer_id_of(data)
+            peer_id = peer_id_of(data)
         except ValueError as e:
             raise UserError(
                 f"identity file {path} is not a private key ({e}); remove it to create a new identity "
                 f"(this peer's id will change)"
             ) from None
+        warn_if_exposed(path, "identity file")  # a key in use that others may have read
+        return peer_id
     data = _new_key()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
