@@ -40,6 +40,7 @@ from cotrain.data.fsutil import (
     inside,
     replace_dir,
     sha256_file,
+    small_json,
     temp_dir_beside,
 )
 from cotrain.data.manifest import Sha256, first_problem, matching
@@ -416,12 +417,10 @@ def why_not_exported(folder: Path) -> str | None:
     an export that named none, the files ``save_pretrained`` writes). Otherwise the reason, in a few words."""
     marker = folder / EXPORT_MARKER
     try:
-        if marker.is_symlink() or marker.stat().st_size > MAX_EXPORT_MARKER_BYTES:
-            return f"its {EXPORT_MARKER} is not an export's"
-        content = json.loads(marker.read_bytes())
+        content = small_json(marker, MAX_EXPORT_MARKER_BYTES)
     except FileNotFoundError:
         return f"it has no {EXPORT_MARKER}"
-    except (OSError, ValueError, RecursionError):
+    except ValueError:
         return f"its {EXPORT_MARKER} is not an export's"
     if not isinstance(content, dict) or not isinstance(content.get("auto_class"), str):
         return f"its {EXPORT_MARKER} is not an export's"

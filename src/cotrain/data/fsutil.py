@@ -10,10 +10,12 @@ Anything else is refused before any work starts, and nothing in it is touched.""
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from cotrain.data.errors import DataError
 from cotrain.errors import UserError
@@ -43,6 +45,20 @@ def _sibling(target: Path, tag: str) -> Path:
 
 WhyNot = Callable[[Path], str | None]  # the reason a folder is not one of ours, or None
 NameTest = Callable[[str], bool]  # whether cotrain writes a file of that name
+
+
+def small_json(path: Path, limit: int) -> Any:
+    """The JSON value of the file ``path`` (a folder's marker: a manifest, an export's ``cotrain.json``):
+    FileNotFoundError when there is none; ValueError when it is a link, larger than ``limit`` bytes,
+    unreadable or not JSON."""
+    try:
+        if path.is_symlink() or path.stat().st_size > limit:
+            raise ValueError(f"{path} is a link or larger than {limit} bytes")
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path} is not readable JSON") from e
 
 
 def foreign_entry(folder: Path, files: NameTest, folders: Mapping[str, NameTest] | None = None) -> str | None:

@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from cotrain.data.errors import DataError
-from cotrain.data.fsutil import foreign_entry
+from cotrain.data.fsutil import foreign_entry, small_json
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -222,12 +222,10 @@ def why_not_prepared(folder: Path) -> str | None:
     Otherwise the reason, in a few words."""
     manifest = folder / MANIFEST
     try:
-        if manifest.is_symlink() or manifest.stat().st_size > MAX_MANIFEST_BYTES:
-            return f"its {MANIFEST} is not a cotrain manifest"
-        content = json.loads(manifest.read_bytes())
+        content = small_json(manifest, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return f"it has no {MANIFEST}"
-    except (OSError, ValueError, RecursionError):
+    except ValueError:
         return f"its {MANIFEST} is not a cotrain manifest"
     version = content.get("format_version") if isinstance(content, dict) else None
     if not isinstance(version, int) or isinstance(version, bool):
