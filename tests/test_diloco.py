@@ -259,9 +259,9 @@ def download(holder, donors: dict, records: dict):
 
 def test_a_served_state_at_round_2_to_the_60_is_refused_and_the_next_donor_asked(caplog):
     """A donor on the unverified fallback (nobody published a fingerprint for its step) that serves round
-    2^60, or an inner step outside its round, is refused with one line and asked last; the next donor's state
-    is loaded. The round is bounded by the largest that two other peers' progress records reach (by MAX_ROUND
-    where fewer than two report)."""
+    2^60 is refused with one line and asked last; the next donor's state is loaded. The round is bounded by
+    the largest that two other peers' progress records reach (by MAX_ROUND where fewer than two report). An
+    inner step outside its round is no reason to refuse a state: the load takes it only within the round."""
     import logging
 
     from cotrain.swarm.diloco_state import MAX_ROUND, ROUND_SLACK, round_refusal
@@ -270,7 +270,7 @@ def test_a_served_state_at_round_2_to_the_60_is_refused_and_the_next_donor_asked
     holder = diloco_holder(local_steps=4)
     records = {"run_progress": {a.to_bytes(): progress(a, 5), b.to_bytes(): progress(b, 5)}}
     caplog.set_level(logging.INFO, logger="cotrain.swarm.statecheck")
-    for bad in (served(holder, 2**60), served(holder, 5, inner_steps=10**9)):
+    for bad in (served(holder, 2**60),):
         holder.suspects = {}
         donors = {liar: (max(6.0, bad[0]["epoch"]), bad), honest: (5.0, served(holder, 5))}  # the liar first
         loaded = download(holder, donors, records)
@@ -290,13 +290,11 @@ def test_a_served_state_at_round_2_to_the_60_is_refused_and_the_next_donor_asked
     # an honest donor ahead of a peer that lags is within the slack of what the two reach
     lagging = {"run_progress": {honest.to_bytes(): progress(honest, 7), a.to_bytes(): progress(a, 5)}}
     assert download(holder, {honest: (7.0, served(holder, 7))}, lagging)[0]["epoch"] == 7
-    # the decision: the round within ROUND_SLACK of the witnessed one, the inner step within the round's
+    # the decision: the round within ROUND_SLACK of the witnessed one; any inner step (a resumed monitor's
+    # copy serves 0), which the load takes only within the round's range
     assert round_refusal(5 + ROUND_SLACK, (5 + ROUND_SLACK) * 4, 5, 4) is None
     assert "beyond the round" in round_refusal(6 + ROUND_SLACK, (6 + ROUND_SLACK) * 4, 5, 4)
-    assert round_refusal(5, 23, 5, 4) is None and round_refusal(5, 24, 5, 4) is None  # the round's last step
-    assert "outside its round" in round_refusal(5, 25, 5, 4) and "outside its round" in round_refusal(
-        5, 19, 5, 4
-    )
+    assert round_refusal(5, 0, 5, 4) is None and round_refusal(5, 10**9, 5, 4) is None
     assert round_refusal(MAX_ROUND, MAX_ROUND * 4, None, 4) is None
     assert "beyond any run" in round_refusal(MAX_ROUND + 1, (MAX_ROUND + 1) * 4, None, 4)
     for epoch, steps in ((True, 4), (-1, 0), (5.0, 20), (5, None), (5, "20")):

@@ -201,8 +201,11 @@ def test_rank_zero_hands_its_ranks_the_rendezvous_in_their_environment_only(monk
         started.append((command, env))
         return Started()
 
+    # Ranks sets rank 0's own variables in this process: set first, so that the test's end removes them
+    # (a variable absent before is not restored by delenv alone, and would reach every later test's peers)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", ranks_module.RENDEZVOUS, *ranks_module.IFNAME_VARIABLES):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(ranks_module, "start_worker", start_worker)
     config = cfg.resolve(
         "llama-tiny", overrides={"run": {"strategy": "diloco"}, "peer": {"nproc_per_node": 3}}

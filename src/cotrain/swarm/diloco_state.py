@@ -4,13 +4,13 @@ evaluation peer's state holder is one too (cotrain.engine.strategy).
 
 What a downloader takes from a donor beyond the checked fingerprint of its global parameters
 (cotrain.swarm.statecheck) is checked too:
-- the round and the inner step (``round_refusal``): a round more than ``ROUND_SLACK`` beyond the one the
-  swarm's progress records witness (the largest that two other peers' records reach, the donor's among
-  them: cotrain.swarm.progress.witnessed_epoch), or beyond ``MAX_ROUND`` where fewer than two records are
-  read, and an inner step outside its round's
-  (``round x local_steps`` to ``(round + 1) x local_steps``: the schedule's position) are refused, and the
-  next donor asked. A donor on the unverified fallback could otherwise put a newcomer at round 2^60, where it
-  averages with nobody again, or at the end of the inner schedule;
+- the round (``round_refusal``): a round more than ``ROUND_SLACK`` beyond the one the swarm's progress
+  records witness (the largest that two other peers' records reach, the donor's among them:
+  cotrain.swarm.progress.witnessed_epoch), or beyond ``MAX_ROUND`` where fewer than two records are read, is
+  refused, and the next donor asked; an inner step (the schedule's position) outside the round's range
+  (``round x local_steps`` to ``(round + 1) x local_steps``) is not taken: the newcomer starts at its round's
+  first. A donor on the unverified fallback could otherwise put a newcomer at round 2^60, where it averages
+  with nobody again, or at the end of the inner schedule;
 - the lineage (cotrain.swarm.lineage) it serves with the state: kept only where another peer's record for
   that round attests the same lineage and the state matches every such record, momentum included
   (``DiLoCoStateAverager.settle_download``, fingerprint.lineage_attested); otherwise the newcomer starts a
@@ -55,10 +55,10 @@ def _is_int(value: Any) -> bool:
 
 
 def round_refusal(epoch: Any, inner_steps: Any, witnessed: int | None, local_steps: int) -> str | None:
-    """Why a served DiLoCo state's round ``epoch`` or inner step ``inner_steps`` is out of range (what the
-    donor served, for a log line), or None: the round must be at most ``ROUND_SLACK`` beyond ``witnessed``
-    (the round the swarm's progress records witness; ``MAX_ROUND`` when None), the inner step within its
-    round's (``local_steps`` per round: see the module's doc)."""
+    """Why a served DiLoCo state's round ``epoch`` is out of range (what the donor served, for a log line), or
+    None: the round must be at most ``ROUND_SLACK`` beyond ``witnessed`` (the round the swarm's progress
+    records witness; ``MAX_ROUND`` when None). Its inner step is not a reason to refuse it (a resumed
+    monitor's copy serves 0): the download takes it only within its round's range (see the module's doc)."""
     if not _is_int(epoch) or epoch < 0:
         return f"a state without a valid round ({epoch!r})"
     if witnessed is None and epoch > MAX_ROUND:
@@ -68,9 +68,6 @@ def round_refusal(epoch: Any, inner_steps: Any, witnessed: int | None, local_ste
             f"a state at round {epoch}, beyond the round the swarm's progress records witness ({witnessed}, "
             f"+{ROUND_SLACK})"
         )
-    first, last = epoch * local_steps, (epoch + 1) * local_steps
-    if not _is_int(inner_steps) or not first <= inner_steps <= last:
-        return f"a state at inner step {inner_steps!r}, outside its round {epoch}'s ({first} to {last})"
     return None
 
 
@@ -317,7 +314,7 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
                 load_optimizer_state(self.inner_optimizer, metadata.get("inner_metadata", []), flat[outer:])
             except (StopIteration, KeyError, IndexError, ValueError) as e:
                 logger.info(f"Inner optimizer statistics not loaded ({e!r}); this peer starts them afresh")
-            steps = metadata.get("inner_steps")  # checked against its round by the download (round_refusal)
+            steps = metadata.get("inner_steps")  # the round is checked (round_refusal); this, within it
             in_round = _is_int(steps) and epoch * self.local_steps <= steps <= (epoch + 1) * self.local_steps
             self.inner_steps = steps if in_round else epoch * self.local_steps
             set_schedule(self.inner_scheduler, self.inner_steps)
