@@ -499,8 +499,11 @@ class RobustAveraging(DirectTransport):
         for peer_id, count in counts.items():
             if not count or peer_id == self.peer_id:
                 continue
-            logger.debug(f"All-reduce: {count} part(s) from {peer_id} refused or clipped far outside tau")
             self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+            logger.info(
+                f"All-reduce: {count} part(s) from peer {peer_id} refused or clipped far outside tau (strike "
+                f"{self._strikes[peer_id]} of {STRIKES})"
+            )
             if self._strikes[peer_id] >= STRIKES and peer_id not in self.excluded_peers():
                 self._excluded_until[peer_id] = time.monotonic() + EXCLUSION_SECONDS
                 self._strikes[peer_id] = 0
