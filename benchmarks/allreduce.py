@@ -6,18 +6,19 @@ and not the machine's 2 cores stays the bottleneck). Each peer is a process runn
 ``create_dht``) and, per precision, two averagers of a vector shaped like ALBERT-large's parameters
 (17.8M values in its 32 tensors):
 
-- cotrain: ``cotrain.swarm.averaging.gradient_averager_factory`` called with the arguments hivemind.Optimizer
+- cotrain: ``cotrain.hivemind_ext.averaging.gradient_averager_factory`` called with the arguments
+hivemind.Optimizer
   gives its gradient averager (fp16: ``Float16Compression``, fp32: none), fed through
   ``accumulate_grads_`` and ``step`` as the optimizer does;
 - hivemind: a bare ``hivemind.DecentralizedAverager`` with its defaults and the same compression.
 
-cotrain's averager sends its parts over direct TCP connections between the peers (cotrain.swarm.direct, its
-default); ``--libp2p-arm`` adds the same averager with ``direct=False`` (arm ``cotrain-libp2p``: every part
-over libp2p, as hivemind sends them), so that the two transports are timed in the same rounds.
+cotrain's averager sends its parts over direct TCP connections between the peers (cotrain.hivemind_ext.direct,
+its default); ``--libp2p-arm`` adds the same averager with ``direct=False`` (arm ``cotrain-libp2p``: every
+part over libp2p, as hivemind sends them), so that the two transports are timed in the same rounds.
 
-``--aggregation centered-clip`` gives cotrain's averager CenteredClip reducers (cotrain.swarm.robust) instead
-of the mean; ``--aggregation both`` runs the two side by side (arms ``cotrain`` and ``cotrain-clip``) and
-reports the time of centered-clip over the mean's.
+``--aggregation centered-clip`` gives cotrain's averager CenteredClip reducers (cotrain.hivemind_ext.reducers)
+instead of the mean; ``--aggregation both`` runs the two side by side (arms ``cotrain`` and ``cotrain-clip``)
+and reports the time of centered-clip over the mean's.
 
 Rounds of the two arms alternate. All peers are asked to average at the same moment (``scheduled_time``); the
 groups must hold all n peers. The time reported is the all-reduce itself: from the moment the first peer of
@@ -102,7 +103,7 @@ def peer_main(args: argparse.Namespace) -> None:
     import torch
     from hivemind.compression import Float16Compression, NoCompression
 
-    from cotrain.swarm.dht import create_dht, visible_maddrs
+    from cotrain.net.dht import create_dht, visible_maddrs
 
     torch.set_num_threads(1)
     shapes = json.loads(Path(args.shapes).read_text())
@@ -274,8 +275,8 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group, aggregat
     """cotrain's gradient averager, built with the arguments hivemind.Optimizer._make_gradient_averager passes
     (run_id "bench<dtype>", "bench<dtype>_clip" with centered-clip, "bench<dtype>_libp2p" without the direct
     path)."""
-    from cotrain.swarm.aggregation import build
-    from cotrain.swarm.averaging import gradient_averager_factory
+    from cotrain.algorithms.aggregation import build
+    from cotrain.hivemind_ext.averaging import gradient_averager_factory
 
     opts: dict = {"bandwidth": args.bandwidth} if args.bandwidth > 0 else {}
     opts["aggregation"], opts["direct"] = build(aggregation), direct

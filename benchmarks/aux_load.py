@@ -1,9 +1,9 @@
 """The monitor's link as the clients' reducer: how a round's time grows as client trainers are added.
 
 A swarm of client trainers (``--client-mode``: nobody can dial them, as behind NAT) averages only through
-public peers that reduce for them as auxiliary peers, which the monitor does (cotrain.swarm.auxiliary). Each
-client sends its vector to the reducers and receives the average, so the reducers' links carry one vector per
-client each way and every round: this benchmark measures that on shaped links.
+public peers that reduce for them as auxiliary peers, which the monitor does (cotrain.hivemind_ext.auxiliary).
+Each client sends its vector to the reducers and receives the average, so the reducers' links carry one vector
+per client each way and every round: this benchmark measures that on shaped links.
 
 The hosts are network namespaces (``_netns.Network``), every link shaped to ``--rate`` Mbit/s each way. For
 each count of clients in ``--clients`` and each mode in ``--modes`` (``diloco``: dense fp16 rounds;

@@ -120,7 +120,7 @@ def tensor_bytes_by_role(model) -> dict[str, int]:
                 role.setdefault(key(p), "parameter copies")
     from hivemind.utils.nested import nested_flatten
 
-    from cotrain.swarm.backup import BackupGuard
+    from cotrain.engine.backup import BackupGuard
 
     for guard in (o for o in objects if issubclass(type(o), BackupGuard)):
         for t in [*guard.params, *nested_flatten(guard.optimizer_state or {})]:

@@ -18,11 +18,12 @@ cotrain's own roles, ``albert-tiny`` on the built-in demo corpus, one CPU thread
 - ``relay``: a full peer with ``--use-auto-relay``, reachable through a libp2p relay among the swarm's public
   peers (docs/deploy.md, section 5);
 - ``plain``: no flag, as a volunteer who knows nothing about NAT joins: the trainer asks the monitor to dial
-  it back, cannot be reached, and joins as a client by itself (cotrain.swarm.reachability).
+  it back, cannot be reached, and joins as a client by itself (cotrain.net.reachability).
 
-The monitor reduces the clients' parts as an auxiliary peer (cotrain.swarm.auxiliary). ``--no-public-trainer``
-leaves the public trainer out: the monitor is then the swarm's only public machine, the usual volunteer set-up
-(one small cloud VM). ``--strategy diloco`` trains with DiLoCo (2 local steps per round).
+The monitor reduces the clients' parts as an auxiliary peer (cotrain.hivemind_ext.auxiliary).
+``--no-public-trainer`` leaves the public trainer out: the monitor is then the swarm's only public machine,
+the usual volunteer set-up (one small cloud VM). ``--strategy diloco`` trains with DiLoCo (2 local steps per
+round).
 
 Reported per mode and trainer, from the trainers' OUTPUT_DIR/metrics.jsonl: whether it joined and when (its
 first global step), its global steps and how many of them it averaged with every trainer (a group of all

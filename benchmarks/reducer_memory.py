@@ -3,8 +3,8 @@ combine it replaced.
 
 A reducer of sparse DiLoCo rounds (``--outer-compression topk``; the monitor, as the auxiliary reducer of its
 clients) receives each sender's records of one part of the pseudo-gradient and returns the records of their
-average (cotrain.swarm.robust). This script feeds ``RobustPartReducer`` one part of ``--part-mb`` MB of
-records (the default codec: 1/64 of each chunk of 4096 values in 2 bits, 84 bytes a chunk) from each of N
+average (cotrain.hivemind_ext.reducers). This script feeds ``RobustPartReducer`` one part of ``--part-mb`` MB
+of records (the default codec: 1/64 of each chunk of 4096 values in 2 bits, 84 bytes a chunk) from each of N
 senders, N in ``--senders``, through its ``accumulate_part`` as hivemind's all-reduce does, on an auxiliary
 reducer that carries what its records leave out (as the monitor does). Each measurement runs in a fresh
 process: the peak resident memory (``ru_maxrss``) above what the process held once the senders' records were
@@ -31,9 +31,9 @@ import time
 def measure(mode: str, senders: int, part_mb: float) -> dict:
     import torch
 
-    from cotrain.swarm.aggregation import Mean
-    from cotrain.swarm.robust import RecordParts, RobustPartReducer
-    from cotrain.swarm.sparse import TopK
+    from cotrain.algorithms.aggregation import Mean
+    from cotrain.algorithms.sparse import TopK
+    from cotrain.hivemind_ext.reducers import RecordParts, RobustPartReducer
 
     torch.set_num_threads(1)
     codec = TopK()

@@ -138,7 +138,7 @@ async def sender_role(args) -> None:
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    from cotrain.swarm.internals.hooks import p2p_client
+    from cotrain.hivemind_ext.hooks import p2p_client
 
     target = json.loads(Path(args.target).read_text())
     result: dict = {"connected": False, "stream_opened": False, "bytes_sent": 0}

@@ -9,9 +9,9 @@ process of its own, in turn, ``--repeats`` times, the trees alternating so that 
 on all of them.
 
 What it times is the training thread's part of a round's end. A lone peer sends nothing, so since the host's
-work of a sparse overlapped round moved to a thread of its own (cotrain.swarm.overlap.RoundEnds) it no longer
-encodes at all: compare trees from before that change with care, and measure a swarm's rounds' ends with
-``utilization.py``, which reports them.
+work of a sparse overlapped round moved to a thread of its own (cotrain.strategies.overlap.RoundEnds) it no
+longer encodes at all: compare trees from before that change with care, and measure a swarm's rounds' ends
+with ``utilization.py``, which reports them.
 
     python benchmarks/round_end.py [--src OLD/src NEW/src] [--model-params 100000000] [--rounds 4]
 

@@ -3,10 +3,10 @@
 ``--peers`` replicas of a preset's model (cotrain's own model, data, collator, inner optimizer and schedule)
 each take ``--local-steps`` inner steps a round on micro-batches of ``--micro-batch`` from their own order of
 a dataset prepared from WikiText-2's validation file (as ``convergence.py`` prepares it); their changes are
-then averaged as a swarm would: densely, or through cotrain's top-k codec (``cotrain.swarm.sparse.TopK``)
+then averaged as a swarm would: densely, or through cotrain's top-k codec (``cotrain.algorithms.sparse.TopK``)
 with error feedback, a butterfly's reducers (each span of chunks re-encoded by a reducer drawn at random,
-``cotrain.swarm.robust.RecordParts``, what its re-encoding leaves out kept in that reducer's buffer times the
-group's size), and the outer step
+``cotrain.hivemind_ext.reducers.RecordParts``, what its re-encoding leaves out kept in that reducer's buffer
+times the group's size), and the outer step
 (``--outer-lr``, no momentum). No network, no hivemind: what a real swarm's timing changes (groups, failed
 rounds) is absent, so a setting screened here is then measured with ``convergence.py``. With the same
 settings, on the tiny Llama (seed 0), the two ended 0.01-0.08 apart in held-out loss (docs/benchmarks.md).
@@ -107,8 +107,8 @@ def average(arm: Arm, codec, changes: list, feedback: list, exact, generator, ma
 
     if not arm.sparse:
         return torch.stack(changes).mean(0)
-    from cotrain.swarm.overlap import add_feedback
-    from cotrain.swarm.robust import RecordParts
+    from cotrain.hivemind_ext.reducers import RecordParts
+    from cotrain.strategies.overlap import add_feedback
 
     sent = []
     for change, buffer in zip(changes, feedback, strict=True):
@@ -245,11 +245,11 @@ def vocab_average(arm: Arm, codec, shapes, parts, feedback, generator, draw):
 def run_arm(arm: Arm, seed: int, args, data: Path) -> dict:
     import torch
 
+    from cotrain.algorithms.sparse import TopK
     from cotrain.config import resolve
     from cotrain.data.tokenizer import load_tokenizer
     from cotrain.models import collator_for_run, forward_loss, model_for_tokenizer
     from cotrain.optim import optimizer_factory, scheduler_factory
-    from cotrain.swarm.sparse import TopK
 
     run = {"max_seq_length": args.seq_length, "warmup_steps": args.warmup_steps, "total_steps": args.steps}
     config = resolve(args.preset, overrides={"run": run})

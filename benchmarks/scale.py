@@ -84,7 +84,7 @@ def dht_key_names(run_id: str) -> dict[bytes, str]:
     """The DHT keys a swarm of ``run_id`` reads and writes, by the id the DHT stores them under."""
     from hivemind.dht.routing import DHTID
 
-    from cotrain.swarm import keys
+    from cotrain import keys
 
     names = {
         "progress": keys.progress_key(run_id),

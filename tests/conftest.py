@@ -391,13 +391,13 @@ def one_torch_thread():
 
 def state_holder(dhts: list, run_id: str, epoch: int | None, kind=None, optimizer=None, **kwargs):
     """A state holder of run ``run_id`` on a new DHT on 127.0.0.1 joined to ``dhts[0]`` (appended to
-    ``dhts``): ``kind`` (default cotrain.swarm.statecheck.CheckedTrainingStateAverager) over a Linear(8, 4)
-    whose weights depend on ``epoch``, serving its state at step ``epoch`` (None: a newcomer that serves
-    none)."""
+    ``dhts``): ``kind`` (default cotrain.hivemind_ext.statecheck.CheckedTrainingStateAverager) over a
+    Linear(8, 4) whose weights depend on ``epoch``, serving its state at step ``epoch`` (None: a newcomer
+    that serves none)."""
     import hivemind
     import torch
 
-    from cotrain.swarm import statecheck as sc
+    from cotrain.hivemind_ext import statecheck as sc
 
     initial = dhts[0].get_visible_maddrs() if dhts else []
     dhts.append(

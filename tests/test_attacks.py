@@ -190,7 +190,7 @@ def make_averagers(tensors: list[list[torch.Tensor]], silent: int, monkeypatch):
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from cotrain.swarm.robust import RobustAveraging
+    from cotrain.hivemind_ext.reducers import RobustAveraging
 
     class Averager(RobustAveraging, DecentralizedAverager):
         pass

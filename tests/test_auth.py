@@ -558,10 +558,10 @@ def test_only_a_refusal_the_peer_can_verify_stops_it(tmp_path):
     peer can check it (a revocation list signed by the authority naming its token, its own check, or, before
     it joined, a claim nothing it knows contradicts)."""
     from cotrain.access import AccessControl
-    from cotrain.access.authorizer import _answer_check
-    from cotrain.access.probe import Verdict, judge
     from cotrain.access.tokens import MALFORMED
     from cotrain.access.wire import messages
+    from cotrain.hivemind_ext.authorizer import _answer_check
+    from cotrain.net.probe import Verdict, judge
 
     m = messages()
     carol = AccessControl.for_token(RUN, str(issue(tmp_path, "carol")))
@@ -767,10 +767,10 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
     from hivemind.utils.multiaddr import Multiaddr
 
     from cotrain.access import AccessControl, GuardedP2P, SwarmAuthorizer
-    from cotrain.access.guard import handshake_payload as payload
     from cotrain.access.tokens import MALFORMED
     from cotrain.access.wire import CHECK_HANDLE, HANDSHAKE, messages
-    from cotrain.swarm.keys import state_averager_prefix
+    from cotrain.hivemind_ext.guard import handshake_payload as payload
+    from cotrain.keys import state_averager_prefix
 
     out = private_swarm["out"]
     monitor_addr = private_swarm["initial"][0]

@@ -19,10 +19,10 @@ from conftest import (
     trainer_rows,
     wait_until,
 )
-from cotrain.swarm import reachability
-from cotrain.swarm.auxiliary import AUX_GATHER, contributors, is_auxiliary, needed
-from cotrain.swarm.robust import RecordParts
-from cotrain.swarm.sparse import TopK
+from cotrain.algorithms.sparse import TopK
+from cotrain.hivemind_ext.auxiliary import AUX_GATHER, contributors, is_auxiliary, needed
+from cotrain.hivemind_ext.reducers import RecordParts
+from cotrain.net import reachability
 
 
 def _progress(peers: int, clients: int) -> GlobalTrainingProgress:

@@ -7,7 +7,7 @@ import hivemind
 import pytest
 import torch
 
-from cotrain.swarm.averaging import SwarmGradientAverager, gradient_averager_factory
+from cotrain.hivemind_ext.averaging import SwarmGradientAverager, gradient_averager_factory
 
 pytestmark = [pytest.mark.timeout(120)]
 

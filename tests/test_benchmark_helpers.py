@@ -486,7 +486,7 @@ def test_a_sparse_overlapped_round_end_takes_no_fresh_memory_of_the_models_size(
 def test_the_rounds_simulation_averages_as_a_swarm_of_sparse_rounds_does():
     import torch
 
-    from cotrain.swarm.sparse import TopK
+    from cotrain.algorithms.sparse import TopK
 
     arm = rounds_sim.Arm.parse("topk:decay=0.9:density=0.03125:exact=lm_head,embed")
     assert (arm.codec, arm.exact, arm.union, arm.sparse) == (

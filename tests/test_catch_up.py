@@ -1,4 +1,4 @@
-"""A peer the swarm left behind (cotrain.swarm.optimizer.SwarmOptimizer.left_behind).
+"""A peer the swarm left behind (cotrain.hivemind_ext.optimizer.SwarmOptimizer.left_behind).
 
 Fast: the decision, on hivemind's own objects' fields: behind, alone in no group, and with fewer samples than
 its share of a step.
@@ -20,7 +20,7 @@ import pytest
 from hivemind.averaging.control import AveragingStage
 
 from conftest import cotrain_env
-from cotrain.swarm.optimizer import SwarmOptimizer
+from cotrain.hivemind_ext.optimizer import SwarmOptimizer
 
 
 def optimizer(own=4, swarm=5, peers=2, samples=8, target=32, stage=None, reloaded=None, auxiliary=False):

@@ -9,9 +9,9 @@ from multiprocessing.connection import reduce_connection
 import pytest
 from hivemind.utils.mpfuture import MPFuture
 
-from cotrain.swarm.dht import _TolerantRequests
-from cotrain.swarm.internals import requestpipe
-from cotrain.swarm.internals.requestpipe import RequestReceiver, RequestSender
+from cotrain.hivemind_ext import requestpipe
+from cotrain.hivemind_ext.requestpipe import RequestReceiver, RequestSender
+from cotrain.net.dht import _TolerantRequests
 
 CTX = mp.get_context("fork")
 
@@ -47,7 +47,7 @@ def test_averager_shutdown_during_a_round_finalizes_runners_and_cancels_pending_
 
     from hivemind.averaging.averager import DecentralizedAverager
 
-    from cotrain.swarm.internals import fixes
+    from cotrain.hivemind_ext import fixes
 
     fixes.apply()
     assert DecentralizedAverager._shutdown is fixes._shutdown
@@ -139,7 +139,7 @@ def _named_only(outer_pid: int) -> bytes:
 
 
 def test_a_swarm_dht_answers_many_requests_from_its_peer_and_a_forked_process():
-    from cotrain.swarm.dht import create_dht
+    from cotrain.net.dht import create_dht
 
     dht = create_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
@@ -200,7 +200,7 @@ def _leader_search(update_queue, seconds: float) -> list[float]:
 
 
 def test_a_peer_waiting_for_its_group_reads_the_leaders_a_few_times_a_second_not_without_pause():
-    from cotrain.swarm.internals import fixes
+    from cotrain.hivemind_ext import fixes
 
     hivemind_reads = len(_leader_search(fixes._hivemind_update_queue, 0.5))
     # at most every 0.1 x the matchmaking time of 2 s (measured on the monotonic clock: the search's end is
@@ -216,7 +216,7 @@ def test_an_averager_declares_its_state_again_when_its_priority_changes_not_per_
     import asyncio
     from types import SimpleNamespace
 
-    from cotrain.swarm.internals import fixes
+    from cotrain.hivemind_ext import fixes
 
     stores = []
 
@@ -254,7 +254,7 @@ def test_an_averager_declares_its_state_again_when_its_priority_changes_not_per_
 def test_the_dht_process_checks_each_record_once_and_again_after_a_validator_is_added():
     from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 
-    from cotrain.swarm.dht import RememberedVerdicts
+    from cotrain.net.dht import RememberedVerdicts
 
     checked = []
 
@@ -290,7 +290,7 @@ def _daemons_of(pid: int) -> list:
 
 @pytest.mark.parametrize("given", [{}, {"GOGC": "200"}, {"GOMEMLIMIT": "1GiB"}])
 def test_the_libp2p_daemon_collects_its_garbage_early_unless_the_user_says_otherwise(monkeypatch, given):
-    from cotrain.swarm.dht import P2PD_GOGC, create_dht
+    from cotrain.net.dht import P2PD_GOGC, create_dht
 
     for name in ("GOGC", "GOMEMLIMIT"):
         monkeypatch.delenv(name, raising=False)
@@ -309,7 +309,7 @@ def test_the_libp2p_daemon_collects_its_garbage_early_unless_the_user_says_other
 
 SERVE_DHT = """
 import sys, time
-from cotrain.swarm.dht import create_dht, visible_maddrs
+from cotrain.net.dht import create_dht, visible_maddrs
 dht = create_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 print(visible_maddrs(dht)[0], flush=True)
 time.sleep(600)
@@ -325,7 +325,7 @@ def test_a_newcomer_tries_again_when_its_initial_peer_is_too_busy_to_answer(capl
     import sys
     import threading
 
-    from cotrain.swarm.dht import create_dht
+    from cotrain.net.dht import create_dht
 
     busy = subprocess.Popen([sys.executable, "-c", SERVE_DHT], stdout=subprocess.PIPE, text=True)
     target = busy
@@ -337,7 +337,7 @@ def test_a_newcomer_tries_again_when_its_initial_peer_is_too_busy_to_answer(capl
         target.send_signal(signal.SIGSTOP)
         woken = threading.Timer(14.0, target.send_signal, args=(signal.SIGCONT,))
         woken.start()
-        with caplog.at_level("WARNING", logger="cotrain.swarm.dht"):
+        with caplog.at_level("WARNING", logger="cotrain.net.dht"):
             dht = create_dht(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=5.0)
         try:
             assert "trying again (try 2, " in caplog.text
@@ -357,7 +357,7 @@ def test_an_initial_peer_that_is_not_there_fails_at_once(caplog):
     import time
 
     from cotrain.errors import UserError
-    from cotrain.swarm.dht import create_dht
+    from cotrain.net.dht import create_dht
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

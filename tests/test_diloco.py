@@ -1,4 +1,4 @@
-"""The DiLoCo strategy (cotrain.swarm.diloco), on its own and in live swarms on 127.0.0.1.
+"""The DiLoCo strategy (cotrain.strategies.diloco_rounds), on its own and in live swarms on 127.0.0.1.
 
 Fast: the outer optimizer, the inner optimizer's initial state, the schedule's position, the settings' checks.
 Slow: peers of tests/diloco_peer.py (cotrain.SwarmPeer with strategy="diloco" on a small regression model)
@@ -22,9 +22,7 @@ import pytest
 import torch
 
 from conftest import REPO, cotrain_env, wait_until
-from cotrain.config import RunConfig
-from cotrain.swarm.diloco_state import initialize_state, outer_optimizer_factory, set_schedule
-from cotrain.swarm.lineage import (
+from cotrain.algorithms.lineage import (
     OUTER_STATE_EVERY,
     Voucher,
     carries_outer_state,
@@ -33,6 +31,8 @@ from cotrain.swarm.lineage import (
     next_lineage,
     periodic_round,
 )
+from cotrain.config import RunConfig
+from cotrain.hivemind_ext.diloco_state import initialize_state, outer_optimizer_factory, set_schedule
 
 PEER = REPO / "tests" / "diloco_peer.py"
 FP16_TOL = 2e-3  # relative to the pseudo-gradients' scale: what fp16 rounding of the averaged part leaves
@@ -184,7 +184,7 @@ def diloco_holder(local_steps: int = 4, momentum: float = 0.9, seed: int = 0):
     over two global parameters, with momentum buffers."""
     from types import SimpleNamespace
 
-    from cotrain.swarm.diloco_state import DiLoCoStateAverager
+    from cotrain.hivemind_ext.diloco_state import DiLoCoStateAverager
 
     g = torch.Generator().manual_seed(seed)
     params = [
@@ -238,8 +238,8 @@ def progress(peer, epoch: int) -> dict:
 
 
 def download(holder, donors: dict, records: dict):
-    """``holder``'s download (cotrain.swarm.statecheck) from ``donors`` (peer -> (priority, served state)),
-    with the DHT's ``records``: the state it would load, or None."""
+    """``holder``'s download (cotrain.hivemind_ext.statecheck) from ``donors`` (peer -> (priority, served
+    state)), with the DHT's ``records``: the state it would load, or None."""
     import asyncio
     import concurrent.futures
 
@@ -264,12 +264,12 @@ def test_a_served_state_at_round_2_to_the_60_is_refused_and_the_next_donor_asked
     inner step outside its round is no reason to refuse a state: the load takes it only within the round."""
     import logging
 
-    from cotrain.swarm.diloco_state import MAX_ROUND, ROUND_SLACK, round_refusal
+    from cotrain.hivemind_ext.diloco_state import MAX_ROUND, ROUND_SLACK, round_refusal
 
     liar, honest, a, b = peer_ids(4)
     holder = diloco_holder(local_steps=4)
     records = {"run_progress": {a.to_bytes(): progress(a, 5), b.to_bytes(): progress(b, 5)}}
-    caplog.set_level(logging.INFO, logger="cotrain.swarm.statecheck")
+    caplog.set_level(logging.INFO, logger="cotrain.hivemind_ext.statecheck")
     for bad in (served(holder, 2**60),):
         holder.suspects = {}
         donors = {liar: (max(6.0, bad[0]["epoch"]), bad), honest: (5.0, served(holder, 5))}  # the liar first
@@ -304,7 +304,7 @@ def test_a_served_state_at_round_2_to_the_60_is_refused_and_the_next_donor_asked
 def attesting(holder, epoch: int, lineage: bytes, peer: str, momentum_shift: float = 0.0):
     """Another holder's published record of ``holder``'s state at ``epoch``, attesting ``lineage`` (its
     momentum moved by ``momentum_shift``)."""
-    from cotrain.swarm import statecheck as sc
+    from cotrain.hivemind_ext import statecheck as sc
 
     params = holder.global_parameters
     momentum = [holder.optimizer.state[p]["momentum_buffer"] + momentum_shift for p in params]
@@ -328,7 +328,7 @@ def test_a_newcomer_keeps_its_donors_lineage_only_where_another_peer_attests_it_
         holder.settle_download(donor, loaded, records)
         return loaded[0].get("lineage") == group
 
-    caplog.set_level(logging.INFO, logger="cotrain.swarm.diloco_state")
+    caplog.set_level(logging.INFO, logger="cotrain.hivemind_ext.diloco_state")
     assert kept({"k1": attesting(holder, 5, group, peer)})
     assert not kept({})  # the donor's word alone
     assert "this peer starts a fresh one" in caplog.text
@@ -352,7 +352,7 @@ def test_a_newcomer_keeps_its_donors_lineage_only_where_another_peer_attests_it_
     loaded = served(plain, 5, lineage=group)
     plain.settle_download(donor, loaded, {"k1": record})
     assert "lineage" not in loaded[0]  # a record with a momentum does not match a state without
-    from cotrain.swarm import statecheck as sc
+    from cotrain.hivemind_ext import statecheck as sc
 
     params = plain.global_parameters
     bare = sc.StepFingerprint.parse_obj(sc.step_record(sc.fingerprint(params, 5), group).dict())
@@ -368,7 +368,7 @@ def test_a_holder_attests_the_lineage_it_vouches_for_with_its_momentum():
     round and values), nothing otherwise; the record's schema reads it back and refuses a bad momentum."""
     import threading
 
-    from cotrain.swarm import statecheck as sc
+    from cotrain.hivemind_ext import statecheck as sc
 
     holder = diloco_holder()
     holder.lock_averaged_tensors = threading.Lock()
@@ -398,7 +398,7 @@ def test_a_peer_that_breaks_its_lineage_round_after_round_is_struck():
     """A member of a whole round should show, in its next round, the lineage that round gave the group; one
     that shows another in LINEAGE_BREAKS of its last LINEAGE_WINDOW watched rounds is struck. An honest break
     now and then, a partial round, a member not met again: nobody struck."""
-    from cotrain.swarm.lineage import LINEAGE_BREAKS, LINEAGE_WINDOW, MAX_STRUCK, LineageWatch
+    from cotrain.algorithms.lineage import LINEAGE_BREAKS, LINEAGE_WINDOW, MAX_STRUCK, LineageWatch
 
     me, honest, liar = peer_ids(3)
     watch = LineageWatch()
@@ -428,7 +428,7 @@ def test_a_peer_that_breaks_its_lineage_round_after_round_is_struck():
 def test_a_group_leaves_out_the_lineage_of_a_member_most_others_strike():
     """The same choice on every member: a member struck by a strict majority of the others does not make its
     group carry the outer state; one liar cannot discount an honest member of a larger group."""
-    from cotrain.swarm.lineage import MAX_STRUCK, discounted
+    from cotrain.algorithms.lineage import MAX_STRUCK, discounted
 
     a, b, x = peer_ids(3)
     group = fresh_lineage()
@@ -467,10 +467,10 @@ def test_a_member_fresh_every_round_makes_its_group_carry_the_state_only_until_i
     import logging
     from types import SimpleNamespace
 
-    from cotrain.swarm.diloco import DiLoCoOptimizer
-    from cotrain.swarm.lineage import LINEAGE_BREAKS, LineageWatch
+    from cotrain.algorithms.lineage import LINEAGE_BREAKS, LineageWatch
+    from cotrain.strategies.diloco_rounds import DiLoCoOptimizer
 
-    caplog.set_level(logging.WARNING, logger="cotrain.swarm.diloco")
+    caplog.set_level(logging.WARNING, logger="cotrain.strategies.diloco_rounds")
     a, b, x = peer_ids(3)
     honest = []
     for peer in (a, b):
@@ -780,7 +780,7 @@ def test_a_peer_killed_mid_round_stalls_nobody_past_the_timeout(peers, tmp_path)
 def test_overlapped_rounds_keep_the_global_parameters_together(peers, tmp_path, sparse):
     """Two peers with overlapped rounds hold the same global parameters after every round they averaged
     whole: to fp16's rounding (dense), to the bit with sparse records (encoded and decoded off the training
-    thread, cotrain.swarm.overlap.RoundEnds); the loss falls."""
+    thread, cotrain.strategies.overlap.RoundEnds); the loss falls."""
     done = tmp_path / "done"
     # an outer step applied one round late is stable while its gain, lr x (1 + momentum) for Nesterov, stays
     # below 1 (docs/diloco.md): this problem's inner optimizer reaches its optimum within a round
@@ -825,7 +825,7 @@ def test_a_served_state_carries_the_lineage_its_holder_vouched_for_and_no_other(
     import threading
     from types import SimpleNamespace
 
-    from cotrain.swarm.diloco import DiLoCoOptimizer
+    from cotrain.strategies.diloco_rounds import DiLoCoOptimizer
 
     params = [torch.randn(10, 4), torch.randn(7)]
     opt = DiLoCoOptimizer.__new__(DiLoCoOptimizer)
@@ -851,8 +851,8 @@ def test_a_served_state_carries_the_lineage_its_holder_vouched_for_and_no_other(
 
 @pytest.mark.timeout(120)
 def test_the_global_parameters_are_a_diloco_peers_nan_backup():
-    # DiLoCo's NaN guard keeps no copy of the state (cotrain.swarm.backup): the global parameters move only by
-    # finite outer steps, and a model gone non-finite restarts its round from them
+    # DiLoCo's NaN guard keeps no copy of the state (cotrain.engine.backup): the global parameters move only
+    # by finite outer steps, and a model gone non-finite restarts its round from them
     import cotrain
     from cotrain.engine.parts import NanGuard
 

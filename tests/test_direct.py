@@ -1,6 +1,6 @@
-"""The direct TCP path of the all-reduce (cotrain.swarm.direct): sealed frames, tickets, its caps (frames,
-read-ahead, tickets and streams per peer, connections without a ticket), live all-reduces over it (one while
-an outsider floods a reducer's endpoint), and the fall-back to libp2p."""
+"""The direct TCP path of the all-reduce (cotrain.hivemind_ext.direct): sealed frames, tickets, its caps
+(frames, read-ahead, tickets and streams per peer, connections without a ticket), live all-reduces over it
+(one while an outsider floods a reducer's endpoint), and the fall-back to libp2p."""
 
 import asyncio
 import collections
@@ -16,8 +16,8 @@ from hivemind.compression import CompressionInfo, Uniform8BitQuantization
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
-from cotrain.swarm.aggregation import build
-from cotrain.swarm.direct import (
+from cotrain.algorithms.aggregation import build
+from cotrain.hivemind_ext.direct import (
     DATA,
     END,
     MAX_FRAME,
@@ -403,7 +403,7 @@ def test_a_peer_without_the_direct_path_averages_over_libp2p_with_the_others():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_offer_naming_another_address_than_libp2p_reaches_is_not_dialled(monkeypatch):
-    import cotrain.swarm.direct as direct
+    import cotrain.hivemind_ext.direct as direct
 
     # every reducer names an address its peers' libp2p connections do not use (the averagers are forked:
     # they inherit the patch); senders must not dial it and send over libp2p instead
@@ -440,7 +440,7 @@ class Flood(threading.Thread):
     async def _main(self) -> None:
         from hivemind.p2p import P2P
 
-        from cotrain.swarm.direct import DirectRequest
+        from cotrain.hivemind_ext.direct import DirectRequest
 
         p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=self.maddrs)
         try:

@@ -31,9 +31,9 @@ from conftest import (
 )
 from cotrain.config import resolve
 from cotrain.dashboard.view import SwarmView
+from cotrain.net.metrics import EvalMetrics
 from cotrain.roles.evaluator import evaluate, fixed_batches
 from cotrain.roles.monitor import eval_row
-from cotrain.swarm.records import EvalMetrics
 
 RUN = "eval-test"
 SMALL_MODEL = {

@@ -1,4 +1,4 @@
-"""cotrain.swarm.healing: what a peer back from a partition loads.
+"""cotrain.net.healing: what a peer back from a partition loads.
 
 Two live `cotrain.SwarmPeer`s of one run on 127.0.0.1, in one process. Peer a stands for a trainer that was
 cut off at step 3 and took steps alone up to 5; peer b for a laggard that joined a step or two behind just
@@ -20,7 +20,7 @@ from conftest import cotrain_env
 
 SCRIPT = """
 import json, logging, time, torch, cotrain
-from cotrain.swarm.served import served_epochs
+from cotrain.net.served import served_epochs
 
 def peer(seed, **kwargs):
     torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""A peer's DHT and averagers served from threads of its process (cotrain.swarm.internals.hosting), or from
+"""A peer's DHT and averagers served from threads of its process (cotrain.hivemind_ext.hosting), or from
 processes of their own (``--swarm-processes``)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import uvloop
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.mpfuture import MPFuture
 
-from cotrain.swarm.aggregation import build
-from cotrain.swarm.internals import hosting
-from cotrain.swarm.internals.hosting import ServedInThread
-from cotrain.swarm.robust import RobustAveraging
+from cotrain.algorithms.aggregation import build
+from cotrain.hivemind_ext import hosting
+from cotrain.hivemind_ext.hosting import ServedInThread
+from cotrain.hivemind_ext.reducers import RobustAveraging
 
 
 @pytest.mark.parametrize("setstate", ["cotrain", "hivemind"])
@@ -131,7 +131,7 @@ def _python_children() -> list[psutil.Process]:
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("in_thread", [True, False], ids=["threads", "processes"])
 def test_two_peers_average_with_their_dht_and_averagers_served_where_asked(in_thread, caplog):
-    from cotrain.swarm.dht import create_dht
+    from cotrain.net.dht import create_dht
 
     before = {c.pid for c in _python_children()}
     local = ["/ip4/127.0.0.1/tcp/0"]
@@ -183,7 +183,7 @@ def test_two_peers_average_with_their_dht_and_averagers_served_where_asked(in_th
 
 STOPPING_AT_EXIT = """
 import sys, threading, time, torch
-from cotrain.swarm.internals import hosting
+from cotrain.hivemind_ext import hosting
 hosting.EXIT_GRACE_S = float(sys.argv[2])
 a = torch.randn(1500, 1500)
 stop, started = threading.Event(), threading.Event()

@@ -34,8 +34,8 @@ from conftest import (
 )
 from cotrain.config import resolve
 from cotrain.engine import gradient_norm
-from cotrain.roles.monitor import MAX_STEPS_AHEAD, aggregate, plausible
-from cotrain.swarm.configrecord import (
+from cotrain.keys import config_key, metrics_key
+from cotrain.net.configrecord import (
     ConfigMismatch,
     ConfigRecord,
     check_agreement,
@@ -43,8 +43,8 @@ from cotrain.swarm.configrecord import (
     read_configs,
     text_hash,
 )
-from cotrain.swarm.keys import config_key, metrics_key
-from cotrain.swarm.records import LocalMetrics, make_validators, read_metrics
+from cotrain.net.metrics import LocalMetrics, make_validators, read_metrics
+from cotrain.roles.monitor import MAX_STEPS_AHEAD, aggregate, plausible
 
 RUN = "integrity-test"
 

@@ -1,4 +1,4 @@
-"""The one door to hivemind's internals (cotrain.swarm.internals): nothing else in cotrain uses a private
+"""The one door to hivemind's internals (cotrain.hivemind_ext): nothing else in cotrain uses a private
 hivemind name, and a change upstream of any hivemind function cotrain touches is caught and named."""
 
 import ast
@@ -9,8 +9,8 @@ from pathlib import Path
 import hivemind
 import pytest
 
-from cotrain.swarm import internals
-from cotrain.swarm.internals import manifest
+from cotrain import hivemind_ext as internals
+from cotrain.hivemind_ext import manifest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "cotrain"
 
@@ -46,7 +46,7 @@ def test_no_private_hivemind_name_outside_the_door():
             else:
                 continue
             found += [f"{path.relative_to(SRC)}:{node.lineno} {name}" for name in used if name in private]
-    assert not found, "hivemind's private names belong in cotrain.swarm.internals:\n" + "\n".join(found)
+    assert not found, "hivemind's private names belong in cotrain.hivemind_ext:\n" + "\n".join(found)
 
 
 def test_every_touched_hivemind_function_is_as_recorded_and_a_change_is_named(monkeypatch):
@@ -73,7 +73,7 @@ def test_every_touched_hivemind_function_is_as_recorded_and_a_change_is_named(mo
     names = manifest.changed()
     assert names == [
         "hivemind.averaging.averager.DecentralizedAverager._aggregate_with_group (copied by "
-        "cotrain.swarm.internals.hooks.Averager; cotrain.swarm.lineage.OuterAverager)"
+        "cotrain.hivemind_ext.hooks.Averager; cotrain.algorithms.lineage.OuterAverager)"
     ]
     assert manifest.missing() == []
 
@@ -89,7 +89,7 @@ def test_every_touched_hivemind_function_is_as_recorded_and_a_change_is_named(mo
 def test_install_warns_on_another_hivemind_version(monkeypatch, caplog):
     monkeypatch.setattr(internals, "_done", [])
     monkeypatch.setattr(hivemind, "__version__", "9.9.9")
-    with caplog.at_level(logging.WARNING, logger="cotrain.swarm.internals"):
+    with caplog.at_level(logging.WARNING, logger="cotrain.hivemind_ext"):
         internals.install()
     assert "written for hivemind 1.1.12, found 9.9.9" in caplog.text
     assert "none changed" in caplog.text
@@ -98,12 +98,12 @@ def test_install_warns_on_another_hivemind_version(monkeypatch, caplog):
 def test_the_hooks_reach_hivemind_and_the_overrides_are_called():
     from hivemind.averaging.averager import DecentralizedAverager
 
-    from cotrain.swarm.internals.hooks import Averager, Optimizer, Runner, Tracker
-    from cotrain.swarm.lineage import OuterAverager
-    from cotrain.swarm.optimizer import SwarmOptimizer
-    from cotrain.swarm.progress import RobustProgressTracker
-    from cotrain.swarm.robust import RobustAllReduceRunner
-    from cotrain.swarm.statecheck import CheckedTrainingStateAverager
+    from cotrain.algorithms.lineage import OuterAverager
+    from cotrain.hivemind_ext.hooks import Averager, Optimizer, Runner, Tracker
+    from cotrain.hivemind_ext.optimizer import SwarmOptimizer
+    from cotrain.hivemind_ext.progress import RobustProgressTracker
+    from cotrain.hivemind_ext.reducers import RobustAllReduceRunner
+    from cotrain.hivemind_ext.statecheck import CheckedTrainingStateAverager
 
     # each private method cotrain overrides resolves to the hook base's, which calls the public hook
     assert OuterAverager._aggregate_with_group is Averager._aggregate_with_group

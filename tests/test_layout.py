@@ -78,7 +78,7 @@ from cotrain import checkpoints as ck
 from cotrain.config import resolve
 from cotrain.host.layout import run_state_layout
 from cotrain.roles.keeper import StateKeeper
-from cotrain.swarm.dht import create_dht
+from cotrain.net.dht import create_dht
 out = Path(sys.argv[1])
 config = resolve(overrides={"run": {"preset": "albert-tiny", "run_id": "layout"},
                             "peer": {"tokenizer_path": str(out / "given")}})

@@ -21,7 +21,7 @@ from conftest import (
     wait_until,
 )
 from cotrain import checkpoints as ck
-from cotrain.swarm.liveness import GRACE, WATCH_PERIOD
+from cotrain.hivemind_ext.liveness import GRACE, WATCH_PERIOD
 
 pytestmark = [pytest.mark.slow]
 

@@ -4,7 +4,7 @@ import io
 import logging
 import sys
 
-from cotrain.swarm.logs import OneLineErrors, one_line_errors
+from cotrain.net.logs import OneLineErrors, one_line_errors
 
 
 def record(name: str, msg: str) -> logging.LogRecord:
@@ -62,7 +62,7 @@ def test_a_hivemind_error_whose_text_spans_lines_is_one_line():
 def test_abandoned_averaging_tasks_are_quiet_only_once_the_peer_is_stopping():
     import threading
 
-    from cotrain.swarm.logs import QuietWhileStopping
+    from cotrain.net.logs import QuietWhileStopping
 
     stopping = threading.Event()
     quiet = QuietWhileStopping(stopping)

@@ -83,7 +83,7 @@ def test_every_seed_command_line_parses(role, args, line):
         assert config.peer.logging_steps == int(given["--logging_steps"]) and config.peer.logging_first_step
     for listen in ("--listen_on", "--dht_listen_on"):
         if listen in given:
-            from cotrain.swarm.dht import parse_maddrs
+            from cotrain.net.dht import parse_maddrs
 
             assert parse_maddrs(config.peer.host_maddrs, "listen")[0].startswith("/ip6/::/tcp/"), line
 
@@ -193,7 +193,7 @@ def test_inconsistent_options_are_refused_with_every_problem():
 
 
 def test_the_original_listen_forms_become_multiaddrs():
-    from cotrain.swarm.dht import parse_maddrs
+    from cotrain.net.dht import parse_maddrs
 
     assert parse_maddrs(["[::]:1337"], "listen") == ["/ip6/::/tcp/1337"]
     assert parse_maddrs(["[::]:*"], "listen") == ["/ip6/::/tcp/0"]
@@ -445,7 +445,7 @@ def test_optimizer_statistics_travel_in_full_precision():
     state and in any averaged optimizer statistic; parameters and gradients go as fp16."""
     from hivemind.compression import CompressionInfo, TensorRole, deserialize_torch_tensor
 
-    from cotrain.swarm.optimizer import LOAD_STATE_COMPRESSION, gradient_compression, state_compression
+    from cotrain.hivemind_ext.optimizer import LOAD_STATE_COMPRESSION, gradient_compression, state_compression
 
     compression = cfg.resolve("albert-tiny").peer.grad_compression
     exp_avg_sq = torch.full((1000,), 1e-10) * torch.rand(1000)
@@ -480,8 +480,8 @@ def test_tracker_options_reach_hivemind_with_their_names():
 
     from hivemind.optim.progress_tracker import ProgressTracker
 
-    from cotrain.engine.builds import tracker_settings
-    from cotrain.swarm.optimizer import tracker_options
+    from cotrain.strategies.builds import tracker_settings
+    from cotrain.hivemind_ext.optimizer import tracker_options
 
     _, c = cli.parse(
         [
@@ -520,7 +520,7 @@ def test_tracker_options_reach_hivemind_with_their_names():
 def test_outbound_address_lookup_sends_nothing_and_announces_the_listening_port():
     """--use-google-dns asks the kernel which address a UDP socket "connected" to a target would use; here the
     target is loopback (tests never name the public resolver), which must answer 127.0.0.1."""
-    from cotrain.swarm.dht import GOOGLE_DNS, announce_public_address, outbound_address
+    from cotrain.net.dht import GOOGLE_DNS, announce_public_address, outbound_address
 
     assert GOOGLE_DNS[0] == "8.8.8.8"
     loopback = ("127.0.0.1", 9)

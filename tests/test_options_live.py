@@ -57,7 +57,7 @@ class SeedRole(Role):
     @staticmethod
     def check_listen(args: list[str]) -> None:
         from cotrain import cli
-        from cotrain.swarm.dht import parse_maddrs
+        from cotrain.net.dht import parse_maddrs
 
         _, config = cli.parse(args)
         listen = parse_maddrs(config.peer.host_maddrs, "listen")
@@ -82,8 +82,9 @@ def test_optimizer_statistics_download_bit_for_bit(tmp_path):
     import torch
 
     from cotrain import config as cfg
-    from cotrain.engine import SwarmConnection, SyncStrategy
+    from cotrain.engine import SwarmConnection
     from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
+    from cotrain.strategies.sync import SyncStrategy
 
     config = cfg.resolve(
         "albert-tiny",

@@ -197,7 +197,7 @@ def test_the_healer_brings_back_a_peer_that_lost_every_link():
     import hivemind
     from hivemind.utils.timed_storage import get_dht_time
 
-    from cotrain.swarm.healing import SwarmHealer
+    from cotrain.net.healing import SwarmHealer
 
     first = hivemind.DHT(host_maddrs=[LOCALHOST], start=True)
     second = None

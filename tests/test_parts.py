@@ -14,9 +14,9 @@ import torch
 
 from conftest import cotrain_env, wait_until
 from cotrain import registry
+from cotrain.algorithms.aggregation import Aggregation, build
 from cotrain.config import RunConfig
-from cotrain.engine.strategy import Strategy
-from cotrain.swarm.aggregation import Aggregation, build
+from cotrain.strategies.base import Strategy
 
 TESTS = Path(__file__).resolve().parent
 

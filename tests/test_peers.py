@@ -28,7 +28,7 @@ from conftest import (
     wait_until,
 )
 from cotrain.errors import UserError
-from cotrain.swarm.identity import ensure_identity
+from cotrain.net.identity import ensure_identity
 
 RUN = "peers-test"
 

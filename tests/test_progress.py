@@ -1,4 +1,4 @@
-"""What the swarm's progress counts when peers lie about theirs (cotrain.swarm.progress)."""
+"""What the swarm's progress counts when peers lie about theirs (cotrain.hivemind_ext.progress)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from cotrain.swarm.progress import PROGRESS_CAP, RobustProgressTracker, capped, robust_epoch, witnessed_epoch
+from cotrain.hivemind_ext.progress import (
+    PROGRESS_CAP,
+    RobustProgressTracker,
+    capped,
+    robust_epoch,
+    witnessed_epoch,
+)
 
 
 def test_a_lone_peer_far_ahead_does_not_move_the_swarm():
@@ -80,20 +86,20 @@ def test_a_peer_still_at_the_previous_epoch_counts_in_the_median():
 
 
 def test_every_round_of_the_trainers_averagers_passes_the_watch():
-    # cotrain.swarm.liveness: WatchedRounds sees a round only when it sits after every hivemind averager class
-    # above DecentralizedAverager (only the hook base between) and hivemind begins both kinds of round through
-    # super().step (a guard against a change upstream)
+    # cotrain.hivemind_ext.liveness: WatchedRounds sees a round only when it sits after every hivemind
+    # averager class above DecentralizedAverager (only the hook base between) and hivemind begins both kinds
+    # of round through super().step (a guard against a change upstream)
     import inspect
 
     from hivemind.averaging import DecentralizedAverager
     from hivemind.optim.grad_averager import GradientAverager
 
-    from cotrain.swarm.averaging import SwarmGradientAverager
-    from cotrain.swarm.internals.hooks import Averager
-    from cotrain.swarm.internals.manifest import source_of
-    from cotrain.swarm.lineage import OuterAverager
-    from cotrain.swarm.liveness import WatchedRounds
-    from cotrain.swarm.statecheck import CheckedTrainingStateAverager
+    from cotrain.algorithms.lineage import OuterAverager
+    from cotrain.hivemind_ext.averaging import SwarmGradientAverager
+    from cotrain.hivemind_ext.hooks import Averager
+    from cotrain.hivemind_ext.liveness import WatchedRounds
+    from cotrain.hivemind_ext.manifest import source_of
+    from cotrain.hivemind_ext.statecheck import CheckedTrainingStateAverager
 
     for cls in (SwarmGradientAverager, CheckedTrainingStateAverager, OuterAverager):
         mro = cls.__mro__
@@ -109,7 +115,7 @@ def test_a_paced_tracker_stores_a_record_per_pace_the_last_one_late_and_a_new_ro
 
     import hivemind
 
-    from cotrain.swarm.progress import PacedSignal, SwarmProgressTracker
+    from cotrain.hivemind_ext.progress import PacedSignal, SwarmProgressTracker
 
     signal = PacedSignal(0.3)
     signal.set()
@@ -177,8 +183,8 @@ def until(condition, timeout: float = 5.0) -> bool:
 def test_a_round_every_other_peer_has_gone_past_ends_at_once_without_waiting_for_its_timeout():
     """DiLoCo's straggler: the others finished its round (their records are at the next one), so its round's
     group can never form; the round watch cancels the round that still looks for it."""
-    from cotrain.swarm.liveness import RoundWatch
-    from cotrain.swarm.progress import SwarmProgressTracker
+    from cotrain.hivemind_ext.liveness import RoundWatch
+    from cotrain.hivemind_ext.progress import SwarmProgressTracker
 
     t = object.__new__(SwarmProgressTracker)
     t.dht, t._gone = SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: b"peer0")), {}
@@ -213,7 +219,7 @@ def test_a_peer_the_others_left_behind_joins_their_round_with_the_steps_it_took(
 
     import torch
 
-    from cotrain.swarm.diloco import DiLoCoOptimizer
+    from cotrain.strategies.diloco_rounds import DiLoCoOptimizer
 
     calls: list = []
     ahead = [5]

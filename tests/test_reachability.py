@@ -1,4 +1,4 @@
-"""The reachability probe (cotrain.swarm.reachability): what a request may name, who is dialed, the answer's
+"""The reachability probe (cotrain.net.reachability): what a request may name, who is dialed, the answer's
 words, a private swarm's proof, and a flood of requests against an answering peer on 127.0.0.1."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from conftest import LOCALHOST
 from cotrain.access import possession
-from cotrain.swarm import reachability
-from cotrain.swarm.internals.hooks import p2p_client
+from cotrain.hivemind_ext.hooks import p2p_client
+from cotrain.net import reachability
 
 RUN = "probe-run"
 

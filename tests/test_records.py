@@ -9,9 +9,9 @@ from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from cotrain.keys import metrics_key
+from cotrain.net.metrics import MAX_LOSS, LocalMetrics, MetricsSchema, read_metrics, reported_loss
 from cotrain.roles.monitor import aggregate
-from cotrain.swarm.keys import metrics_key
-from cotrain.swarm.records import MAX_LOSS, LocalMetrics, MetricsSchema, read_metrics, reported_loss
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -94,7 +94,7 @@ def test_live_dht_refuses_forged_and_out_of_schema_records():
 
 
 def test_keys_are_spelled_as_hivemind_derives_them(monkeypatch):
-    """cotrain.swarm.keys names the keys hivemind builds from the run id; hivemind's own code agrees."""
+    """cotrain.keys names the keys hivemind builds from the run id; hivemind's own code agrees."""
     from types import SimpleNamespace
 
     from hivemind.dht.routing import DHTID
@@ -103,9 +103,9 @@ def test_keys_are_spelled_as_hivemind_derives_them(monkeypatch):
     from hivemind.optim.progress_tracker import ProgressTracker
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from cotrain.swarm import keys
-    from cotrain.swarm.configrecord import ConfigSchema, RunsSchema
-    from cotrain.swarm.records import EvalSchema
+    from cotrain import keys
+    from cotrain.net.configrecord import ConfigSchema, RunsSchema
+    from cotrain.net.metrics import EvalSchema
 
     run = "keys-test"
     # a schema validator guards exactly ``{prefix}_{field}``: junk is refused there and nowhere else

@@ -1,5 +1,5 @@
-"""Robust aggregation (cotrain.swarm.robust): CenteredClip on known inputs, the reducer's refusals, and live
-all-reduces among averagers on 127.0.0.1 with honest and malicious members."""
+"""Robust aggregation (cotrain.hivemind_ext.reducers): CenteredClip on known inputs, the reducer's refusals,
+and live all-reduces among averagers on 127.0.0.1 with honest and malicious members."""
 
 from __future__ import annotations
 
@@ -15,10 +15,7 @@ import torch
 from hivemind.averaging.partition import AllreduceException
 
 from cotrain import registry
-from cotrain.config import RunConfig
-from cotrain.engine.strategy import aggregation_of
-from cotrain.swarm import robust
-from cotrain.swarm.aggregation import (
+from cotrain.algorithms.aggregation import (
     Aggregation,
     CenteredClip,
     Mean,
@@ -27,7 +24,10 @@ from cotrain.swarm.aggregation import (
     centered_clip,
     parse_tau,
 )
-from cotrain.swarm.robust import RobustPartReducer
+from cotrain.config import RunConfig
+from cotrain.hivemind_ext import reducers as robust
+from cotrain.hivemind_ext.reducers import RobustPartReducer
+from cotrain.strategies.builds import aggregation_of
 
 # --- CenteredClip on known inputs ------------------------------------------------------------------------
 
@@ -178,8 +178,8 @@ def test_the_reducer_combines_off_the_event_loop_one_part_at_a_time():
 def test_an_auxiliary_sparse_reducer_stays_finite_when_a_sender_claims_a_huge_weight():
     """An auxiliary reducer (the monitor) of sparse rounds keeps what its records leave out for its next
     groups: a weight of 1e39 (inf in float32) once made that residue NaN, and every later group NaN."""
-    from cotrain.swarm.robust import RecordParts
-    from cotrain.swarm.sparse import CHUNK, TopK
+    from cotrain.algorithms.sparse import CHUNK, TopK
+    from cotrain.hivemind_ext.reducers import RecordParts
 
     codec = TopK()
     local = torch.zeros(codec.encoded_size(CHUNK), dtype=torch.uint8)
@@ -210,8 +210,8 @@ def test_an_auxiliary_sparse_reducer_stays_finite_when_a_sender_claims_a_huge_we
 
 
 def test_a_carried_residue_that_overflows_the_average_is_dropped_and_never_encoded():
-    from cotrain.swarm.robust import RecordParts
-    from cotrain.swarm.sparse import CHUNK, TopK
+    from cotrain.algorithms.sparse import CHUNK, TopK
+    from cotrain.hivemind_ext.reducers import RecordParts
 
     codec = TopK()
     local = torch.zeros(codec.encoded_size(CHUNK), dtype=torch.uint8)
@@ -343,7 +343,7 @@ def averagers(
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from cotrain.swarm.robust import RobustAveraging
+    from cotrain.hivemind_ext.reducers import RobustAveraging
 
     class Averager(RobustAveraging, DecentralizedAverager):
         def __init__(self, *args, aggregation, record=None, **kwargs):

@@ -56,7 +56,7 @@ def test_a_file_still_mapped_is_kept_and_a_dead_processs_file_removed(tmp_path):
 DESCRIPTORS = r"""
 import glob, os, resource
 import psutil, torch, torch.multiprocessing as mp
-import cotrain.swarm.dht  # imports hivemind, which asks for files in /dev/shm
+import cotrain.net.dht  # imports hivemind, which asks for files in /dev/shm
 from cotrain.host.shm import share_by_descriptors
 
 def child(shared, q, received):
@@ -102,7 +102,7 @@ def test_a_peers_processes_share_tensors_with_no_manager_and_no_files(users_choi
 
 def test_too_few_open_files_keep_hivemind_files():
     code = (
-        "import resource, torch.multiprocessing as mp, cotrain.swarm.dht\n"
+        "import resource, torch.multiprocessing as mp, cotrain.net.dht\n"
         "from cotrain.host.shm import share_by_descriptors\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))\n"
         "print(share_by_descriptors(), mp.get_sharing_strategy())"

@@ -7,9 +7,9 @@ import urllib.request
 
 import pytest
 
+from cotrain.net.metrics import LocalMetrics
 from cotrain.sinks import JsonlSink, build_sinks
-from cotrain.swarm.records import LocalMetrics
-from cotrain.swarm.state import snapshot
+from cotrain.snapshot import snapshot
 
 ROWS = [
     {

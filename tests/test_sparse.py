@@ -1,4 +1,4 @@
-"""DiLoCo's sparse rounds (--outer-compression topk, cotrain.swarm.sparse): the codec, the reducer that
+"""DiLoCo's sparse rounds (--outer-compression topk, cotrain.algorithms.sparse): the codec, the reducer that
 refuses malformed records and re-encodes the average, the settings, and (slow) a live swarm whose members
 hold bit-identical global parameters after every round they share."""
 
@@ -13,11 +13,8 @@ from hivemind.averaging.partition import AllreduceException
 
 import test_diloco
 from conftest import wait_until
-from cotrain.config.run import RunConfig
-from cotrain.swarm.aggregation import Mean
-from cotrain.swarm.overlap import RoundStart, encode_with_feedback
-from cotrain.swarm.robust import RecordParts, RobustPartReducer
-from cotrain.swarm.sparse import (
+from cotrain.algorithms.aggregation import Mean
+from cotrain.algorithms.sparse import (
     BLOCK,
     CHUNK,
     Raw,
@@ -28,6 +25,9 @@ from cotrain.swarm.sparse import (
     unpack_indices,
     upper_bytes,
 )
+from cotrain.config.run import RunConfig
+from cotrain.hivemind_ext.reducers import RecordParts, RobustPartReducer
+from cotrain.strategies.overlap import RoundStart, encode_with_feedback
 from test_diloco import by_round, joint_rounds
 
 
@@ -227,8 +227,8 @@ def test_a_reducer_refuses_malformed_records_and_returns_the_same_records_of_the
 def test_bad_outer_compression_settings_are_named(values, words):
     problems = RunConfig(**values).problems()
     assert any(words in p for p in problems), problems
+    from cotrain.algorithms.sparse import BITS
     from cotrain.config.run import TOPK_BITS
-    from cotrain.swarm.sparse import BITS
 
     assert TOPK_BITS == BITS  # what the config accepts is what the codec sends
 

@@ -1,4 +1,4 @@
-"""State downloads that a malicious donor cannot poison (cotrain.swarm.statecheck).
+"""State downloads that a malicious donor cannot poison (cotrain.hivemind_ext.statecheck).
 
 Fast: the fingerprint tolerates honest rounding and catches poisoned states; the vote over the published
 records; the order in which donors are asked; the record schema on a live DHT; the poisoned-state fault.
@@ -28,7 +28,7 @@ import torch
 
 from conftest import alive, cotrain_env, read_rows, state_holder, wait_until
 from cotrain.faults import POISONED_PRIORITY_BONUS, PoisonedState
-from cotrain.swarm import statecheck as sc
+from cotrain.hivemind_ext import statecheck as sc
 from peer_task import DIM, INIT_SEED, Task, flat, jsonl
 
 # --- the fingerprint ------------------------------------------------------------------------------------
@@ -242,8 +242,8 @@ def test_a_holder_publishes_signed_fingerprints_that_peers_read():
     """A real state holder on a DHT on 127.0.0.1 publishes its fingerprint; the schema refuses a bad one."""
     import hivemind
 
-    from cotrain.swarm.keys import state_fingerprints_key
-    from cotrain.swarm.records import make_validators
+    from cotrain.keys import state_fingerprints_key
+    from cotrain.net.metrics import make_validators
 
     run_id = "statecheck-records"
     validators, public_key = make_validators(run_id)
@@ -290,7 +290,7 @@ def test_a_newcomer_takes_the_witnessed_step_not_a_lone_peer_far_ahead():
     robustly (``progress_key``) loads step 16; one that does not takes the highest priority, 19."""
     from hivemind.utils import get_dht_time
 
-    from cotrain.swarm.keys import progress_key
+    from cotrain.keys import progress_key
 
     run_id = "statecheck-witnessed"
     dhts, holders = [], []
@@ -337,7 +337,7 @@ def test_a_donor_that_cannot_be_reached_is_asked_last_for_a_while(capfd):
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from cotrain.swarm import donors
+    from cotrain.algorithms import donors
 
     run_id = "statecheck-unreachable"
     dhts, holders = [], []

@@ -1,4 +1,4 @@
-"""The cap on a state download (cotrain.swarm.statelimit): a donor's stream is counted against the most a
+"""The cap on a state download (cotrain.algorithms.statelimit): a donor's stream is counted against the most a
 state of the downloader's model can hold; one that sends more tensors or bytes is refused and the next
 donor asked, while a newcomer whose optimizer has built no statistics yet takes an honest donor's state."""
 
@@ -15,13 +15,13 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
 from conftest import state_holder, wait_until
-from cotrain.swarm import statecheck as sc
-from cotrain.swarm.statelimit import (
+from cotrain.algorithms.statelimit import (
     TENSORS_PER_PARAMETER,
     StateBudget,
     StateTooLarge,
     state_bound,
 )
+from cotrain.hivemind_ext import statecheck as sc
 
 
 def held_state(width: int = 64, optimizer=None) -> tuple[dict, list[torch.Tensor], tuple[int, int]]:

@@ -59,8 +59,8 @@ def test_describe_prints_the_step_progress_and_peers():
 
 
 def test_status_shows_each_evaluation_peers_latest_result_newest_first():
-    from cotrain.swarm.records import EvalMetrics
-    from cotrain.swarm.state import evaluation_rows
+    from cotrain.net.metrics import EvalMetrics
+    from cotrain.snapshot import evaluation_rows
 
     def record(step: float, loss: float, peer: str, **extra) -> EvalMetrics:
         return EvalMetrics(
@@ -94,8 +94,8 @@ def test_status_ages_out_a_trainer_that_left():
     60 s after the last refresh otherwise): it is no peer and adds no throughput."""
     from hivemind.optim.progress_tracker import LocalTrainingProgress
 
-    from cotrain.swarm.records import LocalMetrics
-    from cotrain.swarm.state import snapshot
+    from cotrain.net.metrics import LocalMetrics
+    from cotrain.snapshot import snapshot
 
     now = 1_000.0
 
@@ -133,7 +133,7 @@ def test_status_ages_out_a_trainer_that_left():
 def _diloco_records(now: float):
     from hivemind.optim.progress_tracker import LocalTrainingProgress
 
-    from cotrain.swarm.records import LocalMetrics
+    from cotrain.net.metrics import LocalMetrics
 
     def metrics(peer: str, inner: int, sent: int) -> LocalMetrics:
         return LocalMetrics(
@@ -154,7 +154,7 @@ def _diloco_records(now: float):
 def test_a_diloco_swarm_shows_outer_rounds_inner_steps_and_bytes_per_round():
     """With diloco a global step is an outer round of local_steps x target_batch_size samples: the snapshot's
     progress and ETA count toward it, and the view carries the inner steps and the bytes each peer sent."""
-    from cotrain.swarm.state import snapshot
+    from cotrain.snapshot import snapshot
 
     now = 1_000.0
     records, live = _diloco_records(now)

@@ -1,5 +1,5 @@
 """The address is the trust anchor: a peer given only `--run-id` and `--initial-peers` takes the settings of
-the initial peer it names (asked over libp2p, cotrain.swarm.vouch), not those that most DHT records publish
+the initial peer it names (asked over libp2p, cotrain.net.vouch), not those that most DHT records publish
 (any process can make keys and publish records)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from conftest import FAST, LOCALHOST, Role, monitor_address, monitor_args, trainer_args, wait_until
 from cotrain.config import RunConfig
 from cotrain.engine.join import take_swarm_run
-from cotrain.swarm.configrecord import ConfigPublisher, make_record, read_configs, schema_validators
-from cotrain.swarm.vouch import (
+from cotrain.net.configrecord import ConfigPublisher, make_record, read_configs, schema_validators
+from cotrain.net.vouch import (
     MAX_ANSWER,
     SeenNonces,
     _answer,

@@ -23,10 +23,10 @@ from cotrain.access.voters import (
     verify_voter,
     voters_validators,
 )
+from cotrain.algorithms.fingerprint import fingerprint, verdict
 from cotrain.config import RunConfig
-from cotrain.swarm.configrecord import make_record, swarm_record
-from cotrain.swarm.fingerprint import fingerprint, verdict
-from cotrain.swarm.keys import voters_key
+from cotrain.keys import voters_key
+from cotrain.net.configrecord import make_record, swarm_record
 
 RUN = "voters-test"
 

@@ -1,6 +1,7 @@
 """A third training strategy and a third aggregation, written as a new module of cotrain's would be: each a
-class on cotrain's interfaces (cotrain.engine.strategy.Strategy, cotrain.swarm.aggregation.Aggregation) and
-one registry line. Nothing in the engine, the healer or the NaN guard knows them.
+class on cotrain's interfaces (cotrain.strategies.base.Strategy,
+cotrain.algorithms.aggregation.Aggregation) and one registry line. Nothing in the engine, the healer or the
+NaN guard knows them.
 
 - ``model-averaging``: local SGD. Every peer steps its own optimizer on every micro-batch; every
   ``local_steps`` of its own steps it averages its parameters with the peers it is matched with (one
@@ -20,12 +21,13 @@ from typing import Any
 import torch
 from hivemind.optim.progress_tracker import ProgressTracker
 
-from cotrain.engine.strategy import Strategy, aggregation_of
+from cotrain.algorithms.aggregation import Aggregation
+from cotrain.hivemind_ext.hooks import Averager
+from cotrain.hivemind_ext.hosting import ServedInThread
+from cotrain.hivemind_ext.reducers import RobustAveraging
 from cotrain.registry import register_aggregation, register_strategy
-from cotrain.swarm.aggregation import Aggregation
-from cotrain.swarm.internals.hooks import Averager
-from cotrain.swarm.internals.hosting import ServedInThread
-from cotrain.swarm.robust import RobustAveraging
+from cotrain.strategies.base import Strategy
+from cotrain.strategies.builds import aggregation_of
 
 
 class TrimmedMean(Aggregation):

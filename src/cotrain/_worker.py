@@ -16,7 +16,7 @@ from cotrain.config import Config, load_resolved, write_toml
 from cotrain.errors import UserError
 from cotrain.host.deferred import defer_all
 from cotrain.host.procs import StopSignals, exit_worker, supervisor_pid
-from cotrain.swarm.logs import quiet_while_stopping
+from cotrain.net.logs import quiet_while_stopping
 
 ROLES = ("train", "monitor", "eval")
 
@@ -24,7 +24,7 @@ ROLES = ("train", "monitor", "eval")
 def setup_logging(verbose: bool) -> None:
     from hivemind.utils.logging import use_hivemind_log_handler
 
-    from cotrain.swarm.logs import one_line_errors
+    from cotrain.net.logs import one_line_errors
 
     use_hivemind_log_handler("in_root_logger")
     if not verbose:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from cotrain.config import Config, write_toml
-from cotrain.config.demo import DEMO_LOCAL_STEPS
 from cotrain.errors import UserError
+from cotrain.registry import DEFAULT_STRATEGY, strategy_class
 
 logger = logging.getLogger(__name__)
 
@@ -136,15 +136,14 @@ def _prepare_data(config: Config, data: Path) -> None:
 
 
 def demo_run_settings(config: Config) -> Config:
-    """The config the demo's peers get: with --strategy diloco and no --local-steps given (on the command
-    line or in a --config file), rounds of DEMO_LOCAL_STEPS x target_batch_size samples: a short demo."""
-    run = config.run
-    if run.strategy != "diloco" or "local_steps" in config.run_given:
-        return config
-    return dataclasses.replace(config, run=dataclasses.replace(run, local_steps=DEMO_LOCAL_STEPS))
+    """The config the demo's peers get: the strategy's short demo run where the user set nothing else (diloco
+    with no --local-steps on the command line or in a --config file: rounds of DEMO_LOCAL_STEPS x
+    target_batch_size samples)."""
+    run = strategy_class(config.run.strategy).demo_run(config.run, frozenset(config.run_given))
+    return config if run is config.run else dataclasses.replace(config, run=run)
 
 
-def summarize(rows: list[dict], peers: int, seconds: float, strategy: str = "sync") -> dict:
+def summarize(rows: list[dict], peers: int, seconds: float, strategy: str = DEFAULT_STRATEGY) -> dict:
     """The demo's result from the monitor's per-step metrics: the mean loss of the first and of the last (up
     to) 3 steps, two windows that never overlap (with 3 steps: the first against the last)."""
     steps = [r for r in rows if r.get("loss") is not None]
@@ -181,15 +180,13 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
 
 def _step_line(row: dict, strategy: str) -> str:
     """The demo's line for one of the monitor's rows: a global step, or with diloco an outer round."""
+    kind = strategy_class(strategy)
     line = (
-        f"{'outer round' if strategy == 'diloco' else 'global step'} {row['step']}: loss {row['loss']:.3f}, "
+        f"{kind.step_name} {row['step']}: loss {row['loss']:.3f}, "
         f"{row['alive_peers']} peers, group of {row.get('max_group_size', 1)}, "
         f"{row['samples_per_second']:.1f} samples/s"
     )
-    if strategy == "diloco":
-        sent = row.get("round_bytes", 0) / 1e6
-        line += f", {row.get('inner_steps', 0)} inner steps, {sent:.1f} MB sent per peer in the last round"
-    return line
+    return line + kind.step_words(row, style="demo")
 
 
 class Stopped(Exception):
@@ -235,12 +232,9 @@ def run_demo(config: Config) -> int:
                 raise UserError(f"the monitor did not start; see {root / 'monitor.log'}")
             time.sleep(0.2)
         initial = [a for a in peers_file.read_text().split() if "/127.0.0.1/" in a]
-        if strategy == "diloco":
-            given = "" if "local_steps" in config.run_given else " (the demo's; --local-steps sets it)"
-            _say(
-                f"strategy diloco: --local-steps {config.run.local_steps}{given}, an outer round every "
-                f"{config.run.local_steps * config.run.target_batch_size} samples of the swarm"
-            )
+        words = strategy_class(strategy).demo_words(config.run, frozenset(config.run_given))
+        if words:
+            _say(words)
         _say(f"monitor is up at {initial[0]}; starting {demo.peers} trainers")
         url_file = root / "monitor" / "dashboard_url.txt"
         if url_file.exists():

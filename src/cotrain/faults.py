@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from cotrain.registry import DEFAULT_STRATEGY, strategy_class
+
 logger = logging.getLogger(__name__)
 
 NAN_AT_STEP = "COTRAIN_DEBUG_NAN_AT_STEP"
@@ -155,10 +157,12 @@ class Attack:
         self.stale: list[torch.Tensor] | None = None
 
     @classmethod
-    def from_env(cls, strategy: str = "sync", announce: bool = True) -> Attack:
-        """The attack ATTACK asks for. ``strategy``: the peer's (gradient attacks act on ``.grad`` for sync
-        only); ``announce``: log the one warning line that says this peer attacks."""
-        attack = cls(attack_name(), attack_scale(), on_gradients=strategy == "sync")
+    def from_env(cls, strategy: str = DEFAULT_STRATEGY, announce: bool = True) -> Attack:
+        """The attack ATTACK asks for. ``strategy``: the peer's (its gradient attacks act on ``.grad`` before
+        each step unless the strategy attacks within its own rounds: ``Strategy.attacked_in_rounds``);
+        ``announce``: log the one warning line that says this peer attacks."""
+        in_rounds = strategy_class(strategy).attacked_in_rounds
+        attack = cls(attack_name(), attack_scale(), on_gradients=not in_rounds)
         if attack.name and announce:
             logger.warning(
                 f"Fault injection: this peer attacks the swarm ({ATTACK}={attack.name}, scale "
@@ -252,8 +256,8 @@ def shuffle_labels(batch: dict, permutation: torch.Tensor) -> dict:
 
 async def silent_allreduce(runner_future: Any, timeout: float | None) -> None:
     """ATTACK=silent, in the averager's process at the start of a group's all-reduce (the averagers of
-    cotrain.swarm.robust: the sync strategy's gradients, DiLoCo's pseudo-gradients; state averaging is left
-    alone): the peer joined the group and now sends nothing and reduces nothing. It never hands its
+    cotrain.hivemind_ext.reducers: the sync strategy's gradients, DiLoCo's pseudo-gradients; state averaging
+    is left alone): the peer joined the group and now sends nothing and reduces nothing. It never hands its
     groupmates the all-reduce runner (their parts for it wait unanswered until their timeouts), keeps quiet
     until just before the all-reduce's ``timeout`` (SILENT_WAIT when there is none), then fails the round for
     itself. Returns at once for any other attack."""
@@ -284,7 +288,7 @@ class PoisonedState:
     values of the same norm, the hardest corruption for a check of norms alone. It declares a priority half a
     step above its own step, so a downloader that follows hivemind's order (highest priority first) asks it
     before any honest peer at that step, and it publishes the fingerprint of its honest state, as a liar
-    would (cotrain.swarm.statecheck). Inactive (serves what it holds) for any other ATTACK."""
+    would (cotrain.hivemind_ext.statecheck). Inactive (serves what it holds) for any other ATTACK."""
 
     def __init__(self, active: bool = False) -> None:
         self.active = active

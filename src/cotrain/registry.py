@@ -3,10 +3,10 @@ aggregations (``--aggregation``). The run's config reads its choices here; the e
 name stands for. Each entry is a class or the ``"module:Class"`` path of one (imported on first use, so that
 reading the names imports no torch or hivemind).
 
-A new strategy is a class with the methods of ``cotrain.engine.strategy.Strategy`` in a module of its own,
+A new strategy is a class with the methods of ``cotrain.strategies.base.Strategy`` in a module of its own,
 and one line here (or a call of ``register_strategy`` before the run's config is checked, e.g. in a script
-of one's own); a new aggregation is a subclass of ``cotrain.swarm.aggregation.Aggregation`` and one line (or
-``register_aggregation``). Every peer of a run must know the part its config names.
+of one's own); a new aggregation is a subclass of ``cotrain.algorithms.aggregation.Aggregation`` and one line
+(or ``register_aggregation``). Every peer of a run must know the part its config names.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import importlib
 
 __all__ = [
     "AGGREGATIONS",
+    "DEFAULT_STRATEGY",
     "STRATEGIES",
     "aggregation_class",
     "register_aggregation",
@@ -22,13 +23,14 @@ __all__ = [
     "strategy_class",
 ]
 
+DEFAULT_STRATEGY = "sync"  # the seed recipe's
 STRATEGIES: dict[str, type | str] = {
-    "sync": "cotrain.engine.strategy:SyncStrategy",
-    "diloco": "cotrain.engine.strategy:DiLoCoStrategy",
+    "sync": "cotrain.strategies.sync:SyncStrategy",
+    "diloco": "cotrain.strategies.diloco:DiLoCoStrategy",
 }
 AGGREGATIONS: dict[str, type | str] = {
-    "mean": "cotrain.swarm.aggregation:Mean",
-    "centered-clip": "cotrain.swarm.aggregation:CenteredClip",
+    "mean": "cotrain.algorithms.aggregation:Mean",
+    "centered-clip": "cotrain.algorithms.aggregation:CenteredClip",
 }
 
 

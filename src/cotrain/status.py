@@ -12,7 +12,8 @@ from typing import Any
 
 from cotrain.config import Config, PeerConfig, RunConfig
 from cotrain.errors import UserError
-from cotrain.swarm.state import read_snapshot
+from cotrain.registry import DEFAULT_STRATEGY, strategy_class
+from cotrain.snapshot import read_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ STRATEGY_WAIT = 3.0  # seconds to wait for the swarm's config record when the us
 
 
 def swarm_status(config: Config, attempts: int = 3) -> dict:
-    """The swarm's state as one dict (see cotrain.swarm.state.snapshot)."""
+    """The swarm's state as one dict (see cotrain.snapshot.snapshot)."""
     import dataclasses
 
     from cotrain.engine.join import SwarmConnection, take_swarm_run
@@ -47,14 +48,7 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
             if state["num_peers"]:
                 break
             time.sleep(0.5 * (attempt + 1))
-        if run.strategy == "diloco":  # the compression of the rounds in force (a swarm-wide setting)
-            state["outer_compression"] = run.outer_compression
-            if run.outer_compression == "topk":
-                state.update(
-                    topk_density=run.topk_density,
-                    topk_bits=run.topk_bits,
-                    topk_feedback_decay=run.topk_feedback_decay,
-                )
+        state.update(strategy_class(run.strategy).settings_shown(run))  # e.g. the rounds' compression
         return state
     finally:
         try:
@@ -92,6 +86,14 @@ def _reap_children() -> None:
             pass
 
 
+# the headings of a strategy's per-peer fields (Strategy.peer_fields) in the table of peers
+COLUMNS = {"inner_steps": "inner", "round_bytes": "sent/round"}
+
+
+def _width(name: str) -> int:
+    return 12 if name.endswith("_bytes") else 8
+
+
 def megabytes(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
@@ -100,33 +102,21 @@ def describe(state: dict) -> str:
     """Human-readable lines for a terminal. With diloco, a global step is an outer round: the lines also show
     the inner steps, the samples per round and the bytes sent in the last round."""
     eta = state.get("eta_seconds")
-    strategy = state.get("strategy", "sync")
-    diloco = strategy == "diloco"
+    strategy = state.get("strategy", DEFAULT_STRATEGY)
+    kind = strategy_class(strategy)
     target = state.get("step_samples") or state["target_batch_size"]
     pct = 100 * state["samples_accumulated"] / target if target else 0.0
-    step = f"outer round {state['global_step']}" if diloco else f"global step {state['global_step']}"
-    lines = [f"run {state['run_id']}: {step} (strategy {strategy})"]
-    if diloco:
-        sent, total = megabytes(state.get("round_bytes", 0)), megabytes(state.get("round_bytes_total", 0))
-        lines.append(
-            f"diloco: {state.get('local_steps', 0)} local steps x {state['target_batch_size']} samples per "
-            f"round, {state.get('inner_steps', 0)} inner steps so far, last round sent {sent} per peer "
-            f"({total} in all)"
-        )
-        if state.get("outer_compression") == "topk":
-            lines[-1] += (
-                f"; sparse rounds: the top {state['topk_density']:.2%} of each chunk in "
-                f"{state['topk_bits']} bits, error feedback x {state.get('topk_feedback_decay', 1.0):g}"
-            )
+    lines = [f"run {state['run_id']}: {kind.step_name} {state['global_step']} (strategy {strategy})"]
+    lines += kind.status_lines(state)
     lines += [
         f"peers: {state['num_peers']} ({state['num_clients']} in client mode"
         + (f"; {state['departed_peers']} left recently)" if state.get("departed_peers") else ")"),
-        f"next {'round' if diloco else 'step'}: {state['samples_accumulated']} of {target} samples "
+        f"next {kind.step_name.split()[-1]}: {state['samples_accumulated']} of {target} samples "
         f"({pct:.0f}%), "
         f"{state['samples_per_second']:.1f} samples/s, ETA {'unknown' if eta is None else f'{eta:.0f} s'}",
     ]
     if state["peers"]:
-        extra = f"{'inner':>8}{'sent/round':>12}" if diloco else ""
+        extra = "".join(f"{COLUMNS.get(name, name):>{_width(name)}}" for name in kind.peer_fields)
         head = f"{'peer':<14}{'reach':<8}{'step':>6}{'samples/s':>12}{'contribution':>14}{'last seen':>12}"
         lines.append(head + extra)
         for p in state["peers"]:
@@ -134,8 +124,9 @@ def describe(state: dict) -> str:
                 f"{p['short_id']:<14}{'client' if p.get('client_mode') else 'public':<8}{p['step']:>6}"
                 f"{p.get('samples_per_second', 0.0):>12.1f}{p['contribution']:>14}{p['seconds_ago']:>10.0f} s"
             )
-            if diloco:
-                line += f"{p.get('inner_steps', 0):>8}{megabytes(p.get('round_bytes', 0)):>12}"
+            for name in kind.peer_fields:
+                value = p.get(name, 0)
+                line += f"{megabytes(value) if name.endswith('_bytes') else value:>{_width(name)}}"
             lines.append(line)
     for e in state.get("evaluations", []):  # newest first
         accuracy = "".join(

@@ -3,8 +3,8 @@
 Three layers, all keyed to the swarm's authority:
 
 - DHT requests: hivemind's ``TokenAuthorizerBase`` with cotrain's tokens (``SwarmAuthorizer``,
-  cotrain.access.authorizer): signed, timestamped, never replayed, in both directions.
-- Averaging and state download: ``GuardedP2P`` (cotrain.access.guard) admits averaging, matchmaking and
+  cotrain.hivemind_ext.authorizer): signed, timestamped, never replayed, in both directions.
+- Averaging and state download: ``GuardedP2P`` (cotrain.hivemind_ext.guard) admits averaging, matchmaking and
   download requests only from peer ids that proved a valid token with a signed handshake, and proves its
   own before calling others.
 - Revocation: the monitor holds the authority key (cotrain.access.authority), signs the list of revoked
@@ -86,13 +86,13 @@ __all__ = [
 
 if TYPE_CHECKING:
     from cotrain.access.authority import DEFAULT_AUTHORITY_KEY, Authority, registry_path, verify_revocations
-    from cotrain.access.authorizer import SwarmAuthorizer, start_access_service
     from cotrain.access.commands import Issued, issue_token, list_tokens, revoke_tokens, token_table
     from cotrain.access.control import AccessControl, Credential, RevocationsValidator, access_for
     from cotrain.access.crypto import PrivateKey, PublicKey
-    from cotrain.access.guard import GuardedP2P
-    from cotrain.access.probe import PUBLIC_SWARM, AccessWatcher, probe_refusal, refused_message
     from cotrain.access.tokens import NO_TOKEN, TokenFile, check_token, fingerprints, read_token_file
+    from cotrain.hivemind_ext.authorizer import SwarmAuthorizer, start_access_service
+    from cotrain.hivemind_ext.guard import GuardedP2P
+    from cotrain.net.probe import PUBLIC_SWARM, AccessWatcher, probe_refusal, refused_message
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,7 @@ from cotrain.access.authority import Authority, verify_revocations
 from cotrain.access.crypto import PrivateKey, PublicKey
 from cotrain.access.tokens import REVOKED, TokenFile, check_token, fingerprints, iso, read_token_file
 from cotrain.errors import UserError
-from cotrain.swarm.keys import revocations_key
+from cotrain.keys import revocations_key
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +220,9 @@ class AccessControl:
         return [RevocationsValidator(self.revocations_key, self.authority_public_key)]
 
     def authorizer(self):
-        """hivemind's ``TokenAuthorizerBase`` for this peer's DHT requests (cotrain.access.authorizer)."""
-        from cotrain.access.authorizer import SwarmAuthorizer
+        """hivemind's ``TokenAuthorizerBase`` for this peer's DHT requests
+        (cotrain.hivemind_ext.authorizer)."""
+        from cotrain.hivemind_ext.authorizer import SwarmAuthorizer
 
         return SwarmAuthorizer(self)
 

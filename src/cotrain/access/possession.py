@@ -1,6 +1,6 @@
 """A request's proof that its sender holds its access token's key, for the requests a private swarm answers
-over libp2p outside the DHT (the run's settings, cotrain.swarm.vouch; the reachability probe,
-cotrain.swarm.reachability).
+over libp2p outside the DHT (the run's settings, cotrain.net.vouch; the reachability probe,
+cotrain.net.reachability).
 
 A token alone proves nothing: voter records carry tokens, and so does every DHT request. So such a request
 carries, beside its token, the time, a random nonce and a signature by the token's key over what the request

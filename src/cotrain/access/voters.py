@@ -31,7 +31,7 @@ from pydantic.v1 import BaseModel, conbytes
 
 from cotrain.access.crypto import PublicKey
 from cotrain.access.tokens import MAX_SIGNATURE, token_fingerprint
-from cotrain.swarm.keys import voters_key
+from cotrain.keys import voters_key
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,8 @@ import threading
 import time
 from collections import deque
 
+from cotrain.registry import DEFAULT_STRATEGY, strategy_class
+
 HISTORY = 20_000  # global steps kept for the charts
 PEER_HISTORY = 5_000  # alive-peer samples kept
 EVAL_HISTORY = 5_000  # evaluations kept
@@ -21,7 +23,7 @@ class SwarmView:
         run_id: str,
         join_command: str,
         target_batch_size: int,
-        strategy: str = "sync",
+        strategy: str = DEFAULT_STRATEGY,
         local_steps: int = 1,
     ):
         self._view_lock = threading.Lock()
@@ -29,7 +31,9 @@ class SwarmView:
         self.join_command = join_command
         self.target_batch_size = target_batch_size
         self.strategy = strategy
-        self.local_steps = local_steps if strategy == "diloco" else 1
+        # a global step is local_steps x target_batch_size samples where the strategy's steps are rounds
+        per_step = strategy_class(strategy).samples_per_step(target_batch_size, local_steps)
+        self.local_steps = per_step // target_batch_size if target_batch_size else 1
         self.steps: deque[dict] = deque(maxlen=HISTORY)
         self.alive: deque[tuple[float, int]] = deque(maxlen=PEER_HISTORY)
         self.state: dict = {}

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from cotrain.swarm.served import served_epochs
+from cotrain.net.served import served_epochs
 
 if TYPE_CHECKING:
     from cotrain.engine.peer import SwarmPeer

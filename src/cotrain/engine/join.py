@@ -37,8 +37,8 @@ class SwarmConnection:
         client_mode: bool | None = None,
         stop: threading.Event | None = None,
     ) -> None:
-        from cotrain.swarm.dht import create_dht
-        from cotrain.swarm.records import make_validators
+        from cotrain.net.dht import create_dht
+        from cotrain.net.metrics import make_validators
 
         self.run_id, self.peer, self.role = run_id, peer, role
         self.stop = stop or threading.Event()
@@ -75,7 +75,7 @@ class SwarmConnection:
 
             Voters.of(self.dht)
         if not client_mode:  # newcomers ask it to dial them back
-            from cotrain.swarm.reachability import serve_dial_back
+            from cotrain.net.reachability import serve_dial_back
 
             serve_dial_back(self.dht)
         if self.access is not None and role != "monitor":  # a token holder stops when it is refused
@@ -93,7 +93,7 @@ class SwarmConnection:
         return str(self.dht.peer_id)
 
     def maddrs(self) -> list[str]:
-        from cotrain.swarm.dht import visible_maddrs
+        from cotrain.net.dht import visible_maddrs
 
         return visible_maddrs(self.dht)
 
@@ -108,7 +108,7 @@ class SwarmConnection:
         """The run config most of the swarm's peers publish and how many publish it (None: no record seen
         within ``wait`` seconds)."""
         from cotrain.access.voters import voters_of
-        from cotrain.swarm.configrecord import read_configs, swarm_record
+        from cotrain.net.configrecord import read_configs, swarm_record
 
         deadline = time.monotonic() + wait
         while True:
@@ -126,7 +126,7 @@ class SwarmConnection:
         """Refuse this peer when its run config differs from the swarm's (ConfigMismatch names the fields);
         with ``publish``, keep publishing it, signed, while the peer runs (with the sha256 of the dataset
         manifest it has, for newcomers to check theirs against)."""
-        from cotrain.swarm.configrecord import ConfigPublisher, join_check, make_record
+        from cotrain.net.configrecord import ConfigPublisher, join_check, make_record
 
         mine = make_record(
             dataclasses.asdict(run), self.role, tokenizer_hash, self.peer_id, manifest_sha256=manifest_sha256
@@ -139,8 +139,8 @@ class SwarmConnection:
             self._serve_config()
 
     def _serve_config(self) -> None:
-        """Answer newcomers' config requests with this peer's record (cotrain.swarm.vouch)."""
-        from cotrain.swarm.vouch import serve_config
+        """Answer newcomers' config requests with this peer's record (cotrain.net.vouch)."""
+        from cotrain.net.vouch import serve_config
 
         try:
             serve_config(self.dht, self.run_id, self.publisher.record, self.public_key)
@@ -148,9 +148,9 @@ class SwarmConnection:
             logger.warning(f"Serving this peer's config to newcomers failed: {e!r}")
 
     def initial_peer_record(self) -> tuple[str, Any] | None:
-        """The config record (cotrain.swarm.configrecord.ConfigRecord) of the first initial peer (``/p2p/ID``
+        """The config record (cotrain.net.configrecord.ConfigRecord) of the first initial peer (``/p2p/ID``
         of --initial-peers, in order) that answers, with its peer id; None when none answers. Asked once."""
-        from cotrain.swarm.vouch import ask_initial_peers
+        from cotrain.net.vouch import ask_initial_peers
 
         if not hasattr(self, "_vouched"):
             found = ask_initial_peers(self.dht, self.run_id, self.peer.initial_peers)
@@ -170,7 +170,7 @@ class SwarmConnection:
         those whose record says whether they keep the swarm's checkpoints: raw peer id -> base58."""
         from hivemind.p2p import PeerID
 
-        from cotrain.swarm.configrecord import read_configs
+        from cotrain.net.configrecord import read_configs
 
         out = {}
         for record in read_configs(self.dht, self.run_id).values():
@@ -215,11 +215,11 @@ PROBED = ("trainer", "api", "monitor")  # roles that find out whether others can
 
 
 def _probe(peer: PeerConfig, role: str, access: Any = None) -> Any:
-    """Ask an initial peer to dial this one back (cotrain.swarm.reachability) and say in one line what was
+    """Ask an initial peer to dial this one back (cotrain.net.reachability) and say in one line what was
     found and what this peer does about it. A monitor that cannot be dialed cannot reduce for others: a
     UserError unless --no-reduce."""
-    from cotrain.swarm.dht import parse_maddrs
-    from cotrain.swarm.reachability import ASK_TIMEOUT, dial_back
+    from cotrain.net.dht import parse_maddrs
+    from cotrain.net.reachability import ASK_TIMEOUT, dial_back
 
     # checked as the DHT checks them (a malformed address is one line, before anything starts)
     initial = parse_maddrs(list(peer.initial_peers), "initial peer")
@@ -265,7 +265,7 @@ def _probe(peer: PeerConfig, role: str, access: Any = None) -> Any:
 
 def _why(detail: str) -> str:
     """An answer's detail after a colon, where it says more than that the dial failed."""
-    from cotrain.swarm.reachability import NOT_REACHED
+    from cotrain.net.reachability import NOT_REACHED
 
     return f": {detail}" if detail and detail != NOT_REACHED else ""
 
@@ -281,7 +281,7 @@ def _access(run_id: str, peer: PeerConfig, role: str) -> Any:
 
 def take_swarm_run(connection: SwarmConnection, run: RunConfig) -> RunConfig:
     """The run settings of a peer that named none (said in one line): those of the first initial peer that
-    answers (its address is what the user vouched for, cotrain.swarm.vouch); only when none answers, those
+    answers (its address is what the user vouched for, cotrain.net.vouch); only when none answers, those
     that most of the DHT's signed config records publish (not vouched for: any process can make keys). With
     no record to read either, the peer's own (defaults and preset) stand."""
     vouched = connection.initial_peer_run()

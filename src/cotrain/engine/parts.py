@@ -62,10 +62,10 @@ class CoreSharing(Part):
 
 class Healing(Part):
     """Watches the peer's links to the swarm and, back from a partition, adopts the swarm's state before the
-    next step (cotrain.swarm.healing)."""
+    next step (cotrain.net.healing)."""
 
     def __init__(self, dht: Any, initial_peers: list[str], stop: threading.Event, strategy: Any) -> None:
-        from cotrain.swarm.healing import SwarmHealer
+        from cotrain.net.healing import SwarmHealer
 
         self.healer = SwarmHealer(dht, initial_peers, stop, strategy)
         self.healer.start()
@@ -85,10 +85,10 @@ class Healing(Part):
 
 class NanGuard(Part):
     """A backup of the training state every ``every`` global steps, restored when the parameters turn
-    non-finite (cotrain.swarm.backup)."""
+    non-finite (cotrain.engine.backup)."""
 
     def __init__(self, strategy: Any, every: int) -> None:
-        from cotrain.swarm.backup import BackupGuard
+        from cotrain.engine.backup import BackupGuard
 
         self.guard = BackupGuard(strategy, every)
         self.guard.after_global_step()  # the first backup: the state this peer starts from

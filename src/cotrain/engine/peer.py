@@ -207,7 +207,7 @@ class SwarmPeer:
                 batch_size_per_step,
             )
             if not verbose:  # hivemind's expected network failures (a peer left, no group) as one line each
-                from cotrain.swarm.logs import one_line_errors
+                from cotrain.net.logs import one_line_errors
 
                 one_line_errors()
         if params is None:
@@ -432,7 +432,7 @@ class SwarmPeer:
         ``loss``: mean loss per micro-batch since the last record (default: the mean of the losses given to
         ``step`` since then); ``mini_steps``: how many micro-batches it covers. ``step`` calls this at each
         global step. Returns the report (also in ``last_report``)."""
-        from cotrain.swarm.records import LocalMetrics, publish_metrics, reported_loss
+        from cotrain.net.metrics import LocalMetrics, publish_metrics, reported_loss
 
         if loss is None:
             mini_steps = self._mini_steps if mini_steps is None else mini_steps

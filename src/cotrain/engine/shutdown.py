@@ -73,7 +73,7 @@ def _cancel_rounds_when_set(stop: threading.Event, left: threading.Event, strate
     """When asked to stop, cancel pending averaging rounds so a blocked step returns within a second
     (hivemind then falls back to local gradients) and shutdown proceeds in order; until the peer has left.
     A round's future keeps its state in a torch tensor: a thread still cancelling at interpreter exit would
-    be ended inside a torch call, which aborts the process (cotrain.swarm.internals.hosting)."""
+    be ended inside a torch call, which aborts the process (cotrain.hivemind_ext.hosting)."""
     while not left.wait(0.2):
         if stop.is_set():
             strategy.cancel_rounds()
@@ -83,7 +83,7 @@ def _leave_before_threads_are_joined(finalizer: weakref.finalize) -> None:
     """Have a peer still running at interpreter exit leave at the start of the exit, with its threads.
 
     Python joins the worker threads of every ``concurrent.futures`` thread pool at exit before it runs any
-    ``atexit`` hook or finalizer; hivemind's serving threads (cotrain.swarm.internals.hosting) keep work
+    ``atexit`` hook or finalizer; hivemind's serving threads (cotrain.hivemind_ext.hosting) keep work
     waiting in such a pool until the peer shuts down, so a script that ended without ``shutdown()`` waited
     forever.
     Hooks registered with ``threading._register_atexit`` (the pools' own mechanism) run first, newest
@@ -99,7 +99,7 @@ def _leave(
 ) -> None:
     """Shut the peer's parts down in order (``shutdown_in_order``), then end the thread that cancelled rounds
     meanwhile."""
-    from cotrain.swarm.internals.hosting import join_at_exit
+    from cotrain.hivemind_ext.hosting import join_at_exit
 
     try:
         shutdown_in_order(strategy, connection, cores)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from cotrain import faults
 from cotrain.config import Config
 from cotrain.errors import UserError
-from cotrain.swarm.records import MAX_PERPLEXITY, EvalMetrics, publish_evaluation
+from cotrain.net.metrics import MAX_PERPLEXITY, EvalMetrics, publish_evaluation
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ class Evaluator:
         from cotrain.data import ExampleStream, tokenizer_hash
         from cotrain.engine.join import SwarmConnection, take_swarm_settings
         from cotrain.models import collator_for_run, model_for_tokenizer
+        from cotrain.net.served import served_epochs
         from cotrain.roles.keeper import StateKeeper
-        from cotrain.swarm.served import served_epochs
 
         peer = self.config.peer
         source = peer.dataset_url or peer.dataset_path

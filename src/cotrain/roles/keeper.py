@@ -28,13 +28,13 @@ import hivemind
 import torch
 
 from cotrain import checkpoints as ck
+from cotrain import hivemind_ext as internals
 from cotrain.config import Config
 from cotrain.errors import UserError
+from cotrain.hivemind_ext.hooks import load_local_tensors
 from cotrain.host.layout import LayoutModel
 from cotrain.host.nocompile import keep_dynamo_out
 from cotrain.registry import strategy_class
-from cotrain.swarm import internals
-from cotrain.swarm.internals.hooks import load_local_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class StateKeeper:
             keep_dynamo_out()
         self.model = model
         # the strategy's state: sync's optimizer and schedule, or diloco's global parameters, outer
-        # momentum and inner optimizer (cotrain.engine.strategy)
+        # momentum and inner optimizer (cotrain.strategies.base)
         self.averager = strategy_class(run.strategy).state_holder(dht, run, peer, self.model)
         self.saved_step = -1
         self.global_step = -1

@@ -13,9 +13,10 @@ from cotrain.checkpoints import step_dir
 from cotrain.config import Config, RunConfig, write_atomic
 from cotrain.dashboard.view import SwarmView
 from cotrain.engine.join import SwarmConnection, take_swarm_settings
+from cotrain.net.metrics import EvalMetrics, LocalMetrics, read_evaluations, read_metrics
+from cotrain.registry import DEFAULT_STRATEGY, strategy_class
 from cotrain.sinks import SinkSet, build_sinks
-from cotrain.swarm.records import EvalMetrics, LocalMetrics, read_evaluations, read_metrics
-from cotrain.swarm.state import read_progress, snapshot
+from cotrain.snapshot import read_progress, snapshot
 
 if TYPE_CHECKING:
     from cotrain.hub import HubUploader
@@ -42,7 +43,7 @@ def plausible(records: dict[bytes, Any]) -> dict[bytes, LocalMetrics]:
     return {k: r for k, r in valid.items() if r.step <= steps[-2] + MAX_STEPS_AHEAD}
 
 
-def aggregate(step: int, records: dict[bytes, LocalMetrics], strategy: str = "sync") -> dict:
+def aggregate(step: int, records: dict[bytes, LocalMetrics], strategy: str = DEFAULT_STRATEGY) -> dict:
     """One line of the swarm's metrics for a global step, as the seed recipe computes it (implausible
     records ignored). With diloco the step is an outer round, and the line adds the inner steps (the largest
     any peer reports) and the payload of the peers' last outer all-reduce (the largest one peer sent, and the
@@ -61,10 +62,7 @@ def aggregate(step: int, records: dict[bytes, LocalMetrics], strategy: str = "sy
         "client_peers": sum(r.client_mode for r in values),
         "time": time.time(),
     }
-    if strategy == "diloco":
-        line["inner_steps"] = max((r.inner_steps for r in values), default=0)
-        line["round_bytes"] = max((r.round_bytes for r in values), default=0)
-        line["round_bytes_total"] = sum(r.round_bytes for r in values)
+    line.update(strategy_class(strategy).swarm_fields(values))
     return line
 
 
@@ -74,12 +72,7 @@ def step_log_line(line: dict) -> str:
         f"step {line['step']} | loss {line['loss'] or float('nan'):.5f} | {line['alive_peers']} peers | "
         f"{line['samples']} samples | {line['samples_per_second']:.1f} samples/s"
     )
-    if line.get("strategy") == "diloco":
-        text += (
-            f" | {line['inner_steps']} inner steps | last round sent {line['round_bytes'] / 1e6:.1f} MB per "
-            f"peer, {line['round_bytes_total'] / 1e6:.1f} MB in all"
-        )
-    return text
+    return text + strategy_class(line.get("strategy", DEFAULT_STRATEGY)).step_words(line)
 
 
 def eval_row(record: EvalMetrics) -> dict:
@@ -105,13 +98,7 @@ def join_command(maddrs: list[str], run_id: str, private: bool = False, dataset_
 
 def describe_strategy(run: RunConfig) -> str:
     """The run's strategy in a few words, for log lines."""
-    if run.strategy != "diloco":
-        return f"strategy {run.strategy}"
-    overlap = ", overlapped" if run.outer_overlap else ""
-    return (
-        f"strategy diloco: outer rounds of {run.local_steps} x {run.target_batch_size} samples, outer lr "
-        f"{run.outer_lr:g}, momentum {run.outer_momentum:g}{overlap}"
-    )
+    return strategy_class(run.strategy).words(run)
 
 
 DASHBOARD_TICK = 2.0  # seconds between reads of the swarm while a dashboard is open
@@ -126,7 +113,7 @@ class Monitor:
         self.prometheus = None
         self.dashboard = None
         self.keeper: StateKeeper | None = None
-        self.reducer: Any = None  # the auxiliary reducer (cotrain.swarm.auxiliary.Reducer)
+        self.reducer: Any = None  # the auxiliary reducer (cotrain.hivemind_ext.auxiliary.Reducer)
         self.uploader: HubUploader | None = None
         self.evaluations_seen: dict[bytes, tuple[int, float]] = {}
         self.connection: SwarmConnection | None = None

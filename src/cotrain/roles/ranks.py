@@ -26,6 +26,7 @@ from cotrain.models import (
     model_for_tokenizer,
 )
 from cotrain.optim import optimizer_factory, parameter_groups
+from cotrain.registry import strategy_class
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def node_world(config: Config) -> int:
     if peer.nproc_per_node:
         return peer.nproc_per_node
     devices = resolve_devices(peer.devices)
-    return len(devices) if len(devices) > 1 and config.run.strategy == "diloco" else 1
+    return len(devices) if len(devices) > 1 and strategy_class(config.run.strategy).ranks_over_devices else 1
 
 
 def rank_device(config: Config, world: int, local_rank: int) -> torch.device:

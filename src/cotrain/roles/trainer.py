@@ -27,6 +27,7 @@ from cotrain.models import (
 )
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 from cotrain.progressbar import StepProgress
+from cotrain.registry import strategy_class
 from cotrain.roles.ranks import node_world, start_node, stop_node
 from cotrain.sinks.jsonl import JsonlSink
 
@@ -35,20 +36,7 @@ logger = logging.getLogger(__name__)
 
 def strategy_words(config: Config) -> str:
     """The run's strategy for the trainer's first line: sync, or diloco with its round and outer step."""
-    run, peer = config.run, config.peer
-    if run.strategy != "diloco":
-        return "strategy sync"
-    overlap = ", overlapped" if run.outer_overlap else ""
-    wire = f"{peer.grad_compression} on the wire"
-    if run.outer_compression == "topk":
-        wire = (
-            f"top {run.topk_density:.2%} of each chunk in {run.topk_bits} bits on the wire, error feedback x "
-            f"{run.topk_feedback_decay:g}"
-        )
-    return (
-        f"strategy diloco (an outer round every {run.local_steps} x {run.target_batch_size} samples of the "
-        f"swarm, outer lr {run.outer_lr:g}, momentum {run.outer_momentum:g}{overlap}, {wire})"
-    )
+    return strategy_class(config.run.strategy).words(config.run, config.peer)
 
 
 class Trainer:
@@ -151,7 +139,9 @@ class Trainer:
         max_samples = peer.num_train_epochs * data.num_examples
         seen = 0  # samples of this peer's data consumed, for --num-train-epochs
         # samples the swarm accumulates per global step (diloco: per outer round)
-        bar = StepProgress(run.target_batch_size * (run.local_steps if run.strategy == "diloco" else 1))
+        bar = StepProgress(
+            strategy_class(run.strategy).samples_per_step(run.target_batch_size, run.local_steps)
+        )
         # the loop of examples/custom_loop.py, with the trainer's data and limits
         while not self.stop.is_set():
             if self.node is not None:  # every rank: forward and backward over micro-batches of its own
@@ -334,8 +324,7 @@ class Trainer:
         self.metrics.write(row["step"], row)
         if self.board is not None and report["logged"]:
             keys = ["loss", "samples_per_second", "group_size", "contribution"]
-            if row.get("strategy") == "diloco":  # per outer round: the schedule's position, bytes sent
-                keys += ["inner_steps", "round_bytes"]
+            keys += strategy_class(row["strategy"]).peer_fields  # diloco: the schedule's position, bytes sent
             self.board.write(row["step"], {key: row[key] for key in keys})
 
     def close(self) -> None:
