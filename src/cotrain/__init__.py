@@ -12,12 +12,12 @@ __version__ = "0.1.0"
 __all__ = ["SwarmPeer", "__version__"]
 
 if TYPE_CHECKING:
-    from cotrain.engine.peer import SwarmPeer
+    from cotrain.engine.peer import SwarmPeer  # deferred: `import cotrain` loads no torch
 
 
 def __getattr__(name: str) -> Any:
     if name == "SwarmPeer":
-        from cotrain.engine.peer import SwarmPeer
+        from cotrain.engine.peer import SwarmPeer  # deferred: `import cotrain` loads no torch
 
         return SwarmPeer
     raise AttributeError(f"module 'cotrain' has no attribute {name!r}")

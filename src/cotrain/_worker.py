@@ -22,9 +22,9 @@ ROLES = ("train", "monitor", "eval")
 
 
 def setup_logging(verbose: bool) -> None:
-    from hivemind.utils.logging import use_hivemind_log_handler
+    from hivemind.utils.logging import use_hivemind_log_handler  # deferred: the role this worker runs
 
-    from cotrain.net.logs import one_line_errors
+    from cotrain.net.logs import one_line_errors  # deferred: the role this worker runs
 
     use_hivemind_log_handler("in_root_logger")
     if not verbose:
@@ -37,20 +37,20 @@ def setup_logging(verbose: bool) -> None:
 
 def role_class(command: str) -> type:
     if command == "train":
-        from cotrain.host.ranks import rank_env
+        from cotrain.host.ranks import rank_env  # deferred: the role this worker runs
 
         if (rank_env() or (0,))[0] > 0:  # a rank other than 0 of a peer of several ranks
-            from cotrain.roles.ranks import RankFollower
+            from cotrain.roles.ranks import RankFollower  # deferred: the role this worker runs
 
             return RankFollower
-        from cotrain.roles.trainer import Trainer
+        from cotrain.roles.trainer import Trainer  # deferred: the role this worker runs
 
         return Trainer
     if command == "monitor":
-        from cotrain.roles.monitor import Monitor
+        from cotrain.roles.monitor import Monitor  # deferred: the role this worker runs
 
         return Monitor
-    from cotrain.roles.evaluator import Evaluator
+    from cotrain.roles.evaluator import Evaluator  # deferred: the role this worker runs
 
     return Evaluator
 

@@ -33,6 +33,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from cotrain import faults
+from cotrain.config import RunConfig
 from cotrain.data.errors import DataError
 from cotrain.data.fsutil import (
     check_replaceable,
@@ -45,6 +47,7 @@ from cotrain.data.fsutil import (
 )
 from cotrain.data.manifest import Sha256, first_problem, matching
 from cotrain.errors import UserError
+from cotrain.families import FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +172,6 @@ def _fsync_tree(folder: Path) -> None:
 
 def _fault(point: str, root: Path, tmp: Path) -> None:
     """A crash point of the fault tests (see cotrain.faults: COTRAIN_FAULT=checkpoint-before-rename[:N])."""
-    from cotrain import faults
 
     if faults.crash_point(point, len(list_checkpoints(root))):
         logger.error(f"Fault injection {point!r}: exiting before renaming {tmp}")
@@ -321,7 +323,7 @@ def content_hash(tokenizer: Any) -> str:
 
 
 def checkpoint_tokenizer(path: str | Path, meta: dict) -> Any:
-    from cotrain.data.tokenizer import load_tokenizer
+    from cotrain.data.tokenizer import load_tokenizer  # deferred: transformers, where a model is built
 
     objective = meta.get("config", {}).get("run", {}).get("objective", "sop+mlm")
     return load_tokenizer(Path(path) / TOKENIZER, objective)
@@ -398,8 +400,7 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, t
 
 def build_from_checkpoint(path: str | Path, meta: dict) -> tuple[torch.nn.Module, Any]:
     """The checkpoint's model (weights loaded) and its tokenizer."""
-    from cotrain.config import RunConfig
-    from cotrain.models import model_for_tokenizer
+    from cotrain.models import model_for_tokenizer  # deferred: transformers, where a model is built
 
     tokenizer = checkpoint_tokenizer(path, meta)
     if content_hash(tokenizer) != meta.get("tokenizer_hash"):
@@ -443,7 +444,6 @@ def export(checkpoint: str | Path, out_dir: str | Path, local_path: bool = True)
     DistilBERT and RoBERTa, ``AutoModelForCausalLM`` for GPT-2, Llama and Qwen2). Written beside ``out_dir``,
     then renamed. Its ``cotrain.json`` names the checkpoint by its full path, or with ``local_path`` False (a
     folder that leaves this machine) by its folder name only."""
-    from cotrain.families import FAMILIES
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     # a folder holding anything an export does not write is refused, untouched

@@ -182,7 +182,7 @@ def check_local_paths(command: str, config: cfg.Config) -> None:
 def monitor_config(ns: argparse.Namespace, config: cfg.Config) -> cfg.Config:
     """The monitor's config with the preset its dataset or checkpoint was made for, when the user named none
     (a preset the user named that disagrees with them is refused in one line, before anything starts)."""
-    from cotrain.preflight import monitor_preset
+    from cotrain.preflight import monitor_preset  # deferred: loaded by its subcommand only
 
     found = monitor_preset(config)
     if found is None:
@@ -224,8 +224,8 @@ def cmd_config(config: cfg.Config) -> int:
 def cmd_prepare(config: cfg.Config) -> int:
     import json
 
-    from cotrain.data import DataError, prepare_from_source
-    from cotrain.families import tokenizer_type_for
+    from cotrain.data import DataError, prepare_from_source  # deferred: loaded by its subcommand only
+    from cotrain.families import tokenizer_type_for  # deferred: loaded by its subcommand only
 
     p = config.prepare
     objective = p.objective or config.run.objective
@@ -262,7 +262,7 @@ def cmd_status(config: cfg.Config) -> int:
     import json
     import logging
 
-    from cotrain.status import describe, swarm_status
+    from cotrain.status import describe, swarm_status  # deferred: loaded by its subcommand only
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for name in ("hivemind", "asyncio"):  # a short-lived client: its network chatter is not the answer
@@ -276,7 +276,7 @@ def cmd_export(checkpoint: str, out_dir: str) -> int:
     import json
     import logging
 
-    from cotrain.checkpoints import export
+    from cotrain.checkpoints import export  # deferred: loaded by its subcommand only
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = export(checkpoint, out_dir)
@@ -288,7 +288,7 @@ def cmd_token(ns: argparse.Namespace) -> int:
     import json
     import logging
 
-    from cotrain import access
+    from cotrain import access  # deferred: loaded by its subcommand only
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # a skipped registry entry, say
     key = ns.authority_key
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "token":
             return cmd_token(ns)
         if ns.command in ("train", "monitor", "eval"):
-            from cotrain.host.procs import supervise
+            from cotrain.host.procs import supervise  # deferred: loaded by its subcommand only
 
             if ns.command in ("train", "monitor"):
                 check_local_paths(ns.command, config)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 config = monitor_config(ns, config)
             return supervise(ns.command, config)
         if ns.command == "demo":
-            from cotrain.demo import run_demo
+            from cotrain.demo import run_demo  # deferred: loaded by its subcommand only
 
             return run_demo(config)
     except UserError as e:

@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from cotrain.config import Config, write_toml
+from cotrain.data import DataError, prepare_from_source, read_manifest
 from cotrain.errors import UserError
+from cotrain.families import tokenizer_type_for
+from cotrain.plots import plot_loss
 from cotrain.registry import DEFAULT_STRATEGY, strategy_class
 
 logger = logging.getLogger(__name__)
@@ -103,8 +106,6 @@ def _tokenizer_kind(data: Path) -> str:
 
 
 def _prepare_data(config: Config, data: Path) -> None:
-    from cotrain.data import DataError, prepare_from_source, read_manifest
-    from cotrain.families import tokenizer_type_for
 
     kind = tokenizer_type_for(config.run.model_family, config.run.objective)
     if (data / "manifest.json").exists():
@@ -168,8 +169,6 @@ def summarize(rows: list[dict], peers: int, seconds: float, strategy: str = DEFA
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:
     try:
-        from cotrain.plots import plot_loss
-
         if plot_loss(rows, path, title):
             _say(f"loss curve: {path}")
     except ImportError:

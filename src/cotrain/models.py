@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from cotrain.config import RunConfig
+from cotrain.data import collator_for
 from cotrain.data.collator import IGNORE_INDEX
 from cotrain.errors import UserError
 from cotrain.families import FAMILIES, Family
@@ -195,7 +196,6 @@ def parameter_count(model: torch.nn.Module) -> int:
 def collator_for_run(run: RunConfig, tokenizer: Any, seed: int = 0) -> Callable:
     """The family's collator: SOP+MLM pairs (ALBERT), masked LM (BERT, DistilBERT, RoBERTa; whole-word
     masking with ``run.whole_word_mask``) or causal LM blocks (GPT-2, Llama, Qwen2)."""
-    from cotrain.data import collator_for
 
     return collator_for(
         family_of(run).objective,

@@ -26,9 +26,9 @@ CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 def dataset_preset(source: str) -> tuple[str, str]:
     """The preset a prepared dataset (a folder, or the URL of one) was made for ("" when its manifest does
     not say, or a server cannot be reached now: the monitor then reports that itself) and its objective."""
-    from cotrain.data import DataError, read_manifest
-    from cotrain.data.fetch import fetch_bytes, is_url
-    from cotrain.data.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest
+    from cotrain.data import DataError, read_manifest  # deferred: a dataset's check only
+    from cotrain.data.fetch import fetch_bytes, is_url  # deferred: a dataset's check only
+    from cotrain.data.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest  # deferred
 
     if is_url(source):
         url = source.rstrip("/") + "/" + MANIFEST

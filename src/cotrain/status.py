@@ -6,11 +6,13 @@ children and are shut down, then killed if anything is left, before it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
 
 from cotrain.config import Config, PeerConfig, RunConfig
+from cotrain.engine.join import SwarmConnection, take_swarm_run
 from cotrain.errors import UserError
 from cotrain.registry import DEFAULT_STRATEGY, strategy_class
 from cotrain.snapshot import read_snapshot
@@ -23,9 +25,6 @@ STRATEGY_WAIT = 3.0  # seconds to wait for the swarm's config record when the us
 
 def swarm_status(config: Config, attempts: int = 3) -> dict:
     """The swarm's state as one dict (see cotrain.snapshot.snapshot)."""
-    import dataclasses
-
-    from cotrain.engine.join import SwarmConnection, take_swarm_run
 
     peer = config.peer
     if not peer.initial_peers:
@@ -60,7 +59,6 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
 def _swarm_strategy(connection: Any, run: RunConfig, given: list[str]) -> RunConfig:
     """``run`` with the swarm's strategy and local steps (from its config record) where the user named none:
     a status given a --preset still shows a diloco swarm's rounds."""
-    import dataclasses
 
     found = connection.swarm_run(wait=STRATEGY_WAIT)
     if found is None:

@@ -61,7 +61,7 @@ def model_config_overrides(
     overrides, whose values' types its keys must have."""
     try:
         if path.startswith(("http://", "https://")):
-            from cotrain.data.fetch import fetch_bytes
+            from cotrain.data.fetch import fetch_bytes  # deferred: a model file given by URL only
 
             text = fetch_bytes(path, MAX_MODEL_CONFIG_BYTES).decode()
         else:

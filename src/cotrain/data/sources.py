@@ -47,7 +47,7 @@ def hf_documents(
     skipped. ``name`` may also be a local folder of parquet/json/csv/text files."""
     import datasets
 
-    from cotrain.data.corpus import _is_wikitext_heading
+    from cotrain.data.corpus import _is_wikitext_heading  # deferred: cycle (corpus reads sources)
 
     try:
         rows = datasets.load_dataset(name, config or None, split=split, streaming=True)

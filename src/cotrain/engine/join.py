@@ -17,8 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cotrain.config import PeerConfig, RunConfig
+from hivemind.p2p import PeerID
+
+from cotrain.access.control import access_for
+from cotrain.access.voters import Voters, voters_of
+from cotrain.config import ConfigError, PeerConfig, RunConfig, load_preset, write_toml
 from cotrain.errors import UserError
+from cotrain.net.configrecord import ConfigPublisher, join_check, make_record, read_configs, swarm_record
+from cotrain.net.dht import create_dht, parse_maddrs, visible_maddrs
+from cotrain.net.metrics import make_validators
+from cotrain.net.probe import AccessWatcher
+from cotrain.net.reachability import ASK_TIMEOUT, NOT_REACHED, dial_back, serve_dial_back
+from cotrain.net.vouch import ask_initial_peers, serve_config
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +47,6 @@ class SwarmConnection:
         client_mode: bool | None = None,
         stop: threading.Event | None = None,
     ) -> None:
-        from cotrain.net.dht import create_dht
-        from cotrain.net.metrics import make_validators
 
         self.run_id, self.peer, self.role = run_id, peer, role
         self.stop = stop or threading.Event()
@@ -71,16 +79,10 @@ class SwarmConnection:
             access=self.access,
         )
         if self.access is not None:  # its records count as one participant's votes (cotrain.access.voters)
-            from cotrain.access.voters import Voters
-
             Voters.of(self.dht)
         if not client_mode:  # newcomers ask it to dial them back
-            from cotrain.net.reachability import serve_dial_back
-
             serve_dial_back(self.dht)
         if self.access is not None and role != "monitor":  # a token holder stops when it is refused
-            from cotrain.access import AccessWatcher
-
             self.watcher = AccessWatcher(self.dht, peer.initial_peers, self.stop)
             self.watcher.start()
 
@@ -93,7 +95,6 @@ class SwarmConnection:
         return str(self.dht.peer_id)
 
     def maddrs(self) -> list[str]:
-        from cotrain.net.dht import visible_maddrs
 
         return visible_maddrs(self.dht)
 
@@ -107,8 +108,6 @@ class SwarmConnection:
     def swarm_run(self, wait: float = CONFIG_WAIT) -> tuple[dict, int] | None:
         """The run config most of the swarm's peers publish and how many publish it (None: no record seen
         within ``wait`` seconds)."""
-        from cotrain.access.voters import voters_of
-        from cotrain.net.configrecord import read_configs, swarm_record
 
         deadline = time.monotonic() + wait
         while True:
@@ -126,7 +125,6 @@ class SwarmConnection:
         """Refuse this peer when its run config differs from the swarm's (ConfigMismatch names the fields);
         with ``publish``, keep publishing it, signed, while the peer runs (with the sha256 of the dataset
         manifest it has, for newcomers to check theirs against)."""
-        from cotrain.net.configrecord import ConfigPublisher, join_check, make_record
 
         mine = make_record(
             dataclasses.asdict(run), self.role, tokenizer_hash, self.peer_id, manifest_sha256=manifest_sha256
@@ -140,7 +138,6 @@ class SwarmConnection:
 
     def _serve_config(self) -> None:
         """Answer newcomers' config requests with this peer's record (cotrain.net.vouch)."""
-        from cotrain.net.vouch import serve_config
 
         try:
             serve_config(self.dht, self.run_id, self.publisher.record, self.public_key)
@@ -150,7 +147,6 @@ class SwarmConnection:
     def initial_peer_record(self) -> tuple[str, Any] | None:
         """The config record (cotrain.net.configrecord.ConfigRecord) of the first initial peer (``/p2p/ID``
         of --initial-peers, in order) that answers, with its peer id; None when none answers. Asked once."""
-        from cotrain.net.vouch import ask_initial_peers
 
         if not hasattr(self, "_vouched"):
             found = ask_initial_peers(self.dht, self.run_id, self.peer.initial_peers)
@@ -168,9 +164,6 @@ class SwarmConnection:
     def peers_in_role(self, role: str, keeps_state: bool | None = None) -> dict[bytes, str]:
         """The peers whose config record names ``role`` (e.g. "monitor", "leaving"), with ``keeps_state``
         those whose record says whether they keep the swarm's checkpoints: raw peer id -> base58."""
-        from hivemind.p2p import PeerID
-
-        from cotrain.net.configrecord import read_configs
 
         out = {}
         for record in read_configs(self.dht, self.run_id).values():
@@ -218,8 +211,6 @@ def _probe(peer: PeerConfig, role: str, access: Any = None) -> Any:
     """Ask an initial peer to dial this one back (cotrain.net.reachability) and say in one line what was
     found and what this peer does about it. A monitor that cannot be dialed cannot reduce for others: a
     UserError unless --no-reduce."""
-    from cotrain.net.dht import parse_maddrs
-    from cotrain.net.reachability import ASK_TIMEOUT, dial_back
 
     # checked as the DHT checks them (a malformed address is one line, before anything starts)
     initial = parse_maddrs(list(peer.initial_peers), "initial peer")
@@ -265,14 +256,12 @@ def _probe(peer: PeerConfig, role: str, access: Any = None) -> Any:
 
 def _why(detail: str) -> str:
     """An answer's detail after a colon, where it says more than that the dial failed."""
-    from cotrain.net.reachability import NOT_REACHED
 
     return f": {detail}" if detail and detail != NOT_REACHED else ""
 
 
 def _access(run_id: str, peer: PeerConfig, role: str) -> Any:
     """A private swarm's access control: the monitor holds the authority key, every other peer a token."""
-    from cotrain.access import access_for
 
     if role == "monitor":
         return access_for(run_id, "", peer.authority_key)
@@ -320,7 +309,6 @@ def take_swarm_settings(connection: SwarmConnection, config: Any) -> bool:
     """A peer whose user named no run settings (``config.run_given`` empty) takes the swarm's run config and
     its preset's per-peer values (micro-batch, ...) wherever the user chose none; the result is validated
     (ConfigError) and written to OUTPUT_DIR/config.toml. Returns whether the swarm's settings were taken."""
-    from cotrain.config import ConfigError, write_toml
 
     if config.run_given:
         return False
@@ -339,7 +327,6 @@ def take_swarm_settings(connection: SwarmConnection, config: Any) -> bool:
 def with_preset_peer_values(peer: PeerConfig, old_preset: str, new_preset: str) -> PeerConfig:
     """``peer`` with the per-peer values of ``new_preset`` (its [peer] table: micro-batch, ...) wherever it
     still holds ``old_preset``'s, i.e. wherever the user chose nothing."""
-    from cotrain.config import load_preset
 
     if old_preset == new_preset:
         return peer

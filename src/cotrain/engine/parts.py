@@ -17,6 +17,11 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from cotrain.engine.backup import BackupGuard
+from cotrain.faults import Attack, Faults
+from cotrain.host.cores import CoreShare
+from cotrain.net.healing import SwarmHealer
+
 if TYPE_CHECKING:
     from cotrain.engine.peer import SwarmPeer
 
@@ -49,7 +54,6 @@ class CoreSharing(Part):
     share."""
 
     def __init__(self) -> None:
-        from cotrain.host.cores import CoreShare
 
         self.share = CoreShare().start()
 
@@ -65,7 +69,6 @@ class Healing(Part):
     next step (cotrain.net.healing)."""
 
     def __init__(self, dht: Any, initial_peers: list[str], stop: threading.Event, strategy: Any) -> None:
-        from cotrain.net.healing import SwarmHealer
 
         self.healer = SwarmHealer(dht, initial_peers, stop, strategy)
         self.healer.start()
@@ -88,7 +91,6 @@ class NanGuard(Part):
     non-finite (cotrain.engine.backup)."""
 
     def __init__(self, strategy: Any, every: int) -> None:
-        from cotrain.engine.backup import BackupGuard
 
         self.guard = BackupGuard(strategy, every)
         self.guard.after_global_step()  # the first backup: the state this peer starts from
@@ -111,7 +113,6 @@ class FaultInjection(Part):
     @classmethod
     def from_env(cls, strategy: str) -> FaultInjection | None:
         """The part when the environment asks for a fault, else None."""
-        from cotrain.faults import Attack, Faults
 
         faults, attack = Faults(), Attack.from_env(strategy)
         if faults.active or attack.name:

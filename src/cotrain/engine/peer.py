@@ -26,6 +26,7 @@ hivemind requires the peer to be created in the main thread of its process, and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -36,13 +37,19 @@ from typing import Any
 
 import torch
 
+from cotrain import checkpoints as ck
 from cotrain.config import PeerConfig, RunConfig
 from cotrain.config.averaging import GRAD_COMPRESSIONS
 from cotrain.config.run import TOPK_OUTER_STEP
 from cotrain.engine.compute import flat_tensors, gradient_norm
-from cotrain.engine.parts import Part
+from cotrain.engine.handover import catch_up, leave_final_state
+from cotrain.engine.join import SwarmConnection
+from cotrain.engine.parts import CoreSharing, FaultInjection, Healing, NanGuard, Part
 from cotrain.engine.shutdown import leave_in_order, shutdown_in_order
 from cotrain.errors import UserError
+from cotrain.net.logs import one_line_errors
+from cotrain.net.metrics import LocalMetrics, publish_metrics, reported_loss
+from cotrain.registry import DEFAULT_STRATEGY, strategy_class
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +135,7 @@ class SwarmPeer:
         use_ipfs: bool = False,
         verbose: bool = False,
         max_grad_norm: float = 0.0,
-        strategy: str = "sync",
+        strategy: str = DEFAULT_STRATEGY,
         local_steps: int = 50,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -207,8 +214,6 @@ class SwarmPeer:
                 batch_size_per_step,
             )
             if not verbose:  # hivemind's expected network failures (a peer left, no group) as one line each
-                from cotrain.net.logs import one_line_errors
-
                 one_line_errors()
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -239,9 +244,6 @@ class SwarmPeer:
         connection: Any,
         stop: threading.Event | None,
     ) -> None:
-        from cotrain.engine.join import SwarmConnection
-        from cotrain.engine.parts import CoreSharing, FaultInjection
-        from cotrain.registry import strategy_class
 
         self.model, self.run, self.peer_config = model, run, peer
         self.max_grad_norm, self.grad_scaler = 0.0, None
@@ -332,14 +334,12 @@ class SwarmPeer:
 
     def catch_up(self) -> None:
         """Load the swarm's state when others are already further along (bounded, with a message)."""
-        from cotrain.engine.handover import catch_up
 
         catch_up(self)
 
     def start(self) -> None:
         """Start healing (re-joining after a partition) and, with ``backup_every_steps``, the NaN guard's
         first backup."""
-        from cotrain.engine.parts import FaultInjection, Healing, NanGuard
 
         self.healing = Healing(self.dht, self.peer_config.initial_peers, self._stop, self.strategy)
         # healing first (a peer back from a partition adopts the swarm's state before anything else), then the
@@ -432,7 +432,6 @@ class SwarmPeer:
         ``loss``: mean loss per micro-batch since the last record (default: the mean of the losses given to
         ``step`` since then); ``mini_steps``: how many micro-batches it covers. ``step`` calls this at each
         global step. Returns the report (also in ``last_report``)."""
-        from cotrain.net.metrics import LocalMetrics, publish_metrics, reported_loss
 
         if loss is None:
             mini_steps = self._mini_steps if mini_steps is None else mini_steps
@@ -508,7 +507,6 @@ class SwarmPeer:
         """Done training (--max-steps, an epoch limit): before leaving, make sure a monitor that keeps the
         swarm's checkpoints has this peer's final state (cotrain.engine.handover). Waits up to ``timeout``
         seconds (default: load_state_timeout + 30); returns whether a monitor has it."""
-        from cotrain.engine.handover import leave_final_state
 
         return leave_final_state(self, timeout)
 
@@ -516,7 +514,6 @@ class SwarmPeer:
 
     def load_checkpoint(self, path: str | Path, meta: dict) -> None:
         """Continue from a checkpoint (cotrain.checkpoints) of this run: model, optimizer, schedule, step."""
-        from cotrain import checkpoints as ck
 
         with self.strategy.training_state() as (optimizer, scheduler, params):
             ck.load_into(
@@ -528,7 +525,6 @@ class SwarmPeer:
     def save_checkpoint(self, root: str | Path, config: dict, tokenizer: Any, keep: int, source: str) -> Path:
         """Save the swarm's state as this peer holds it (the averaged or global parameters, the optimizer and
         schedule, diloco's inner optimizer) as a checkpoint."""
-        from cotrain import checkpoints as ck
 
         with self.strategy.checkpoint_state() as parts:
             return ck.save_checkpoint(
@@ -567,7 +563,6 @@ class SwarmPeer:
 
 def _configs_of(run_settings: dict, peer_settings: dict, batch_size_per_step: int | None) -> tuple:
     """The (RunConfig, PeerConfig) of a peer built from arguments, every problem in one error."""
-    import dataclasses
 
     run = RunConfig(**run_settings)
     problems = [p for p in run.problems() if p.split()[0] in RUN_SETTINGS]

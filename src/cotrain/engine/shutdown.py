@@ -10,6 +10,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from cotrain.hivemind_ext.hosting import join_at_exit
+
 logger = logging.getLogger(__name__)
 
 
@@ -99,7 +101,6 @@ def _leave(
 ) -> None:
     """Shut the peer's parts down in order (``shutdown_in_order``), then end the thread that cancelled rounds
     meanwhile."""
-    from cotrain.hivemind_ext.hosting import join_at_exit
 
     try:
         shutdown_in_order(strategy, connection, cores)

@@ -138,7 +138,7 @@ def run_state_layout(
 def find_run_tokenizer(config: Config, checkpoints: Path) -> Any | None:
     """The run's tokenizer: --tokenizer-path, the dataset's (--dataset-path or --dataset-url), or with
     --resume the newest good checkpoint's under ``checkpoints``; None if there is none."""
-    from cotrain.data import load_tokenizer, read_manifest
+    from cotrain.data import load_tokenizer, read_manifest  # deferred: transformers, for a layout check only
 
     run, peer = config.run, config.peer
     if peer.tokenizer_path:
@@ -147,13 +147,13 @@ def find_run_tokenizer(config: Config, checkpoints: Path) -> Any | None:
         read_manifest(peer.dataset_path)  # a clear error when it is not a prepared dataset
         return load_tokenizer(Path(peer.dataset_path) / "tokenizer", run.objective)
     if peer.dataset_url:
-        from cotrain.data import ExampleStream
+        from cotrain.data import ExampleStream  # deferred: transformers, for a layout check only
 
         stream = ExampleStream(peer.dataset_url, cache_dir=peer.cache_dir or None, prefetch=-1)
         stream.close()  # only its manifest and tokenizer were needed
         return stream.tokenizer
     if peer.resume:
-        from cotrain import checkpoints as ck
+        from cotrain import checkpoints as ck  # deferred: transformers, for a layout check only
 
         found = ck.latest_good(checkpoints)
         if found is not None:
@@ -163,8 +163,8 @@ def find_run_tokenizer(config: Config, checkpoints: Path) -> Any | None:
 
 def _state_layout(request: dict) -> dict | None:
     """The child's side of run_state_layout."""
-    from cotrain.config import config_from_dict
-    from cotrain.data.tokenizer import save_tokenizer, tokenizer_hash
+    from cotrain.config import config_from_dict  # deferred: transformers, for a layout check only
+    from cotrain.data.tokenizer import save_tokenizer, tokenizer_hash  # deferred
 
     config = config_from_dict(request["config"])
     tokenizer = find_run_tokenizer(config, Path(request["checkpoints"]))
@@ -183,7 +183,7 @@ def _state_layout(request: dict) -> dict | None:
 
 def _built_layout(run: RunConfig, **ids: Any) -> list[dict]:
     """Build the run's model (vocabulary size and special ids in ``ids``) and describe it."""
-    from cotrain.models import build_model
+    from cotrain.models import build_model  # deferred: transformers, for a layout check only
 
     try:
         if run.init_from:  # from_pretrained reads the folder's weights: on the CPU

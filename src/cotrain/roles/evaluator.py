@@ -20,10 +20,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cotrain import faults
+from cotrain import checkpoints as ck
+from cotrain import faults, models
 from cotrain.config import Config
+from cotrain.data import ExampleStream, tokenizer_hash
+from cotrain.engine.join import SwarmConnection, take_swarm_settings
 from cotrain.errors import UserError
+from cotrain.models import collator_for_run, model_for_tokenizer
 from cotrain.net.metrics import MAX_PERPLEXITY, EvalMetrics, publish_evaluation
+from cotrain.net.served import served_epochs
+from cotrain.roles.keeper import StateKeeper, inner_parts
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,6 @@ def fixed_batches(data, collator, num_batches: int, batch_size: int) -> list[dic
 
 def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The columns of ``batch`` that a cotrain model family takes; any other model gets the whole batch."""
-    from cotrain import models
 
     try:
         return models.model_inputs(model, batch)
@@ -103,11 +108,6 @@ class Evaluator:
         self.last_step = -1
 
     def run(self) -> int:
-        from cotrain.data import ExampleStream, tokenizer_hash
-        from cotrain.engine.join import SwarmConnection, take_swarm_settings
-        from cotrain.models import collator_for_run, model_for_tokenizer
-        from cotrain.net.served import served_epochs
-        from cotrain.roles.keeper import StateKeeper
 
         peer = self.config.peer
         source = peer.dataset_url or peer.dataset_path
@@ -209,8 +209,6 @@ class Evaluator:
         )
 
     def _save(self, step: int, tokenizer) -> None:
-        from cotrain import checkpoints as ck
-        from cotrain.roles.keeper import inner_parts
 
         averager = self.keeper.averager
         ck.save_checkpoint(

@@ -11,11 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 from cotrain.checkpoints import step_dir
 from cotrain.config import Config, RunConfig, write_atomic
+from cotrain.dashboard.server import DashboardServer
 from cotrain.dashboard.view import SwarmView
+from cotrain.data import DataError, manifest_sha256
 from cotrain.engine.join import SwarmConnection, take_swarm_settings
+from cotrain.host.layout import run_state_layout
+from cotrain.hub import HubUploader
 from cotrain.net.metrics import EvalMetrics, LocalMetrics, read_evaluations, read_metrics
 from cotrain.registry import DEFAULT_STRATEGY, strategy_class
+from cotrain.roles.keeper import StateKeeper
 from cotrain.sinks import SinkSet, build_sinks
+from cotrain.sinks.prometheus import PrometheusSink
 from cotrain.snapshot import read_progress, snapshot
 
 if TYPE_CHECKING:
@@ -122,7 +128,6 @@ class Monitor:
         """The sha256 of the dataset manifest this monitor was given (--dataset-path or --dataset-url), which
         its config record carries for trainers to check the manifest they download against; "" without one
         (or when it cannot be read now: the monitor needs no dataset to run)."""
-        from cotrain.data import DataError, manifest_sha256
 
         source = self.config.peer.dataset_url or self.config.peer.dataset_path
         if not source:
@@ -221,7 +226,6 @@ class Monitor:
         peer = self.config.peer
         if not self._checkpointing() and not peer.reduce:
             return None
-        from cotrain.host.layout import run_state_layout
 
         root = out / "checkpoints"
         sources = peer.tokenizer_path or peer.dataset_path or peer.dataset_url or peer.resume
@@ -246,7 +250,6 @@ class Monitor:
             return
         if found is None:
             return
-        from cotrain.registry import strategy_class
 
         # a model of its own: the keeper's holds the swarm's state, which the reducer's copies must not touch
         self.reducer = strategy_class(run.strategy).reducer(
@@ -273,7 +276,6 @@ class Monitor:
             return
         if found is None:
             return
-        from cotrain.roles.keeper import StateKeeper
 
         tokenizer, layout = found
         self.keeper = StateKeeper(self.dht, self.config, tokenizer, root, self.stop, model=layout)
@@ -284,8 +286,6 @@ class Monitor:
             self.connection.announce_keeping_state()  # trainers at their end leave their final state here
             logger.info(f"Checkpoints every {peer.save_every} global steps into {root}")
         if peer.push_to_hub:
-            from cotrain.hub import HubUploader
-
             work_dir = Path(peer.repo_path) if peer.repo_path else out / "hub"
             self.uploader = HubUploader(
                 root, peer.push_to_hub, peer.upload_every, work_dir, self.stop, public=peer.hub_public
@@ -305,9 +305,6 @@ class Monitor:
         if peer.dashboard_port < 0:
             return
         try:
-            from cotrain.dashboard.server import DashboardServer
-            from cotrain.sinks.prometheus import PrometheusSink
-
             self.prometheus = PrometheusSink(self.config.run.run_id)
             self.sinks.sinks.append(self.prometheus)
             self.dashboard = DashboardServer(

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from cotrain.config import Config
 from cotrain.config.resolve import node_problems
+from cotrain.data import ExampleStream
 from cotrain.engine import batches
 from cotrain.engine.node import Node, NodeError, check_shardable
 from cotrain.errors import UserError
@@ -133,7 +134,6 @@ class RankFollower:
         if peer.torch_threads:
             torch.set_num_threads(peer.torch_threads)
         device = rank_device(config, world, local_rank)
-        from cotrain.data import ExampleStream
 
         seed = peer.seed + SEED_STRIDE * rank
         data = ExampleStream(

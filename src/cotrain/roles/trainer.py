@@ -15,6 +15,7 @@ from pathlib import Path
 from cotrain import checkpoints as ck
 from cotrain import faults
 from cotrain.config import AUTO, Config, load_preset
+from cotrain.data import ExampleStream, load_prepared, load_tokenizer, tokenizer_hash
 from cotrain.engine import SwarmConnection, SwarmPeer, accumulate_gradients, batches, take_swarm_settings
 from cotrain.errors import UserError
 from cotrain.host.hardware import Precision, auto_micro_batch, gpu_probe, pad_batch, parallel, resolve_devices
@@ -30,6 +31,7 @@ from cotrain.progressbar import StepProgress
 from cotrain.registry import strategy_class
 from cotrain.roles.ranks import node_world, start_node, stop_node
 from cotrain.sinks.jsonl import JsonlSink
+from cotrain.sinks.tensorboard import TensorBoardSink
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,6 @@ class Trainer:
         tokenizer = self._checked_tokenizer(data)
         devices = resolve_devices(peer.devices)
         precision = Precision(devices[0], fp16=peer.fp16, bf16=peer.bf16)
-        from cotrain.data import tokenizer_hash
 
         # before joining averaging: a peer whose swarm-wide settings differ from the swarm's is refused
         self.connection.agree(run, tokenizer_hash(tokenizer), manifest_sha256=data.manifest_sha256)
@@ -182,7 +183,6 @@ class Trainer:
 
     def _open_dataset(self):
         """This peer's training examples, checked against the run's objective and sequence length."""
-        from cotrain.data import ExampleStream
 
         run, peer = self.config.run, self.config.peer
         source = peer.dataset_url or peer.dataset_path
@@ -217,7 +217,6 @@ class Trainer:
         peer, run = self.config.peer, self.config.run
         if not peer.tokenizer_path:
             return data.tokenizer
-        from cotrain.data import load_tokenizer, tokenizer_hash
 
         tokenizer = load_tokenizer(peer.tokenizer_path, run.objective)
         if tokenizer_hash(tokenizer) != data.manifest.get("tokenizer_hash"):
@@ -236,7 +235,6 @@ class Trainer:
         if peer.dataset_url:
             logger.info("--dataloader-num-workers applies to a local --dataset-path; streaming from the URL")
             return data
-        from cotrain.data import load_prepared
 
         logger.info(f"Loading micro-batches with {peer.dataloader_num_workers} DataLoader worker processes")
         return load_prepared(peer.dataset_path).train
@@ -271,8 +269,6 @@ class Trainer:
         if not peer.logging_dir:
             return None
         try:
-            from cotrain.sinks.tensorboard import TensorBoardSink
-
             return TensorBoardSink(peer.logging_dir)
         except ImportError as e:
             logger.warning(f"--logging-dir needs TensorBoard ({e}): pip install 'cotrain[tensorboard]'")
@@ -291,7 +287,6 @@ class Trainer:
             if found is None:
                 return
             path, meta = found
-        from cotrain.data import tokenizer_hash
 
         if meta.get("tokenizer_hash") != tokenizer_hash(tokenizer):
             raise UserError(f"checkpoint {path} was made with another tokenizer than this dataset's")

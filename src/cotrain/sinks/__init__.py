@@ -51,7 +51,7 @@ def build_sinks(out_dir: Path, run_id: str, tensorboard_dir: str = "", wandb_pro
     sinks: list[Sink] = [JsonlSink(out_dir / "metrics.jsonl")]
     if tensorboard_dir:
         try:
-            from cotrain.sinks.tensorboard import TensorBoardSink
+            from cotrain.sinks.tensorboard import TensorBoardSink  # deferred: an optional dependency
 
             sinks.append(TensorBoardSink(tensorboard_dir))
             logger.info(f"Writing TensorBoard event files to {tensorboard_dir}")
@@ -59,7 +59,7 @@ def build_sinks(out_dir: Path, run_id: str, tensorboard_dir: str = "", wandb_pro
             logger.warning(f"--tensorboard-dir needs TensorBoard ({e}): pip install 'cotrain[tensorboard]'")
     if wandb_project:
         try:
-            from cotrain.sinks.wandb import WandbSink
+            from cotrain.sinks.wandb import WandbSink  # deferred: an optional dependency
 
             sinks.append(WandbSink(wandb_project, run_id, out_dir))
         except ImportError as e:
