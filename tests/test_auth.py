@@ -163,7 +163,8 @@ def test_revocation_lists_must_be_signed_by_the_authority_for_their_expiration(t
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from cotrain.access import AccessControl, RevocationsValidator
+    from cotrain.access import AccessControl
+    from cotrain.hivemind_ext.validators import RevocationsValidator
 
     issue(tmp_path, "alice")
     path = issue(tmp_path, "bob")
@@ -195,7 +196,8 @@ def test_dht_requests_are_signed_and_replays_refused(tmp_path):
     """hivemind's token protocol with cotrain's tokens: valid, replayed, altered, foreign and revoked."""
     from hivemind.proto import dht_pb2
 
-    from cotrain.access import AccessControl, SwarmAuthorizer
+    from cotrain.access import AccessControl
+    from cotrain.hivemind_ext.authorizer import SwarmAuthorizer
 
     alice = AccessControl.for_token(RUN, str(issue(tmp_path, "alice")))
     carol = AccessControl.for_token(RUN, str(issue(tmp_path, "carol")))
@@ -611,8 +613,8 @@ def test_only_a_refusal_the_peer_can_verify_stops_it(tmp_path):
 
 
 def test_the_access_package_stays_below_config_models_and_data():
-    """`cotrain token` runs without hivemind; the access package imports no config, models, checkpoints or
-    data (each checked in a fresh interpreter)."""
+    """`cotrain token` runs without hivemind; the access package imports no config, models, checkpoints,
+    data, net or hivemind_ext (each checked in a fresh interpreter: every module of the package imported)."""
     import subprocess
     import sys
 
@@ -625,9 +627,10 @@ def test_the_access_package_stays_below_config_models_and_data():
     out = subprocess.run([sys.executable, "-c", token], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]", out
     layers = (
-        "import sys, cotrain.access as a; [getattr(a, n) for n in a.__all__]; "
+        "import sys, pkgutil, importlib, cotrain.access as a; [getattr(a, n) for n in a.__all__]; "
+        "[importlib.import_module(f'cotrain.access.{m.name}') for m in pkgutil.iter_modules(a.__path__)]; "
         "print(sorted(m for m in sys.modules if m.split('.')[:2] in [['cotrain', n] for n in "
-        "('config', 'models', 'checkpoints', 'data', 'roles', 'engine', 'api')]))"
+        "('config', 'models', 'checkpoints', 'data', 'roles', 'engine', 'api', 'net', 'hivemind_ext')]))"
     )
     out = subprocess.run([sys.executable, "-c", layers], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]", out
@@ -766,9 +769,11 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
     from hivemind.proto import averaging_pb2, dht_pb2
     from hivemind.utils.multiaddr import Multiaddr
 
-    from cotrain.access import AccessControl, GuardedP2P, SwarmAuthorizer
+    from cotrain.access import AccessControl
     from cotrain.access.tokens import MALFORMED
     from cotrain.access.wire import CHECK_HANDLE, HANDSHAKE, messages
+    from cotrain.hivemind_ext.authorizer import SwarmAuthorizer
+    from cotrain.hivemind_ext.guard import GuardedP2P
     from cotrain.hivemind_ext.guard import handshake_payload as payload
     from cotrain.keys import state_averager_prefix
 

@@ -10,8 +10,8 @@ import pytest
 from hivemind.utils.mpfuture import MPFuture
 
 from cotrain.hivemind_ext import requestpipe
+from cotrain.hivemind_ext.dht import _TolerantRequests
 from cotrain.hivemind_ext.requestpipe import RequestReceiver, RequestSender
-from cotrain.net.dht import _TolerantRequests
 
 CTX = mp.get_context("fork")
 
@@ -254,7 +254,7 @@ def test_an_averager_declares_its_state_again_when_its_priority_changes_not_per_
 def test_the_dht_process_checks_each_record_once_and_again_after_a_validator_is_added():
     from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 
-    from cotrain.net.dht import RememberedVerdicts
+    from cotrain.hivemind_ext.dht import RememberedVerdicts
 
     checked = []
 

@@ -94,11 +94,11 @@ def test_every_round_of_the_trainers_averagers_passes_the_watch():
     from hivemind.averaging import DecentralizedAverager
     from hivemind.optim.grad_averager import GradientAverager
 
-    from cotrain.algorithms.lineage import OuterAverager
     from cotrain.hivemind_ext.averaging import SwarmGradientAverager
     from cotrain.hivemind_ext.hooks import Averager
     from cotrain.hivemind_ext.liveness import WatchedRounds
     from cotrain.hivemind_ext.manifest import source_of
+    from cotrain.hivemind_ext.outer import OuterAverager
     from cotrain.hivemind_ext.statecheck import CheckedTrainingStateAverager
 
     for cls in (SwarmGradientAverager, CheckedTrainingStateAverager, OuterAverager):

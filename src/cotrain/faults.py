@@ -263,7 +263,7 @@ async def silent_allreduce(runner_future: Any, timeout: float | None) -> None:
     itself. Returns at once for any other attack."""
     if attack_name() != "silent":
         return
-    from hivemind.averaging.partition import AllreduceException
+    from cotrain.hivemind_ext.unexported import AllreduceException
 
     try:
         await asyncio.sleep(max(0.0, timeout - 1.0) if timeout else SILENT_WAIT)

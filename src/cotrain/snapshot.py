@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Any
 
-from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
 
+from cotrain.hivemind_ext.unexported import LocalTrainingProgress
 from cotrain.keys import progress_key
 from cotrain.net.metrics import EvalMetrics, LocalMetrics, read_evaluations, read_metrics, read_records
 from cotrain.registry import DEFAULT_STRATEGY, strategy_class

@@ -2,19 +2,21 @@
 
 Three layers, all keyed to the swarm's authority:
 
-- DHT requests: hivemind's ``TokenAuthorizerBase`` with cotrain's tokens (``SwarmAuthorizer``,
-  cotrain.hivemind_ext.authorizer): signed, timestamped, never replayed, in both directions.
-- Averaging and state download: ``GuardedP2P`` (cotrain.hivemind_ext.guard) admits averaging, matchmaking and
-  download requests only from peer ids that proved a valid token with a signed handshake, and proves its
-  own before calling others.
+- DHT requests: hivemind's ``TokenAuthorizerBase`` with cotrain's tokens (cotrain.hivemind_ext.authorizer):
+  signed, timestamped, never replayed, in both directions.
+- Averaging and state download: cotrain.hivemind_ext.guard admits averaging, matchmaking and download
+  requests only from peer ids that proved a valid token with a signed handshake, and proves its own before
+  calling others.
 - Revocation: the monitor holds the authority key (cotrain.access.authority), signs the list of revoked
   tokens and keeps it in the DHT; every process re-reads it every few seconds, and a DHT validator
-  (``RevocationsValidator``) refuses lists the authority did not sign.
+  (cotrain.hivemind_ext.validators) refuses lists the authority did not sign.
 
 Modules: crypto (RSA keys as hivemind signs), tokens (what a token says, its checks, the token file),
 authority (the operator's key, registry and revocation list), commands (`cotrain token` as plain functions),
-control (one peer's view: ``AccessControl``), wire (the protocol's messages), authorizer (the DHT process's
-side), guard (the averagers' side), probe (why a peer was refused; the watcher of a running peer).
+control (one peer's view: ``AccessControl``), voters (one vote per participant: records tied to a token),
+possession (proofs that a peer holds its token's key), wire (the protocol's messages). This package decides;
+the network sides live above it (cotrain.hivemind_ext's authorizer and guard, cotrain.net.probe: why a peer
+was refused, the watcher of a running peer) and nothing here imports them.
 
 The names below are imported on first use: `cotrain token` needs no hivemind, the peers' modules do.
 """
@@ -43,43 +45,27 @@ _WHERE = {
     "token_table": "commands",
     "AccessControl": "control",
     "Credential": "control",
-    "RevocationsValidator": "control",
     "access_for": "control",
-    "SwarmAuthorizer": "authorizer",
-    "start_access_service": "authorizer",
-    "GuardedP2P": "guard",
-    "PUBLIC_SWARM": "probe",
-    "AccessWatcher": "probe",
-    "probe_refusal": "probe",
-    "refused_message": "probe",
 }
 
 __all__ = [
     "AccessControl",
-    "AccessWatcher",
     "Authority",
     "Credential",
     "DEFAULT_AUTHORITY_KEY",
-    "GuardedP2P",
     "Issued",
     "NO_TOKEN",
-    "PUBLIC_SWARM",
     "PrivateKey",
     "PublicKey",
-    "RevocationsValidator",
-    "SwarmAuthorizer",
     "TokenFile",
     "access_for",
     "check_token",
     "fingerprints",
     "issue_token",
     "list_tokens",
-    "probe_refusal",
     "read_token_file",
-    "refused_message",
     "registry_path",
     "revoke_tokens",
-    "start_access_service",
     "token_table",
     "verify_revocations",
 ]
@@ -87,12 +73,9 @@ __all__ = [
 if TYPE_CHECKING:
     from cotrain.access.authority import DEFAULT_AUTHORITY_KEY, Authority, registry_path, verify_revocations
     from cotrain.access.commands import Issued, issue_token, list_tokens, revoke_tokens, token_table
-    from cotrain.access.control import AccessControl, Credential, RevocationsValidator, access_for
+    from cotrain.access.control import AccessControl, Credential, access_for
     from cotrain.access.crypto import PrivateKey, PublicKey
     from cotrain.access.tokens import NO_TOKEN, TokenFile, check_token, fingerprints, read_token_file
-    from cotrain.hivemind_ext.authorizer import SwarmAuthorizer, start_access_service
-    from cotrain.hivemind_ext.guard import GuardedP2P
-    from cotrain.net.probe import PUBLIC_SWARM, AccessWatcher, probe_refusal, refused_message
 
 
 def __getattr__(name: str) -> Any:

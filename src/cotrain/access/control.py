@@ -2,7 +2,7 @@
 revoked tokens, and whether another peer's token grants access.
 
 A copy of ``AccessControl`` lives in each of a peer's processes (the DHT's, the averagers'); the revocation
-list it keeps in the DHT is guarded by ``RevocationsValidator``.
+list it keeps in the DHT is guarded by cotrain.hivemind_ext.validators.RevocationsValidator.
 """
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto.auth_pb2 import AccessToken
-from hivemind.utils.serializer import MSGPackSerializer
 
 from cotrain.access.authority import Authority, verify_revocations
 from cotrain.access.crypto import PrivateKey, PublicKey
@@ -215,43 +212,6 @@ class AccessControl:
         if self.authority is None and version > self.revocations_version:
             self._revoked = frozenset(revoked) | self._revoked
             self.revocations_version = version
-
-    def validators(self) -> list[RecordValidatorBase]:
-        return [RevocationsValidator(self.revocations_key, self.authority_public_key)]
-
-    def authorizer(self):
-        """hivemind's ``TokenAuthorizerBase`` for this peer's DHT requests
-        (cotrain.hivemind_ext.authorizer)."""
-        from cotrain.hivemind_ext.authorizer import SwarmAuthorizer
-
-        return SwarmAuthorizer(self)
-
-
-class RevocationsValidator(RecordValidatorBase):
-    """Refuses a revocation list in the DHT unless the authority signed it for the record's expiration: an
-    allowlisted peer cannot hide revocations by storing another list under the same key."""
-
-    def __init__(self, key: str, authority_public_key: bytes) -> None:
-        self._key = DHTID.generate(source=key).to_bytes()
-        self._authority_public_key = authority_public_key
-        self._authority_key = PublicKey.from_bytes(authority_public_key)
-
-    def validate(self, record: DHTRecord) -> bool:
-        if record.key != self._key:
-            return True
-        try:
-            value = MSGPackSerializer.loads(record.value)
-        except Exception:
-            return False
-        return verify_revocations(value, self._authority_key, record.expiration_time)
-
-    def __getstate__(self):
-        return {"key": self._key, "authority_public_key": self._authority_public_key}
-
-    def __setstate__(self, state):
-        self._key = state["key"]
-        self._authority_public_key = state["authority_public_key"]
-        self._authority_key = PublicKey.from_bytes(state["authority_public_key"])
 
 
 def access_for(run_id: str, access_token: str, authority_key: str) -> AccessControl | None:

@@ -39,7 +39,7 @@ def payload(purpose: str, run_id: str, asker: bytes, asked: bytes, t: float, non
 def prove(access: Any, purpose: str, asker: bytes, asked: bytes) -> Proof:
     """This peer's proof (``access``: its cotrain.access.AccessControl) for one request from ``asker`` (this
     peer) to ``asked``."""
-    from hivemind.utils.timed_storage import get_dht_time
+    from hivemind.utils import get_dht_time
 
     own = access.own()
     t, nonce = get_dht_time(), secrets.token_bytes(NONCE_BYTES)
@@ -52,7 +52,7 @@ class SeenNonces:
     refused by their time): a request is answered once."""
 
     def __init__(self) -> None:
-        from hivemind.utils.timed_storage import TimedStorage
+        from hivemind.utils import TimedStorage
 
         self._seen = TimedStorage()
 
@@ -70,7 +70,7 @@ def refusal(
     None: its token is not one the swarm (``access``) accepts, or the request does not prove that the asker
     holds the token's key, freshly and for this peer (see the module's doc). Its nonce is then seen."""
     from hivemind.proto.auth_pb2 import AccessToken
-    from hivemind.utils.timed_storage import get_dht_time
+    from hivemind.utils import get_dht_time
 
     from cotrain.access.crypto import PublicKey
 

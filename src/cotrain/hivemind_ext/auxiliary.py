@@ -10,7 +10,7 @@ senders send it and returns their averages; it sends nothing of its own and adds
 - ``GradientReducer`` (sync): an auxiliary ``SwarmOptimizer`` (hivemind.Optimizer with ``auxiliary=True``),
   stepped a few times a second: it pre-schedules its gradient rounds and its state-averaging rounds by the
   swarm's progress, as the trainers do;
-- ``RoundReducer`` (diloco): the round's averager (cotrain.algorithms.lineage.round_averager) built as the
+- ``RoundReducer`` (diloco): the round's averager (cotrain.hivemind_ext.outer.round_averager) built as the
 trainers
   build theirs, in auxiliary mode, which looks for the group of the swarm's current round as its end nears. A
   reducer of sparse records carries what re-encoding its spans' averages left out into the next average it

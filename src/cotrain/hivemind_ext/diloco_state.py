@@ -173,7 +173,7 @@ class DiLoCoStateAverager(ServedInThread, CheckedStateDownloads, TrainingStateAv
     def pin_momentum(self) -> None:
         """With momentum, its buffers stay the same tensors, in shared memory, for the whole run (zeros before
         the first outer step, which SGD then treats as a missing buffer): a DiLoCo round's all-reduce averages
-        them in place (cotrain.algorithms.lineage.round_averager). A loaded state is copied into them."""
+        them in place (cotrain.hivemind_ext.outer.round_averager). A loaded state is copied into them."""
         with torch.no_grad(), self.lock_averaged_tensors:
             for param, pinned in zip(self.global_parameters, self.pinned_momentum, strict=False):
                 loaded = self.optimizer.state[param].get("momentum_buffer")

@@ -7,6 +7,9 @@ record the new hash (``python -m cotrain.hivemind_ext.manifest`` prints them). `
 that no longer exist at all, and ``install()`` refuses to start on them: an override of a renamed method
 would silently never be called.
 
+``PUBLIC`` is the part of hivemind that code outside this package may import: its packages' exports and
+the documented record modules, each with why; the rest is named only inside cotrain.hivemind_ext.
+
 The source is read from hivemind's module files (``inspect.getsource`` of the module, the function found in
 it by name), so the functions cotrain replaces at run time are hashed as hivemind wrote them.
 """
@@ -20,6 +23,25 @@ import inspect
 from dataclasses import dataclass
 
 HIVEMIND_VERSION = "1.1.12"  # the release every hash below was taken from
+
+# hivemind's public API: the modules that code outside cotrain.hivemind_ext may import from (checked by
+# tests/test_internals.py). A package counts with the names its ``__init__`` exports; ``.*`` admits every
+# submodule. Any other hivemind name needed elsewhere is re-exported by cotrain.hivemind_ext.unexported.
+PUBLIC: tuple[tuple[str, str], ...] = (
+    ("hivemind", "the top-level classes: DHT, DecentralizedAverager, Optimizer"),
+    ("hivemind.dht", "DHT, DHTNode, DHTID: the DHT and its keys"),
+    ("hivemind.p2p", "P2P, PeerID, P2PContext, the servicer bases: the transport and peer ids"),
+    ("hivemind.compression", "the compression strategies and the tensor (de)serializers"),
+    ("hivemind.utils", "get_dht_time, MSGPackSerializer, TimedStorage, MPFuture, the asyncio helpers"),
+    ("hivemind.optim", "Optimizer, GradScaler, TrainingAverager"),
+    ("hivemind.averaging", "DecentralizedAverager"),
+    ("hivemind.dht.schema", "SchemaValidator, BytesWithPublicKey: the documented record schemas"),
+    ("hivemind.dht.crypto", "RSASignatureValidator: the documented signed records"),
+    ("hivemind.dht.validation", "RecordValidatorBase, CompositeValidator, DHTRecord: what a validator sees"),
+    ("hivemind.utils.crypto", "RSAPrivateKey, RSAPublicKey: the keys records and tokens are signed with"),
+    ("hivemind.proto.*", "the wire messages (protobuf), which any peer of the protocol reads and writes"),
+    ("hivemind.utils.logging", "get_logger, use_hivemind_log_handler: where hivemind's log lines go"),
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +57,7 @@ class Touch:
 AVG = "hivemind.averaging.averager.DecentralizedAverager"
 OPT = "hivemind.optim.optimizer.Optimizer"
 STATE = "hivemind.optim.state_averager.TrainingStateAverager"
+EXT = "cotrain.hivemind_ext."
 HOOKS = "cotrain.hivemind_ext.hooks"
 
 MANIFEST: tuple[Touch, ...] = (
@@ -94,7 +117,7 @@ MANIFEST: tuple[Touch, ...] = (
     Touch(
         "hivemind.dht.dht.DHT.run",
         "replaced",
-        "cotrain.hivemind_ext.hosting._SignalsOutsideMainThread",
+        f"{EXT}hosting._SignalsOutsideMainThread; {EXT}dht.SwarmDHT (wraps its pipe and validator first)",
         "its signal.signal call is allowed only in the main thread (the DHT module's signal is replaced)",
         "ce5055303b827ec6",
     ),
@@ -109,7 +132,7 @@ MANIFEST: tuple[Touch, ...] = (
     Touch(
         f"{AVG}._aggregate_with_group",
         "copied",
-        f"{HOOKS}.Averager; cotrain.algorithms.lineage.OuterAverager",
+        f"{HOOKS}.Averager; cotrain.hivemind_ext.outer.OuterAverager",
         "DiLoCo's rounds send the outer state only where the lineages that count in the group differ",
         "0b9ff15fd3fc9676",
     ),
@@ -130,35 +153,35 @@ MANIFEST: tuple[Touch, ...] = (
     Touch(
         f"{OPT}._make_progress_tracker",
         "overridden",
-        "cotrain.hivemind_ext.optimizer.SwarmOptimizer",
+        f"{HOOKS}.Optimizer; {EXT}optimizer.SwarmOptimizer",
         "cotrain's tracker (gone peers, robust counting)",
         "19ebff151cfe85ad",
     ),
     Touch(
         f"{OPT}._make_state_averager",
         "overridden",
-        "cotrain.hivemind_ext.optimizer.SwarmOptimizer",
+        f"{HOOKS}.Optimizer; {EXT}optimizer.SwarmOptimizer",
         "the checked state averager",
         "4e2d2b03cefe5998",
     ),
     Touch(
         f"{OPT}._average_gradients_and_load_into_optimizer",
         "overridden",
-        "cotrain.hivemind_ext.optimizer.SwarmOptimizer",
+        f"{HOOKS}.Optimizer; {EXT}optimizer.SwarmOptimizer",
         "counts rounds and group sizes",
         "c0459b56003a2596",
     ),
     Touch(
         f"{OPT}._maybe_schedule_gradient_averaging",
         "overridden",
-        "cotrain.hivemind_ext.optimizer.SwarmOptimizer",
+        f"{HOOKS}.Optimizer; {EXT}optimizer.SwarmOptimizer",
         "no matchmaking while alone",
         "180134eb614e0095",
     ),
     Touch(
         f"{OPT}._update_global_epoch",
         "overridden",
-        "cotrain.hivemind_ext.optimizer.SwarmOptimizer",
+        f"{HOOKS}.Optimizer; {EXT}optimizer.SwarmOptimizer",
         "a peer left behind loads the swarm's state instead of stepping alone",
         "0786ab6afe75a7e9",
     ),
@@ -221,6 +244,251 @@ MANIFEST: tuple[Touch, ...] = (
         "e4f0b89a13d82ca2",
         ("_local_access_token", "_refresh_lock"),
     ),
+    # overridden in cotrain's subclasses: public methods and constructors that extend hivemind's (most call
+    # it through super()); a change upstream is re-read against each override
+    Touch(
+        "hivemind.averaging.allreduce.AllReduceRunner.__init__",
+        "overridden",
+        f"{EXT}reducers.RobustAllReduceRunner",
+        "swaps in the robust part reducer (aggregation, excluded senders, records)",
+        "4d7c804548973da9",
+    ),
+    Touch(
+        "hivemind.averaging.allreduce.AllReduceRunner.run",
+        "overridden",
+        f"{EXT}reducers.RobustAllReduceRunner",
+        "after its last own result a peer finishes reducing the others' parts before the runner ends",
+        "e02e7943262e1c6c",
+    ),
+    Touch(
+        "hivemind.averaging.averager.DecentralizedAverager.get_current_state",
+        "overridden",
+        f"{EXT}statecheck.CheckedStateDownloads",
+        "the poisoned-state attack serves altered tensors (fault injection)",
+        "7dc271d383574d0b",
+    ),
+    Touch(
+        "hivemind.averaging.averager.DecentralizedAverager.load_state_from_peers",
+        "overridden",
+        f"{EXT}statecheck.CheckedStateDownloads",
+        "notes the step held before a download",
+        "086aef71adff32b5",
+    ),
+    Touch(
+        "hivemind.averaging.averager.DecentralizedAverager.rpc_join_group",
+        "overridden",
+        f"{EXT}reducers.RobustAveraging",
+        "excluded peers are told this averager looks for no group",
+        "bdfd9d174d5e3456",
+    ),
+    Touch(
+        "hivemind.averaging.averager.DecentralizedAverager.run_in_background",
+        "overridden",
+        f"{EXT}hosting.ServedInThread",
+        "the caller's SIGINT handler is put back after the start (hivemind left it ignored)",
+        "237d27c2cf1652b8",
+    ),
+    Touch(
+        "hivemind.averaging.averager.DecentralizedAverager.shutdown",
+        "overridden",
+        f"{EXT}statecheck.CheckedStateDownloads",
+        "closes the fingerprint publisher first",
+        "e016f256c54a7124",
+    ),
+    Touch(
+        "hivemind.averaging.averager.DecentralizedAverager.state_sharing_priority",
+        "overridden",
+        f"{EXT}statecheck.CheckedStateDownloads",
+        "the poisoned-state attack raises the priority (fault injection)",
+        "55833de762823f7a",
+    ),
+    Touch(
+        "hivemind.averaging.averager.DecentralizedAverager.step",
+        "overridden",
+        f"{EXT}liveness.WatchedRounds",
+        "each round's StepControl is kept for the round watch",
+        "bedc0a053d961ff0",
+    ),
+    Touch(
+        "hivemind.averaging.partition.TensorPartReducer.__init__",
+        "overridden",
+        f"{EXT}reducers.RobustPartReducer",
+        "the aggregation, the excluded senders, the records, the refusal counts and the combining thread",
+        "8b9a899cae48f9d6",
+    ),
+    Touch(
+        "hivemind.dht.dht.DHT._shutdown",
+        "overridden",
+        f"{EXT}hosting.ServedInThread",
+        "a thread's loop cancels and awaits the tasks the shutdown leaves",
+        "90c3e4df7fd9a0bb",
+    ),
+    Touch(
+        "hivemind.dht.dht.DHT.replicate_p2p",
+        "overridden",
+        f"{EXT}dht.SwarmDHT",
+        "one replica per event loop of a thread-served averager; guarded in a private swarm",
+        "92dd5f8c394be059",
+    ),
+    Touch(
+        "hivemind.dht.dht.DHT.run_in_background",
+        "overridden",
+        f"{EXT}hosting.ServedInThread",
+        "the caller's SIGINT handler is put back after the start (hivemind left it ignored)",
+        "6ea2ca259762d900",
+    ),
+    Touch(
+        "hivemind.dht.validation.RecordValidatorBase.sign_value",
+        "overridden",
+        f"{EXT}dht.RememberedVerdicts",
+        "passed to the wrapped validators",
+        "1226f64d09cbeefa",
+    ),
+    Touch(
+        "hivemind.dht.validation.RecordValidatorBase.strip_value",
+        "overridden",
+        f"{EXT}dht.RememberedVerdicts",
+        "passed to the wrapped validators",
+        "ef7ee25b8399a716",
+    ),
+    Touch(
+        "hivemind.dht.validation.RecordValidatorBase.validate",
+        "overridden",
+        f"{EXT}dht.RememberedVerdicts; {EXT}validators.RevocationsValidator",
+        "verdicts remembered by the record's digest; a revocation list checked against the authority's "
+        "signature",
+        "f6f50ba1a584db9d",
+    ),
+    Touch(
+        "hivemind.optim.grad_averager.GradientAverager.__init__",
+        "overridden",
+        f"{EXT}averaging.SwarmGradientAverager; {EXT}direct.DirectTransport",
+        "no state sharing, read-ahead of parts, the aggregation; the direct transport's flag before the "
+        "process starts",
+        "46c7e32eab9f4882",
+    ),
+    Touch(
+        "hivemind.optim.grad_averager.GradientAverager.schedule_step",
+        "overridden",
+        f"{EXT}averaging.SwarmGradientAverager",
+        "an auxiliary reducer says so to its group in what it gathers",
+        "9a5a347db6738933",
+    ),
+    Touch(
+        "hivemind.optim.optimizer.Optimizer.__init__",
+        "overridden",
+        f"{EXT}optimizer.SwarmOptimizer",
+        "install() first; single-threaded torch in the optimizer's step thread; the round watch",
+        "214e79521754a5a2",
+    ),
+    Touch(
+        "hivemind.optim.optimizer.Optimizer.load_state_from_peers",
+        "overridden",
+        f"{EXT}optimizer.SwarmOptimizer",
+        "gives up after load_state_timeout (hivemind retries forever); a scheduled round goes on without "
+        "this peer's weight",
+        "a8b8111272110a54",
+    ),
+    Touch(
+        "hivemind.optim.optimizer.Optimizer.shutdown",
+        "overridden",
+        f"{EXT}optimizer.SwarmOptimizer",
+        "closes the round watch first",
+        "96caf836566823f4",
+    ),
+    Touch(
+        "hivemind.optim.progress_tracker.ProgressTracker.__init__",
+        "overridden",
+        f"{EXT}progress.SwarmProgressTracker",
+        "gone peers, clients counted for an auxiliary reducer, the paced report signal",
+        "500f7125a8fb61f3",
+    ),
+    Touch(
+        "hivemind.optim.progress_tracker.ProgressTracker.report_local_progress",
+        "overridden",
+        f"{EXT}progress.SwarmProgressTracker",
+        "a new epoch or a reset is stored at once, whatever the pace",
+        "4a472f49997eac38",
+    ),
+    Touch(
+        "hivemind.optim.progress_tracker.ProgressTracker.shutdown",
+        "overridden",
+        f"{EXT}progress.SwarmProgressTracker",
+        "unpaces the report signal so that the reporter ends at once",
+        "0467cac4d8a8cb1b",
+    ),
+    Touch(
+        "hivemind.optim.state_averager.TrainingStateAverager.__init__",
+        "overridden",
+        f"{EXT}diloco_state.DiLoCoStateAverager; {EXT}direct.DirectTransport; "
+        f"{EXT}statecheck.CheckedStateDownloads",
+        "DiLoCo's inner optimizer and schedule; checked downloads' records; the direct transport's flag",
+        "5114e951be435f8f",
+    ),
+    Touch(
+        "hivemind.optim.state_averager.TrainingStateAverager.get_current_state",
+        "overridden",
+        f"{EXT}diloco_state.DiLoCoStateAverager; {EXT}statecheck.CheckedStateDownloads",
+        "DiLoCo's served state carries the inner optimizer, its steps and the vouched lineage; the "
+        "poisoned-state attack",
+        "99a62afa87818087",
+    ),
+    Touch(
+        "hivemind.optim.state_averager.TrainingStateAverager.load_state_from_peers",
+        "overridden",
+        f"{EXT}diloco_state.DiLoCoStateAverager; {EXT}statecheck.CheckedStateDownloads",
+        "DiLoCo's download checks its round and loads the inner optimizer; the step held is noted first",
+        "88d8dcb9e16286e3",
+    ),
+    Touch(
+        "hivemind.p2p.p2p_daemon.P2P.add_protobuf_handler",
+        "overridden",
+        f"{EXT}guard.GuardedP2P",
+        "a private swarm's averaging and download handlers admit only peers that proved a valid token",
+        "c59594c276afc08f",
+    ),
+    Touch(
+        "hivemind.p2p.p2p_daemon.P2P.call_protobuf_handler",
+        "overridden",
+        f"{EXT}guard.GuardedP2P",
+        "proves this peer's token before calling a guarded handler",
+        "77335217418f15fb",
+    ),
+    Touch(
+        "hivemind.p2p.p2p_daemon.P2P.iterate_protobuf_handler",
+        "overridden",
+        f"{EXT}guard.GuardedP2P",
+        "proves this peer's token before calling a guarded handler",
+        "78ca100c0fb63623",
+    ),
+    Touch(
+        "hivemind.p2p.servicer.ServicerBase.get_stub",
+        "overridden",
+        f"{EXT}direct.DirectTransport",
+        "all-reduce parts travel over the direct TCP path where there is one",
+        "bd7e76c060578e26",
+    ),
+    Touch(
+        "hivemind.utils.auth.TokenAuthorizerBase.does_token_need_refreshing",
+        "overridden",
+        f"{EXT}authorizer.SwarmAuthorizer",
+        "refreshed when the peer's token file was replaced",
+        "4a69ddadd00f5293",
+    ),
+    Touch(
+        "hivemind.utils.auth.TokenAuthorizerBase.get_token",
+        "overridden",
+        f"{EXT}authorizer.SwarmAuthorizer",
+        "the peer's own token and its key, re-read when renewed",
+        "88e312e705f34918",
+    ),
+    Touch(
+        "hivemind.utils.auth.TokenAuthorizerBase.is_token_valid",
+        "overridden",
+        f"{EXT}authorizer.SwarmAuthorizer",
+        "cotrain's token checks (authority, expiry, revocations), refusals logged",
+        "1fe1df7c9919ebd9",
+    ),
     # called
     Touch(
         f"{OPT}._tag_along_with_zero_weight",
@@ -276,7 +544,8 @@ MANIFEST: tuple[Touch, ...] = (
     Touch(
         f"{AVG}.__init__",
         "read",
-        f"{HOOKS}.Averager",
+        f"{HOOKS}.Averager; overridden by {EXT}direct.DirectTransport, {EXT}outer.OuterAverager, "
+        f"{EXT}statecheck.CheckedStateDownloads",
         "all-reduce settings; the request pipe",
         "75d089f9ba0e822f",
         ("_averaging_alpha", "_allreduce_timeout", "_outer_pipe", "_running_groups"),
@@ -292,7 +561,7 @@ MANIFEST: tuple[Touch, ...] = (
     Touch(
         "hivemind.dht.dht.DHT.__init__",
         "read",
-        f"{HOOKS}.DHT; cotrain.hivemind_ext.requestpipe",
+        f"{HOOKS}.DHT; {EXT}requestpipe; overridden by {EXT}dht.SwarmDHT",
         "the request pipes and the record validator are wrapped",
         "3ef29c766f3207d1",
         ("_outer_pipe", "_inner_pipe", "_record_validator"),
@@ -308,7 +577,7 @@ MANIFEST: tuple[Touch, ...] = (
     Touch(
         "hivemind.utils.auth.TokenAuthorizerBase.__init__",
         "read",
-        f"{HOOKS}.Authorizer",
+        f"{HOOKS}.Authorizer; overridden by {EXT}authorizer.SwarmAuthorizer",
         "the peer's key follows its token file",
         "5daecea52d3bc62b",
         ("_local_private_key", "_local_access_token", "_refresh_lock"),
@@ -322,6 +591,14 @@ MANIFEST: tuple[Touch, ...] = (
         ("_global_sender_pipe",),
     ),
 )
+
+
+def is_public(module: str) -> bool:
+    """Whether ``module`` (a dotted hivemind module name) is in hivemind's public API (``PUBLIC``)."""
+    for name, _ in PUBLIC:
+        if module == name.removesuffix(".*") or (name.endswith(".*") and module.startswith(name[:-1])):
+            return True
+    return False
 
 
 def _split(target: str) -> tuple[object, list[str]]:

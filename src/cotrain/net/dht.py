@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import ipaddress
 import itertools
 import logging
 import os
 import re
-import struct
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import hivemind
-from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2P
-from hivemind.utils.multiaddr import Multiaddr
 
 from cotrain.errors import UserError
-from cotrain.hivemind_ext.hooks import DHT
-from cotrain.hivemind_ext.hosting import ServedInThread
-from cotrain.hivemind_ext.requestpipe import RequestReceiver, RequestSender
+from cotrain.hivemind_ext.authorizer import SwarmAuthorizer, start_access_service
+from cotrain.hivemind_ext.dht import SwarmDHT
+from cotrain.hivemind_ext.unexported import Multiaddr
+from cotrain.hivemind_ext.validators import RevocationsValidator
+from cotrain.net.probe import probe_refusal, refused_message
 
 logger = logging.getLogger(__name__)
 
@@ -56,125 +51,6 @@ def parse_maddrs(values: list[str], what: str) -> list[str]:
             )
         out.append(value)
     return out
-
-
-class _TolerantRequests:
-    """The DHT process's end of its request pipe, dropping requests whose sender has exited.
-
-    Each request carries a reply pipe (in full the first time a process sends one, see
-    cotrain.hivemind_ext.requestpipe) that the receiving process fetches from the sender. When the sender
-    (a trainer shutting down, an averager process ending) is gone before that happens, the plain pipe
-    raises EOFError, which kills hivemind's DHT loop with a traceback. Nobody waits for such a request,
-    so it is dropped instead."""
-
-    def __init__(self, conn):
-        self._conn, self._pending = conn, None
-        self._receiver = RequestReceiver()
-
-    def fileno(self) -> int:
-        return self._conn.fileno()
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        if self._pending is not None:
-            return True
-        while self._conn.poll(timeout):
-            data = self._conn.recv_bytes()  # EOFError here means the pipe itself is closed: let it rise
-            try:
-                self._pending = self._receiver.loads(data)
-                return True
-            except (EOFError, OSError):  # its reply pipe could not be fetched from its sender
-                logger.debug("Dropped a DHT request from a process that has exited")
-                timeout = 0.0
-        return False
-
-    def recv(self):
-        if self._pending is None and not self.poll(None):
-            raise EOFError
-        request, self._pending = self._pending, None
-        return request
-
-    def __getattr__(self, name):
-        return getattr(self._conn, name)
-
-
-class RememberedVerdicts(RecordValidatorBase):
-    """The DHT process's record validator (hivemind's ``CompositeValidator``) remembering its verdict on each
-    record it checked, by the record's digest.
-
-    A read of a dictionary key (a swarm's progress records, state fingerprints, metrics) gets the whole
-    dictionary from every node the search visits, and each node's copy is checked record by record: an RSA
-    signature and a schema each, the same records again from every node and at every read. The validators are
-    functions of the record alone (its key, subkey, value and expiration), so a verdict is remembered
-    (``size`` records, the oldest forgotten first) until a validator is added."""
-
-    def __init__(self, inner: CompositeValidator, size: int = 16384) -> None:
-        self._inner, self._size = inner, size
-        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
-
-    @staticmethod
-    def digest(record: DHTRecord) -> bytes:
-        h = hashlib.blake2b(digest_size=20)
-        for part in (record.key, record.subkey, record.value):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-        h.update(struct.pack("<d", record.expiration_time))
-        return h.digest()
-
-    def validate(self, record: DHTRecord) -> bool:
-        digest = self.digest(record)
-        verdict = self._verdicts.get(digest)
-        if verdict is None:
-            verdict = self._verdicts[digest] = self._inner.validate(record)
-            if len(self._verdicts) > self._size:
-                self._verdicts.popitem(last=False)
-        return verdict
-
-    def sign_value(self, record: DHTRecord) -> bytes:
-        return self._inner.sign_value(record)
-
-    def strip_value(self, record: DHTRecord) -> bytes:
-        return self._inner.strip_value(record)
-
-    def extend(self, validators) -> None:
-        self._inner.extend(validators)
-        self._verdicts.clear()
-
-
-class SwarmDHT(ServedInThread, DHT):
-    """hivemind's DHT whose serving process survives requests from peers' processes that have exited; with
-    ``in_thread`` (cotrain's default) it serves from a thread of this process
-    (cotrain.hivemind_ext.hosting).
-
-    In a private swarm it carries the peer's access control (set before its process starts), and averager
-    processes get a P2P that checks access tokens from ``replicate_p2p`` (see cotrain.access)."""
-
-    def __init__(self, *args, access=None, in_thread: bool = True, **kwargs) -> None:
-        self.access, self.in_thread = access, in_thread
-        self._replicas: dict[tuple[int, asyncio.AbstractEventLoop], P2P] = {}
-        super().__init__(*args, **kwargs)
-        self.wrap_request_pipe(RequestSender)
-
-    def run(self) -> None:
-        self.wrap_served_requests(_TolerantRequests)
-        self.wrap_record_validator(RememberedVerdicts)
-        super().run()
-
-    async def replicate_p2p(self):
-        """A replica of the DHT's P2P for the calling event loop: hivemind keeps one per process, but each
-        averager served from a thread (cotrain.hivemind_ext.hosting) runs its own loop, which a replica's
-        streams belong to. In a private swarm the replica checks access tokens (cotrain.access)."""
-        key = (os.getpid(), asyncio.get_running_loop())
-        if key not in self._replicas:
-            daemon_listen_maddr = self.daemon_listen_maddr()
-            if self.access is None:
-                replica = await P2P.replicate(daemon_listen_maddr)
-            else:
-                from cotrain.access import GuardedP2P
-
-                replica = await GuardedP2P.replicate_guarded(daemon_listen_maddr, self.access, self)
-            self._replicas = {k: v for k, v in self._replicas.items() if k[0] == os.getpid()}
-            self._replicas[key] = replica
-        return self._replicas[key]
 
 
 GOOGLE_DNS = ("8.8.8.8", 53)
@@ -268,8 +144,9 @@ def create_dht(
         }
     private: dict = {}
     if access is not None:
-        record_validators = [*record_validators, *access.validators()]
-        private = {"access": access, "authorizer": access.authorizer()}
+        # the revocation list in the DHT is guarded; requests carry this peer's token
+        record_validators.append(RevocationsValidator(access.revocations_key, access.authority_public_key))
+        private = {"access": access, "authorizer": SwarmAuthorizer(access)}
     from cotrain.host.shm import share_by_descriptors
 
     share_by_descriptors()  # before the DHT's process, the averagers' and their tensors
@@ -315,8 +192,6 @@ def create_dht(
                 continue
             raise _start_error(text, initial_peers, host_maddrs, access) from None
     if access is not None:
-        from cotrain.access import start_access_service
-
         dht.run_coroutine(start_access_service)
     return dht
 
@@ -324,8 +199,6 @@ def create_dht(
 def _start_error(text: str, initial_peers: list[str], host_maddrs: list[str], access) -> UserError:
     """The one line a user sees when the DHT node did not start (``text``: the first line of why)."""
     if initial_peers and ("bootstrap" in text or "initial" in text or "connect" in text):
-        from cotrain.access import probe_refusal, refused_message
-
         reason = probe_refusal(initial_peers, access)  # a private swarm says why it refused this peer
         if reason is not None:
             return UserError(refused_message(reason))

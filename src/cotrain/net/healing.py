@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import hivemind
 from hivemind.p2p import PeerID
-from hivemind.utils.multiaddr import Multiaddr
 
 from cotrain.hivemind_ext.hooks import p2p_client
 from cotrain.hivemind_ext.hosting import join_at_exit
+from cotrain.hivemind_ext.unexported import Multiaddr
 
 if TYPE_CHECKING:
     from cotrain.hivemind_ext.optimizer import SwarmOptimizer

@@ -90,7 +90,8 @@ def ensure_identity(path: str | Path):
 
 async def _is_online(peer_id, initial_peers: list[str], startup_timeout: float = 15.0) -> bool:
     from hivemind.p2p import P2P
-    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+    from cotrain.hivemind_ext.unexported import ControlFailure
 
     probe = await P2P.create(
         initial_peers=initial_peers,

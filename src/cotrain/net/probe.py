@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils import MSGPackSerializer
 
 from cotrain.access.authority import verify_revocations
 from cotrain.access.control import AccessControl
@@ -138,7 +138,7 @@ def probe_refusal(initial_peers: list[str], access: AccessControl | None, timeou
     """After the DHT could not join: ask the initial peers, from a short-lived P2P of this process, whether
     they refused this peer's token, and why. None when no peer answered (unreachable, or a public swarm) or
     no refusal could be verified (see ``judge``; those are logged)."""
-    from hivemind.utils.multiaddr import Multiaddr
+    from cotrain.hivemind_ext.unexported import Multiaddr
 
     token = access.own().proto.SerializeToString() if access is not None else b""
 

@@ -96,7 +96,7 @@ class Reachability:
 def checked_ports(text: str) -> list[int]:
     """The TCP ports of a dial-back request's addresses (at most MAX_PORTS, in their order), or ValueError
     (see the module's doc). Their hosts are ignored: the probe dials the asker's own IP address."""
-    from hivemind.utils.multiaddr import Multiaddr
+    from cotrain.hivemind_ext.unexported import Multiaddr
 
     lines = [line for line in text.split("\n") if line]
     if not lines or len(lines) > MAX_ADDRESSES:
@@ -188,7 +188,8 @@ async def dial(peer: Any, addresses: list[str], timeout: float = DIAL_TIMEOUT) -
     """Whether ``peer`` could be dialed at ``addresses`` from a new, dial-only libp2p host (a new connection,
     whatever connections this process has)."""
     from hivemind.p2p import P2P
-    from hivemind.utils.multiaddr import Multiaddr
+
+    from cotrain.hivemind_ext.unexported import Multiaddr
 
     probe = await P2P.create(
         host_maddrs=[],
@@ -245,7 +246,8 @@ async def _dial_back(
     initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str], timeout: float, access: Any
 ) -> Reachability:
     from hivemind.p2p import P2P, PeerID
-    from hivemind.utils.multiaddr import Multiaddr
+
+    from cotrain.hivemind_ext.unexported import Multiaddr
 
     host = await P2P.create(
         host_maddrs=host_maddrs,

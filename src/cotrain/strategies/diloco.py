@@ -13,12 +13,12 @@ from typing import Any, ClassVar
 import torch
 from hivemind.compression import NoCompression
 
-from cotrain.algorithms.lineage import round_averager
 from cotrain.config import PeerConfig, RunConfig
 from cotrain.config.demo import DEMO_LOCAL_STEPS
 from cotrain.hivemind_ext.auxiliary import RoundReducer
 from cotrain.hivemind_ext.diloco_state import DiLoCoStateAverager, outer_optimizer_factory
 from cotrain.hivemind_ext.optimizer import gradient_compression, request_timeout, tracker_options
+from cotrain.hivemind_ext.outer import round_averager
 from cotrain.hivemind_ext.progress import tracker_class
 from cotrain.keys import progress_key, state_averager_prefix
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory

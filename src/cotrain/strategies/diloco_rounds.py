@@ -60,7 +60,6 @@ from cotrain.algorithms.lineage import (
     fresh_lineage,
     initial_lineage,
     next_lineage,
-    round_averager,
     round_bits,
 )
 from cotrain.algorithms.sparse import Raw, TopK, flat
@@ -73,6 +72,7 @@ from cotrain.hivemind_ext.diloco_state import (
 from cotrain.hivemind_ext.hooks import apply_optimizer_parameters
 from cotrain.hivemind_ext.liveness import RoundWatch, cancel_controls
 from cotrain.hivemind_ext.optimizer import LOAD_STATE_COMPRESSION, load_state_bounded
+from cotrain.hivemind_ext.outer import round_averager
 from cotrain.hivemind_ext.progress import PING_TIMEOUT, forget_gone_peers, round_pace, tracker_class
 from cotrain.keys import progress_key, state_averager_prefix
 from cotrain.strategies.overlap import OverlappedRounds, RoundEnds, RoundStart, encode_with_feedback
