@@ -263,6 +263,7 @@ async def silent_allreduce(runner_future: Any, timeout: float | None) -> None:
     itself. Returns at once for any other attack."""
     if attack_name() != "silent":
         return
+    # hivemind only here, in an averager's process: checkpoints and a node's ranks import faults without it
     from cotrain.hivemind_ext.unexported import AllreduceException
 
     try:

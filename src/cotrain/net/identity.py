@@ -22,6 +22,7 @@ from pathlib import Path
 
 from cotrain.errors import UserError
 from cotrain.hivemind_ext.hooks import p2p_client
+from cotrain.hivemind_ext.unexported import ControlFailure
 from cotrain.privatefile import warn_if_exposed
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,6 @@ def ensure_identity(path: str | Path):
 
 async def _is_online(peer_id, initial_peers: list[str], startup_timeout: float = 15.0) -> bool:
     from hivemind.p2p import P2P
-
-    from cotrain.hivemind_ext.unexported import ControlFailure
 
     probe = await P2P.create(
         initial_peers=initial_peers,

@@ -23,6 +23,7 @@ from cotrain.access.control import AccessControl
 from cotrain.access.tokens import FOREIGN, NO_TOKEN, REVOKED, fingerprints, iso
 from cotrain.access.wire import CHECK_HANDLE, messages
 from cotrain.hivemind_ext.hooks import p2p_client
+from cotrain.hivemind_ext.unexported import Multiaddr
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +139,6 @@ def probe_refusal(initial_peers: list[str], access: AccessControl | None, timeou
     """After the DHT could not join: ask the initial peers, from a short-lived P2P of this process, whether
     they refused this peer's token, and why. None when no peer answered (unreachable, or a public swarm) or
     no refusal could be verified (see ``judge``; those are logged)."""
-    from cotrain.hivemind_ext.unexported import Multiaddr
-
     token = access.own().proto.SerializeToString() if access is not None else b""
 
     async def probe() -> str | None:

@@ -37,6 +37,7 @@ from typing import Any
 from cotrain.access import possession
 from cotrain.faults import unreachable_addresses
 from cotrain.hivemind_ext.hooks import p2p_client
+from cotrain.hivemind_ext.unexported import Multiaddr
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,6 @@ class Reachability:
 def checked_ports(text: str) -> list[int]:
     """The TCP ports of a dial-back request's addresses (at most MAX_PORTS, in their order), or ValueError
     (see the module's doc). Their hosts are ignored: the probe dials the asker's own IP address."""
-    from cotrain.hivemind_ext.unexported import Multiaddr
-
     lines = [line for line in text.split("\n") if line]
     if not lines or len(lines) > MAX_ADDRESSES:
         raise ValueError(f"between 1 and {MAX_ADDRESSES} addresses, got {len(lines)}")
@@ -189,8 +188,6 @@ async def dial(peer: Any, addresses: list[str], timeout: float = DIAL_TIMEOUT) -
     whatever connections this process has)."""
     from hivemind.p2p import P2P
 
-    from cotrain.hivemind_ext.unexported import Multiaddr
-
     probe = await P2P.create(
         host_maddrs=[],
         no_listen=True,
@@ -246,8 +243,6 @@ async def _dial_back(
     initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str], timeout: float, access: Any
 ) -> Reachability:
     from hivemind.p2p import P2P, PeerID
-
-    from cotrain.hivemind_ext.unexported import Multiaddr
 
     host = await P2P.create(
         host_maddrs=host_maddrs,
