@@ -123,6 +123,10 @@ def _value_for(section: str, f: dataclasses.Field):
         "topk_density": 0.03,
         "topk_bits": 4,
         "topk_feedback_decay": 0.5,
+        # a part's parameters, checked against what it declares: tests/test_parts.py
+        "aggregation_options": None,
+        "outer_compression_options": None,
+        "grad_compression_options": None,
     }
     if f.name in special:
         return special[f.name]

@@ -1,6 +1,7 @@
-"""Strategies and aggregations are parts: one written in a module of its own (tests/toy_parts.py) plugs in
-through the registries and trains a live swarm, the engine unchanged; the registries refuse what they cannot
-hold and the run's config reads its choices from them."""
+"""Strategies, aggregations and codecs are parts: one written in a module of its own (tests/toy_parts.py),
+its parameters declared in its registry line, plugs in through the registries and trains a live swarm with
+the values a run's config gives them, the engine unchanged; the registries refuse what they cannot hold and
+the run's config reads its choices and the parts' parameters from them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 from conftest import cotrain_env, wait_until
 from cotrain import registry
 from cotrain.algorithms.aggregation import Aggregation, build
+from cotrain.algorithms.codecs import Codec
+from cotrain.algorithms.parameters import Parameter
 from cotrain.config import RunConfig
 from cotrain.strategies.base import Strategy
 
@@ -24,7 +27,7 @@ PEER = """
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
-import toy_parts  # registers the model-averaging strategy and the trimmed-mean aggregation
+import toy_parts  # registers the toy strategy, aggregation and codec
 import cotrain
 
 seed, rounds, go = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -34,7 +37,9 @@ model = torch.nn.Linear(8, 1)
 peer = cotrain.SwarmPeer(
     model, optimizer=lambda params: torch.optim.SGD(params, lr=0.05), run_id="toy-parts",
     target_batch_size=32,
-    strategy="model-averaging", aggregation="trimmed-mean", local_steps=4, initial_peers=sys.argv[5:],
+    strategy="model-averaging", aggregation="trimmed-mean", aggregation_options={"trim": 0.2},
+    grad_compression="scaled-fp16", grad_compression_options={"scale": 0.125}, local_steps=4,
+    initial_peers=sys.argv[5:],
     host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0, averaging_timeout=15.0,
 )
 print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
@@ -52,7 +57,9 @@ while peer.global_step < rounds:
                           "group": peer.last_group_size, "params": flat.tolist(),
                           "averaged": peer.strategy.last_average}), flush=True)
         losses.clear()
-print(json.dumps({"event": "done", "combined": toy_parts.TrimmedMean.combined,
+aggregation, codec = toy_parts.TrimmedMean, toy_parts.ScaledFloat16
+print(json.dumps({"event": "done", "combined": aggregation.combined, "trims": sorted(aggregation.trims),
+                  "compressed": codec.compressed, "scales": sorted(codec.scales),
                   "strategy": type(peer.strategy).__name__}), flush=True)
 peer.shutdown()
 """
@@ -64,7 +71,7 @@ def _events(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
+def test_a_strategy_an_aggregation_and_a_codec_of_ones_own_train_a_live_swarm(tmp_path):
     rounds, procs, outs, go = 8, [], [], tmp_path / "go"
 
     def start(seed: int, initial: list[str]) -> Path:
@@ -95,6 +102,8 @@ def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
             done = events[-1]
             assert done["event"] == "done" and done["strategy"] == "ModelAveraging", events[-1]
             assert done["combined"] > 0  # this process's reducer combined parts with the toy aggregation
+            assert done["trims"] == [0.2]  # ... built with the run's value of its parameter, not its default
+            assert done["compressed"] > 0 and done["scales"] == [0.125]  # it sent with the toy codec's value
             steps = [e for e in events if e["event"] == "round"]
             # a peer that joined after the first round catches up with the swarm's round (it downloads it)
             assert [e["step"] for e in steps] == list(range(steps[0]["step"], rounds + 1)) and len(steps) >= 5
@@ -110,8 +119,10 @@ def test_a_strategy_and_an_aggregation_of_ones_own_train_a_live_swarm(tmp_path):
             if key in averaged[1] and len(a["rounds"]) == 2 and len(set(a["rounds"])) == 1
         ]
         assert together, "the two peers never averaged together"
-        for a, b in together:  # right after an all-reduce together both hold the group's average
-            assert torch.allclose(torch.tensor(a["params"]), torch.tensor(b["params"]), atol=1e-5), (a, b)
+        for a, b in together:  # right after an all-reduce together both hold the group's average, to the
+            # codec's float16 rounding (a reducer averages its own part exact, the other's as it arrived)
+            pa, pb = torch.tensor(a["params"]), torch.tensor(b["params"])
+            assert torch.allclose(pa, pb, rtol=2**-10, atol=1e-6), (a, b)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -154,3 +165,121 @@ def test_the_mean_and_centered_clip_parts_combine_as_their_names_say():
     clipped, far = build("centered-clip").combine(parts, weights)
     assert far.tolist() == [False, False, False, True]  # the outlier, and only it
     assert (clipped - parts[:3].mean(0)).norm() < (mean - parts[:3].mean(0)).norm()
+
+
+def _cut(value: float) -> str:
+    return "" if 0 <= value < 0.5 else f"must be in [0, 0.5), got {value}"
+
+
+def test_a_parts_parameters_come_from_the_runs_config_checked_against_its_registry_line(tmp_path):
+    from cotrain import cli
+    from cotrain.config import config_from_dict, config_hash, resolve
+    from cotrain.config.averaging import AveragingConfig
+    from cotrain.config.fields import ConfigError
+    from cotrain.errors import UserError
+    from cotrain.strategies.builds import aggregation_of, grad_compression_of, round_codec
+
+    try:
+        registry.register_aggregation("cut-mean", _Trimmed, {"trim": Parameter(0.25, "cut", check=_cut)})
+        # the parameters reach the part, over their defaults; its others are refused, each by name, at once
+        assert build("cut-mean").options == {"trim": 0.25}
+        assert aggregation_of(
+            RunConfig(aggregation="cut-mean", aggregation_options={"trim": 0.1})
+        ) == _Trimmed(trim=0.1)
+        problems = RunConfig(aggregation="cut-mean", aggregation_options={"trim": 0.7, "cut": 1}).problems()
+        assert problems == [
+            "aggregation cut-mean's trim: must be in [0, 0.5), got 0.7",
+            "aggregation cut-mean has no parameter 'cut' (its options: trim)",
+        ], problems
+        assert "expected float, got str 'x'" in " ".join(
+            RunConfig(aggregation="cut-mean", aggregation_options={"trim": "x"}).problems()
+        )
+        with pytest.raises(ValueError, match="no parameter 'cut'"):
+            build("cut-mean", cut=1)
+        # the built-in parts' parameters keep their own flags: one spelling each
+        assert "set by clip_tau (--clip-tau)" in " ".join(
+            RunConfig(aggregation="centered-clip", aggregation_options={"tau": 2.0}).problems()
+        )
+        assert "no parameter 'trim' (it takes no options)" in " ".join(
+            RunConfig(aggregation_options={"trim": 0.1}).problems()
+        )
+        # the command line (repeatable NAME=VALUE, read as TOML values) and a file's table carry them alike
+        argv = [
+            "train",
+            "--preset",
+            "llama-tiny",
+            "--aggregation",
+            "cut-mean",
+            "--aggregation-option",
+            "trim=0.1",
+        ]
+        _, config = cli.parse(argv)
+        assert config.run.aggregation_options == {"trim": 0.1}
+        toml = tmp_path / "run.toml"
+        toml.write_text('[run]\naggregation = "cut-mean"\n[run.aggregation_options]\ntrim = 0.1\n')
+        from_file = resolve(preset="llama-tiny", config_file=str(toml))
+        assert config_hash(from_file.run) == config_hash(config.run)  # peers that agree hash alike
+        assert config_hash(from_file.run) != config_hash(resolve(preset="llama-tiny").run)
+        with pytest.raises(UserError, match="expected NAME=VALUE"):
+            cli.parse(["train", "--preset", "llama-tiny", "--aggregation-option", "trim"])
+        with pytest.raises(ConfigError, match=r"trim: must be in \[0, 0.5\), got 0.9"):
+            cli.parse([*argv[:-1], "trim=0.9"])
+        # a config written before these fields existed loads, with no options
+        old = resolve(preset="llama-tiny").to_dict()
+        del old["run"]["aggregation_options"], old["run"]["outer_compression_options"]
+        del old["peer"]["grad_compression_options"]
+        assert config_from_dict(old).run.aggregation_options == {}
+    finally:
+        registry.AGGREGATIONS.pop("cut-mean", None)
+        registry.AGGREGATION_PARAMETERS.pop("cut-mean", None)
+
+    # codecs: the choices of --grad-compression and --outer-compression, with their bytes per value
+    assert registry.codec_names("dense") == ("fp16", "8bit", "none")
+    assert registry.codec_names("records") == ("topk",)
+    assert [registry.codec(n).bytes_per_value for n in ("fp16", "8bit", "none")] == [2, 1, 4]
+    assert (
+        type(grad_compression_of(AveragingConfig(grad_compression="8bit"))).__name__
+        == "Uniform8BitQuantization"
+    )
+    topk = round_codec(
+        RunConfig(strategy="diloco", outer_compression="topk", topk_bits=4, topk_density=1 / 16)
+    )
+    assert (topk.bits, topk.density, topk.decay) == (4, 1 / 16, 0.9)
+    assert "topk_bits must be one of 2, 4, 8, got 3" in RunConfig(topk_bits=3).problems()
+    assert "set by topk_density" in " ".join(
+        RunConfig(
+            strategy="diloco", outer_compression="topk", outer_compression_options={"density": 0.1}
+        ).problems()
+    )
+    half = Codec("dense", 2, "hivemind.compression:Float16Compression", {"scale": Parameter(1.0)})
+    try:
+        registry.register_codec("half", half)
+        assert (
+            AveragingConfig(grad_compression="half", grad_compression_options={"scale": 2}).problems() == []
+        )
+        assert AveragingConfig(grad_compression="half", grad_compression_options={"bias": 1}).problems() == [
+            "grad_compression half has no parameter 'bias' (its options: scale)"
+        ]
+        assert "must be one of dense, topk, got 'half'" in " ".join(
+            RunConfig(outer_compression="half").problems()
+        )
+        with pytest.raises(ValueError, match="registered already"):
+            registry.register_codec("half", registry.codec("fp16"))
+    finally:
+        registry.CODECS.pop("half", None)
+    assert (
+        "grad_compression must be one of fp16, 8bit, none, got 'half'"
+        in AveragingConfig(grad_compression="half").problems()
+    )
+    with pytest.raises(ValueError, match="without dots"):
+        registry.register_codec("a.b", half)
+    with pytest.raises(ValueError, match="names the dense rounds"):
+        registry.register_codec("dense", half)
+    with pytest.raises(ValueError, match="is a cotrain.algorithms.codecs.Codec"):
+        registry.register_codec("half", object())
+    with pytest.raises(ValueError, match="kind is one of dense, records"):
+        Codec("sparse", 1, "x:y")
+    with pytest.raises(ValueError, match="not a Parameter"):
+        registry.register_aggregation("cut-mean", _Trimmed, {"trim": 0.25})
+    with pytest.raises(ValueError, match="unknown codec 'nope'; choose one of: fp16, 8bit, none, topk"):
+        registry.codec("nope")

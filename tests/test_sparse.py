@@ -218,7 +218,7 @@ def test_a_reducer_refuses_malformed_records_and_returns_the_same_records_of_the
     [
         ({"outer_compression": "topk"}, "needs --strategy diloco"),
         ({"outer_compression": "topk", "strategy": "diloco", "aggregation": "centered-clip"}, "mean only"),
-        ({"outer_compression": "sparse"}, "dense or topk"),
+        ({"outer_compression": "sparse"}, "must be one of dense, topk"),
         ({"topk_bits": 3}, "topk_bits must be one of 2, 4, 8"),
         ({"topk_density": 0.9}, "topk_density must be in (0, 0.5]"),
         ({"topk_feedback_decay": 1.5}, "topk_feedback_decay must be in (0, 1]"),
@@ -227,8 +227,8 @@ def test_a_reducer_refuses_malformed_records_and_returns_the_same_records_of_the
 def test_bad_outer_compression_settings_are_named(values, words):
     problems = RunConfig(**values).problems()
     assert any(words in p for p in problems), problems
+    from cotrain.algorithms.codecs import TOPK_BITS
     from cotrain.algorithms.sparse import BITS
-    from cotrain.config.run import TOPK_BITS
 
     assert TOPK_BITS == BITS  # what the config accepts is what the codec sends
 

@@ -1,13 +1,16 @@
-"""A third training strategy and a third aggregation, written as a new module of cotrain's would be: each a
-class on cotrain's interfaces (cotrain.strategies.base.Strategy,
-cotrain.algorithms.aggregation.Aggregation) and one registry line. Nothing in the engine, the healer or the
-NaN guard knows them.
+"""A third training strategy, a third aggregation and a fourth dense codec, written as a new module of
+cotrain's would be: each a class on cotrain's interfaces (cotrain.strategies.base.Strategy,
+cotrain.algorithms.aggregation.Aggregation, a hivemind compression declared by a
+cotrain.algorithms.codecs.Codec) and one registry line, its parameters included. Nothing in the engine, the
+healer or the NaN guard knows them, and nothing under src/ names them.
 
 - ``model-averaging``: local SGD. Every peer steps its own optimizer on every micro-batch; every
   ``local_steps`` of its own steps it averages its parameters with the peers it is matched with (one
   all-reduce of the parameters themselves, combined by the run's aggregation). A global step is a round.
-- ``trimmed-mean``: per coordinate, the mean of the contributions left once the lowest and highest quarter
-  are dropped (all of them below four senders).
+- ``trimmed-mean``: per coordinate, the mean of the contributions left once the lowest and highest ``trim``
+  of them (a parameter, a quarter by default) are dropped (none of them where that share is under one).
+- ``scaled-fp16``: values divided by ``scale`` (a parameter), sent in float16 with the scale beside them,
+  in hivemind's mean-std format (which every peer decodes, whatever its own codec).
 """
 
 from __future__ import annotations
@@ -19,26 +22,68 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from hivemind.compression import CompressionBase, CompressionInfo, ScaledFloat16Compression
 from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.proto import runtime_pb2
 
 from cotrain.algorithms.aggregation import Aggregation
+from cotrain.algorithms.codecs import Codec
+from cotrain.algorithms.parameters import Parameter
 from cotrain.hivemind_ext.hooks import Averager
 from cotrain.hivemind_ext.hosting import ServedInThread
 from cotrain.hivemind_ext.reducers import RobustAveraging
-from cotrain.registry import register_aggregation, register_strategy
+from cotrain.registry import register_aggregation, register_codec, register_strategy
 from cotrain.strategies.base import Strategy
-from cotrain.strategies.builds import aggregation_of
+from cotrain.strategies.builds import aggregation_of, grad_compression_of
 
 
 class TrimmedMean(Aggregation):
     name = "trimmed-mean"
-    combined = 0  # parts combined in this process (the test reads it)
+    combined = (
+        0  # parts combined in this process, and the trims they were combined with (the test reads them)
+    )
+    trims: set[float] = set()
 
     def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         TrimmedMean.combined += 1
-        cut = len(parts) // 4
+        TrimmedMean.trims.add(self.options["trim"])
+        cut = int(len(parts) * self.options["trim"])
         kept = parts.sort(dim=0).values[cut : len(parts) - cut]
         return kept.mean(dim=0), None
+
+
+class ScaledFloat16(CompressionBase):
+    """Values divided by ``scale`` in float16, written as hivemind's mean-std float16 (means 0, scales
+    ``scale``), so that hivemind's own decoder reads them."""
+
+    compression_type = runtime_pb2.CompressionType.MEANSTD_16BIT
+    compressed = 0  # tensors compressed in this process, and the scales they were compressed with
+    scales: set[float] = set()
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
+        ScaledFloat16.compressed += 1
+        ScaledFloat16.scales.add(self.scale)
+        values = tensor.detach().cpu().float()
+        stats = [*values.shape[:-1], 1] if values.dim() else [1]
+        data = (values / self.scale).clamp(-65504, 65504).to(torch.float16)
+        scales = torch.full(stats, self.scale, dtype=torch.float32)
+        buffer = data.numpy().tobytes() + torch.zeros(stats).numpy().tobytes() + scales.numpy().tobytes()
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=buffer,
+            size=values.shape if values.dim() else [1],
+            dtype=tensor.detach().cpu().numpy().dtype.name,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return ScaledFloat16Compression().extract(serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 0.5
 
 
 class ParameterAverager(ServedInThread, RobustAveraging, Averager):
@@ -70,6 +115,7 @@ class ModelAveraging(Strategy):
             [p.detach().clone() for p in self.params],
             dht,
             aggregation=aggregation_of(run),
+            compression=grad_compression_of(peer),
             prefix=f"{run.run_id}_params",
             target_group_size=peer.target_group_size,
             min_matchmaking_time=peer.matchmaking_time,
@@ -201,5 +247,21 @@ class ModelAveraging(Strategy):
         raise NotImplementedError("model-averaging keeps no monitor copy of the swarm's state")
 
 
+def _share(value: float) -> str:
+    return "" if 0 <= value < 0.5 else f"must be in [0, 0.5), got {value}"
+
+
+def _positive(value: float) -> str:
+    return "" if value > 0 else f"must be positive, got {value}"
+
+
 register_strategy("model-averaging", ModelAveraging)
-register_aggregation("trimmed-mean", TrimmedMean)
+register_aggregation(
+    "trimmed-mean", TrimmedMean, {"trim": Parameter(0.25, "share cut at each end", check=_share)}
+)
+register_codec(
+    "scaled-fp16",
+    Codec(
+        "dense", 2, ScaledFloat16, {"scale": Parameter(1.0, "what values are divided by", check=_positive)}
+    ),
+)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from cotrain import config as cfg
+from cotrain.algorithms.parameters import parse_assignment
 from cotrain.errors import UserError
 
 DESCRIPTIONS = {
@@ -31,6 +32,17 @@ DESCRIPTIONS = {
 
 def _metavar(f: dataclasses.Field) -> str:
     return f.name.upper().split("_")[-1]
+
+
+class Assignments(argparse.Action):
+    """A repeatable ``--NAME-option KEY=VALUE`` flag of a table field: each one adds its key to the table."""
+
+    def __call__(self, parser, namespace, text, option_string=None) -> None:
+        try:
+            pair = parse_assignment(text)
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(namespace, self.dest, {**getattr(namespace, self.dest, {}), **pair})
 
 
 def int_or_auto(text: str) -> int:
@@ -71,6 +83,8 @@ def add_config_options(parser: argparse.ArgumentParser, role: str) -> None:
             kwargs.update(type=int_or_auto, metavar="N|auto", help=help_text)
         elif t is list:
             kwargs.update(nargs="+", action="extend", metavar=_metavar(f), help=f"{f.metadata['doc']}")
+        elif t is dict:
+            kwargs.update(action=Assignments, metavar="NAME=VALUE", help=f.metadata["doc"])
         else:
             shown = f" (default: {default})" if default not in ("", None) else ""
             kwargs.update(type=t, metavar=_metavar(f), help=f"{f.metadata['doc']}{shown}")

@@ -8,13 +8,20 @@ shape, finite) and their weights (the samples each sender reports, n) and return
 per sender, whether its copy lay far outside what the aggregation accepts (None: it judges nobody), which
 counts toward excluding that peer. ``robust`` aggregations also make the swarm count its progress robustly and
 each peer bound what it applies (cotrain.hivemind_ext.progress, cotrain.hivemind_ext.reducers).
+
+Every aggregation is built with the run's centered-clip settings (``tau``, ``iterations``) and the values of
+the parameters its registry line declares (``options``: ``--aggregation-option NAME=VALUE``, settled by
+``build``); an aggregation of one's own reads its own from ``self.options``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from cotrain.registry import aggregation_class
+from cotrain.algorithms.parameters import settle
+from cotrain.registry import aggregation_class, aggregation_parameters
 
 __all__ = ["Aggregation", "CenteredClip", "Mean", "build", "capped_weights", "centered_clip", "parse_tau"]
 
@@ -27,17 +34,18 @@ FAR_OUTSIDE = 2.0  # a contribution this many times tau from the result counts a
 
 class Aggregation:
     """The base of an aggregation part: its settings (``tau``: absolute, > 0, or None for auto;
-    ``iterations``), which the ones that need them read."""
+    ``iterations``), which the ones that need them read, and the values of its declared parameters
+    (``options``)."""
 
     name = ""
     robust = False
 
-    def __init__(self, tau: float | None = None, iterations: int = 5) -> None:
+    def __init__(self, tau: float | None = None, iterations: int = 5, **options: Any) -> None:
         if tau is not None and not tau > 0:
             raise ValueError(f"clip tau must be positive (or auto), got {tau}")
         if iterations < 1:
             raise ValueError(f"clip iterations must be at least 1, got {iterations}")
-        self.tau, self.iterations = tau, iterations
+        self.tau, self.iterations, self.options = tau, iterations, options
 
     def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
@@ -49,13 +57,17 @@ class Aggregation:
         return None
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and (other.tau, other.iterations) == (self.tau, self.iterations)
+        return type(other) is type(self) and self._settings() == other._settings()
 
     def __hash__(self) -> int:
-        return hash((type(self), self.tau, self.iterations))
+        return hash((type(self), *self._settings()))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(tau={self.tau}, iterations={self.iterations})"
+        options = "".join(f", {name}={value!r}" for name, value in sorted(self.options.items()))
+        return f"{type(self).__name__}(tau={self.tau}, iterations={self.iterations}{options})"
+
+    def _settings(self) -> tuple:
+        return self.tau, self.iterations, tuple(sorted(self.options.items()))
 
 
 class Mean(Aggregation):
@@ -85,9 +97,12 @@ class CenteredClip(Aggregation):
         return result, distance > FAR_OUTSIDE
 
 
-def build(name: str, tau: float | None = None, iterations: int = 5) -> Aggregation:
-    """The aggregation registered as ``name`` (cotrain.registry), with its settings."""
-    return aggregation_class(name)(tau=tau, iterations=iterations)
+def build(name: str, tau: float | None = None, iterations: int = 5, **options: Any) -> Aggregation:
+    """The aggregation registered as ``name`` (cotrain.registry), with its settings and the values of its
+    declared parameters (``options`` over their defaults; ValueError naming every unknown name or bad
+    value)."""
+    values = settle(f"aggregation {name}", aggregation_parameters(name), options)
+    return aggregation_class(name)(tau=tau, iterations=iterations, **values)
 
 
 def parse_tau(value: str | float | None) -> float | None:

@@ -299,11 +299,6 @@ class Raw:
         return ""
 
 
-def codec_of(outer_compression: str, density: float, bits: int, decay: float = 1.0) -> TopK | None:
-    """The codec of a run's ``outer_compression`` (None: dense rounds)."""
-    return TopK(density=density, bits=bits, decay=decay) if outer_compression == "topk" else None
-
-
 def flat(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """``tensors`` as one flat vector, in their order (what a codec encodes), written to ``out`` if given."""
     return torch.cat([t.reshape(-1) for t in tensors], out=out)

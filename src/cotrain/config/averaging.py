@@ -5,10 +5,20 @@ its own link and hardware; peers with different values still average together.""
 from dataclasses import dataclass
 from typing import ClassVar
 
+from cotrain.algorithms.parameters import option_problems
 from cotrain.config.fields import negative, not_positive, opt
+from cotrain.registry import codec, codec_names
 
 AVERAGING_ROLES = ("train", "demo")
-GRAD_COMPRESSIONS = ("fp16", "8bit", "none")
+
+
+def grad_compression_problems(name: str, options: dict) -> list[str]:
+    """What is wrong with a peer's --grad-compression and its options: a dense codec of cotrain.registry, and
+    the parameters it declares."""
+    choices = codec_names("dense")
+    if name not in choices:
+        return [f"grad_compression must be one of {', '.join(choices)}, got {name!r}"]
+    return option_problems(f"grad_compression {name}", codec(name).parameters, options)
 
 
 @dataclass
@@ -35,6 +45,13 @@ class AveragingConfig:
         "Compression of the gradients (diloco: the parameter changes) and parameters this peer sends: fp16, "
         "8bit (hivemind's uniform 8-bit quantization) or none (optimizer statistics and downloaded state "
         "always travel in full precision).",
+        roles=("train", "monitor", "eval", "demo"),
+    )
+    grad_compression_options: dict = opt(
+        {},
+        "The parameters of a --grad-compression codec that takes some, NAME=VALUE (repeat the flag for each; "
+        "[peer.grad_compression_options] in a file), checked against those it declares (cotrain.registry).",
+        flags=("--grad-compression-option",),
         roles=("train", "monitor", "eval", "demo"),
     )
     target_group_size: int = opt(
@@ -133,9 +150,7 @@ class AveragingConfig:
 
     def problems(self) -> list[str]:
         problems = []
-        if self.grad_compression not in GRAD_COMPRESSIONS:
-            choices = ", ".join(GRAD_COMPRESSIONS)
-            problems.append(f"grad_compression must be one of {choices}, got {self.grad_compression!r}")
+        problems += grad_compression_problems(self.grad_compression, self.grad_compression_options)
         problems += not_positive(
             self,
             "matchmaking_time",

@@ -5,11 +5,11 @@ with their hash, and a peer whose settings differ is refused."""
 from dataclasses import dataclass
 from typing import ClassVar
 
+from cotrain.algorithms.parameters import option_problems
 from cotrain.config.fields import ROLES_ALL, finite_problems, not_positive, opt
 from cotrain.families import family_problems
-from cotrain.registry import AGGREGATIONS, STRATEGIES
+from cotrain.registry import AGGREGATIONS, STRATEGIES, aggregation_parameters, codec, codec_names
 
-TOPK_BITS = (2, 4, 8)  # bits per value that --outer-compression topk can send
 # the outer step of sparse rounds unless given (SparseLoCo's): error feedback in place of momentum; a live
 # swarm with topk and the dense defaults (lr 0.7, Nesterov 0.9) diverged (docs/diloco.md)
 TOPK_OUTER_STEP = {"outer_lr": 1.0, "outer_momentum": 0.0}
@@ -151,6 +151,12 @@ class RunConfig:
         "topk (the largest --topk-density of every chunk of 4096 values, in --topk-bits bits, with error "
         "feedback: 97x fewer bytes than fp16 at the defaults; docs/diloco.md). Swarm-wide.",
     )
+    outer_compression_options: dict = opt(
+        {},
+        "A records codec's parameters other than topk's own flags, NAME=VALUE (repeat the flag for each; "
+        "[run.outer_compression_options] in a file), checked against those the codec declares. Swarm-wide.",
+        flags=("--outer-compression-option",),
+    )
     topk_density: float = opt(
         1 / 64, "topk: the share of each chunk's values a peer sends per round (a multiple of 8 per chunk)."
     )
@@ -176,6 +182,13 @@ class RunConfig:
         "contributions from their coordinate-wise median, per part).",
     )
     clip_iterations: int = opt(5, "centered-clip: iterations per part.")
+    aggregation_options: dict = opt(
+        {},
+        "The aggregation's parameters other than --clip-tau and --clip-iterations, NAME=VALUE (repeat the "
+        "flag for each; [run.aggregation_options] in a file), checked against those its registry line "
+        "declares (cotrain.registry). Swarm-wide.",
+        flags=("--aggregation-option",),
+    )
 
     @classmethod
     def from_dict(cls, values: dict) -> "RunConfig":
@@ -208,6 +221,9 @@ class RunConfig:
             problems.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.aggregation not in AGGREGATIONS:  # cotrain.registry: the parts every peer knows
             problems.append(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        else:
+            what, parameters = f"aggregation {self.aggregation}", aggregation_parameters(self.aggregation)
+            problems += option_problems(what, parameters, self.aggregation_options)
         problems += _outer_compression_problems(self)
         if not _tau_ok(self.clip_tau):
             problems.append(f"clip_tau must be auto or a positive number, got {self.clip_tau!r}")
@@ -218,21 +234,25 @@ class RunConfig:
 
 
 def _outer_compression_problems(run: "RunConfig") -> list[str]:
-    if run.outer_compression not in ("dense", "topk"):
-        return [f"outer_compression must be dense or topk, got {run.outer_compression!r}"]
+    records = codec_names("records")  # cotrain.registry
     problems = []
-    if not 0 < run.topk_density <= 0.5:
-        problems.append(f"topk_density must be in (0, 0.5], got {run.topk_density}")
-    if not 0 < run.topk_feedback_decay <= 1:
-        problems.append(f"topk_feedback_decay must be in (0, 1], got {run.topk_feedback_decay}")
-    if run.topk_bits not in TOPK_BITS:
-        problems.append(f"topk_bits must be one of {', '.join(map(str, TOPK_BITS))}, got {run.topk_bits}")
-    if run.outer_compression == "topk" and run.strategy != "diloco":
-        problems.append("outer_compression topk compresses DiLoCo's rounds: it needs --strategy diloco")
-    if run.outer_compression == "topk" and run.aggregation != "mean":
-        problems.append(
-            f"outer_compression topk averages sparse records with the mean only, not {run.aggregation}"
-        )
+    for name in records:  # the records codecs' parameters that run fields set (topk's), whichever is chosen
+        for p in codec(name).parameters.values():
+            if p.field and p.check is not None and (problem := p.check(getattr(run, p.field))):
+                problems.append(f"{p.field} {problem}")
+    if run.outer_compression not in ("dense", *records):
+        choices = ", ".join(("dense", *records))
+        return problems + [f"outer_compression must be one of {choices}, got {run.outer_compression!r}"]
+    if run.outer_compression == "dense":
+        if run.outer_compression_options:
+            problems.append("outer_compression_options are a records codec's: dense rounds take none")
+        return problems
+    what = f"outer_compression {run.outer_compression}"
+    problems += option_problems(what, codec(run.outer_compression).parameters, run.outer_compression_options)
+    if run.strategy != "diloco":
+        problems.append(f"{what} compresses DiLoCo's rounds: it needs --strategy diloco")
+    if run.aggregation != "mean":
+        problems.append(f"{what} averages sparse records with the mean only, not {run.aggregation}")
     return problems
 
 

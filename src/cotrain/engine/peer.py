@@ -39,7 +39,7 @@ import torch
 
 from cotrain import checkpoints as ck
 from cotrain.config import PeerConfig, RunConfig
-from cotrain.config.averaging import GRAD_COMPRESSIONS
+from cotrain.config.averaging import grad_compression_problems
 from cotrain.config.run import TOPK_OUTER_STEP
 from cotrain.engine.compute import flat_tensors, gradient_norm
 from cotrain.engine.handover import catch_up, leave_final_state
@@ -64,7 +64,9 @@ RUN_SETTINGS = (
     "aggregation",
     "clip_tau",
     "clip_iterations",
+    "aggregation_options",
     "outer_compression",
+    "outer_compression_options",
     "topk_density",
     "topk_bits",
     "topk_feedback_decay",
@@ -105,7 +107,10 @@ class SwarmPeer:
 
     ``aggregation="centered-clip"`` makes every reducer of the all-reduce combine its part with CenteredClip
     (``clip_tau``: "auto" or a radius; ``clip_iterations``) instead of the mean, against malicious peers
-    (docs/security.md); every peer of a run must use the same."""
+    (docs/security.md); every peer of a run must use the same. A registered part's own parameters go by
+    name: ``aggregation_options={"trim": 0.1}`` (swarm-wide), ``outer_compression_options`` (a records
+    codec's, swarm-wide) and ``grad_compression_options`` (this peer's --grad-compression codec's), each
+    checked against what the part declares (cotrain.registry)."""
 
     def __init__(
         self,
@@ -147,6 +152,8 @@ class SwarmPeer:
         aggregation: str = "mean",
         clip_tau: str | float = "auto",
         clip_iterations: int = 5,
+        aggregation_options: dict | None = None,
+        outer_compression_options: dict | None = None,
         config: tuple[RunConfig, PeerConfig] | None = None,
         connection: Any = None,
         stop: threading.Event | None = None,
@@ -191,6 +198,8 @@ class SwarmPeer:
                     aggregation=aggregation,
                     clip_tau=str(clip_tau),
                     clip_iterations=clip_iterations,
+                    aggregation_options=dict(aggregation_options or {}),
+                    outer_compression_options=dict(outer_compression_options or {}),
                 ),
                 dict(
                     initial_peers=list(initial_peers),
@@ -568,10 +577,9 @@ def _configs_of(run_settings: dict, peer_settings: dict, batch_size_per_step: in
     problems = [p for p in run.problems() if p.split()[0] in RUN_SETTINGS]
     if batch_size_per_step is not None and batch_size_per_step <= 0:
         problems.append(f"batch_size_per_step must be positive, got {batch_size_per_step}")
-    compression = peer_settings["grad_compression"]
-    if compression not in GRAD_COMPRESSIONS:
-        choices = ", ".join(GRAD_COMPRESSIONS)
-        problems.append(f"grad_compression must be one of {choices}, got {compression!r}")
+    problems += grad_compression_problems(
+        peer_settings["grad_compression"], peer_settings.get("grad_compression_options", {})
+    )
     timeouts = ("matchmaking_time", "averaging_timeout", "load_state_timeout")
     if any(peer_settings[name] <= 0 for name in timeouts):
         problems.append("matchmaking_time, averaging_timeout and load_state_timeout must be positive")

@@ -13,7 +13,6 @@ from hivemind.compression import (
     Float16Compression,
     NoCompression,
     RoleAdaptiveCompression,
-    Uniform8BitQuantization,
 )
 
 from cotrain import hivemind_ext as internals
@@ -21,6 +20,7 @@ from cotrain.hivemind_ext.auxiliary import contributors
 from cotrain.hivemind_ext.hooks import Optimizer
 from cotrain.hivemind_ext.liveness import RoundWatch, WatchedRounds
 from cotrain.hivemind_ext.progress import PING_TIMEOUT, forget_gone_peers
+from cotrain.registry import codec
 
 logger = logging.getLogger(__name__)
 
@@ -178,18 +178,21 @@ class SwarmOptimizer(Optimizer):
 LOAD_STATE_COMPRESSION = NoCompression()
 
 
-def gradient_compression(name: str) -> CompressionBase:
-    """What --grad-compression sends gradients (diloco: pseudo-gradients) as: fp16 (the default), 8bit
-    (hivemind's uniform 8-bit quantization) or none."""
-    if name == "8bit":
-        return Uniform8BitQuantization()
-    return Float16Compression() if name == "fp16" else NoCompression()
+def gradient_compression(name: str, options: dict | None = None) -> CompressionBase:
+    """What --grad-compression sends gradients (diloco: pseudo-gradients) as: the hivemind compression that
+    the dense codec ``name`` of cotrain.registry builds with its ``options`` (fp16, the default; 8bit,
+    hivemind's uniform 8-bit quantization; none)."""
+    dense = codec(name)
+    if dense.kind != "dense":
+        raise ValueError(f"grad_compression {name!r} is a {dense.kind} codec, not a dense one")
+    return dense.build(**dense.settings(options or {}, what=f"grad_compression {name}"))
 
 
 def state_compression(name: str) -> CompressionBase:
-    """State averaging: parameters in fp16 with --grad-compression fp16 or 8bit; tensors tagged as optimizer
-    statistics (LAMB/Adam moments, when averaged) and anything untagged stay in full precision."""
-    if name == "none":
+    """State averaging: parameters in fp16 with a lossy --grad-compression (fp16, 8bit); tensors tagged as
+    optimizer statistics (LAMB/Adam moments, when averaged) and anything untagged stay in full precision;
+    everything in full precision with a lossless one (none)."""
+    if codec(name).lossless:
         return NoCompression()
     return RoleAdaptiveCompression(
         parameter=Float16Compression(), optimizer=NoCompression(), default=NoCompression()

@@ -1,20 +1,27 @@
 """What both strategies build from a run's and a peer's settings (cotrain.config): the aggregation, the
-codec of a round, the averagers' and the progress tracker's options."""
+compression of what a peer sends, the codec of a round, the averagers' and the progress tracker's
+options."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from cotrain.algorithms.aggregation import build, parse_tau
-from cotrain.algorithms.sparse import codec_of
 from cotrain.config import PeerConfig, RunConfig
-from cotrain.hivemind_ext.optimizer import request_timeout
+from cotrain.hivemind_ext.optimizer import gradient_compression, request_timeout
+from cotrain.registry import codec
 
 
 def aggregation_of(run: RunConfig) -> Any:
-    """The aggregation part (cotrain.algorithms.aggregation) that a RunConfig names, with its settings."""
+    """The aggregation part (cotrain.algorithms.aggregation) that a RunConfig names, with its settings and
+    the values of its parameters (``aggregation_options``)."""
 
-    return build(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations)
+    return build(run.aggregation, parse_tau(run.clip_tau), run.clip_iterations, **run.aggregation_options)
+
+
+def grad_compression_of(peer: PeerConfig) -> Any:
+    """The hivemind compression that the peer's --grad-compression codec builds, with its options."""
+    return gradient_compression(peer.grad_compression, peer.grad_compression_options)
 
 
 def averager_options(peer: PeerConfig) -> dict:
@@ -43,5 +50,10 @@ def tracker_settings(peer: PeerConfig) -> dict:
 
 
 def round_codec(run: RunConfig) -> Any:
-    """The codec of DiLoCo's rounds that a RunConfig names (None: dense)."""
-    return codec_of(run.outer_compression, run.topk_density, run.topk_bits, run.topk_feedback_decay)
+    """What encodes DiLoCo's rounds: the records codec a RunConfig names, built with its parameters (topk's
+    from their own fields, the others from ``outer_compression_options``); None for dense rounds."""
+    if run.outer_compression == "dense":
+        return None
+    records = codec(run.outer_compression)
+    what = f"outer_compression {run.outer_compression}"
+    return records.build(**records.settings(run.outer_compression_options, run, what))

@@ -17,13 +17,20 @@ from cotrain.config import PeerConfig, RunConfig
 from cotrain.config.demo import DEMO_LOCAL_STEPS
 from cotrain.hivemind_ext.auxiliary import RoundReducer
 from cotrain.hivemind_ext.diloco_state import DiLoCoStateAverager, outer_optimizer_factory
-from cotrain.hivemind_ext.optimizer import gradient_compression, request_timeout, tracker_options
+from cotrain.hivemind_ext.optimizer import request_timeout, tracker_options
 from cotrain.hivemind_ext.outer import round_averager
 from cotrain.hivemind_ext.progress import tracker_class
 from cotrain.keys import progress_key, state_averager_prefix
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
+from cotrain.registry import codec
 from cotrain.strategies.base import CheckpointParts, HivemindStrategy
-from cotrain.strategies.builds import aggregation_of, averager_options, round_codec, tracker_settings
+from cotrain.strategies.builds import (
+    aggregation_of,
+    averager_options,
+    grad_compression_of,
+    round_codec,
+    tracker_settings,
+)
 from cotrain.strategies.diloco_rounds import DiLoCoOptimizer
 
 __all__ = ["DiLoCoStrategy", "diloco_reducer"]
@@ -162,7 +169,8 @@ class DiLoCoStrategy(HivemindStrategy):
             matchmaking_time=peer.matchmaking_time,
             averaging_timeout=peer.averaging_timeout,
             load_state_timeout=peer.load_state_timeout,
-            compression=gradient_compression(peer.grad_compression),
+            compression=grad_compression_of(peer),
+            bytes_per_value=codec(peer.grad_compression).bytes_per_value,
             batch_size_per_step=batch_size_per_step,
             averager_opts=averager_opts,
             aggregation=aggregation_of(run),
@@ -287,7 +295,7 @@ def diloco_reducer(dht: Any, run: RunConfig, peer: PeerConfig, model: torch.nn.M
         dht,
         run_id=run.run_id,
         codec=round_codec(run),
-        compression=gradient_compression(peer.grad_compression),
+        compression=grad_compression_of(peer),
         aggregation=aggregation,
         matchmaking_time=peer.matchmaking_time,
         request_timeout=request_timeout,

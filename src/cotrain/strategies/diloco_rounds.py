@@ -106,6 +106,7 @@ class DiLoCoOptimizer(OverlappedRounds):
         averaging_timeout: float,
         load_state_timeout: float,
         compression: CompressionBase,
+        bytes_per_value: float = 2.0,
         batch_size_per_step: int | None = None,
         averager_opts: dict | None = None,
         aggregation: Aggregation = Mean(),
@@ -120,6 +121,7 @@ class DiLoCoOptimizer(OverlappedRounds):
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
         self.load_state_timeout, self.batch_size_per_step = load_state_timeout, batch_size_per_step
         self.compression, self.codec = compression, codec
+        self.bytes_per_value = bytes_per_value  # of ``compression`` on the wire (cotrain.registry)
         params = list(params)
         dicts = bool(params) and isinstance(params[0], dict)
         groups = [dict(g, params=list(g["params"])) for g in params] if dicts else [{"params": params}]
@@ -503,10 +505,10 @@ class DiLoCoOptimizer(OverlappedRounds):
     def _count_round(self, size: int, full: bool) -> int:
         """Count a successful round of ``size`` peers (returned) and the payload this peer sent in it."""
         self.rounds_averaged += 1
-        per_value = {"Float16Compression": 2, "NoCompression": 4}.get(type(self.compression).__name__, 1)
         # butterfly all-reduce of the changes (or the codec records) and the outer state when carried: a peer
         # sends (n-1)/n of its vector, and the averages of its part to the n-1 others
-        changes = self.numel * per_value if self.codec is None else self.codec.encoded_size(self.numel)
+        codec = self.codec
+        changes = self.numel * self.bytes_per_value if codec is None else codec.encoded_size(self.numel)
         vector = changes + (self.numel * (1 + self.momentum) * self.state_bytes if full else 0)
         sent = int(2 * vector * (size - 1) / size) if size > 1 else 0
         self.last_round_bytes = sent

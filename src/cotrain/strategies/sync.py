@@ -19,7 +19,6 @@ from cotrain.hivemind_ext.liveness import cancel_controls
 from cotrain.hivemind_ext.optimizer import (
     LOAD_STATE_COMPRESSION,
     SwarmOptimizer,
-    gradient_compression,
     request_timeout,
     state_compression,
     tracker_options,
@@ -28,7 +27,7 @@ from cotrain.hivemind_ext.statecheck import CheckedTrainingStateAverager
 from cotrain.keys import progress_key, state_averager_prefix
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 from cotrain.strategies.base import HivemindStrategy
-from cotrain.strategies.builds import aggregation_of, averager_options, tracker_settings
+from cotrain.strategies.builds import aggregation_of, averager_options, grad_compression_of, tracker_settings
 
 __all__ = ["SyncStrategy", "sync_optimizer"]
 
@@ -144,7 +143,7 @@ def sync_optimizer(
         matchmaking_time=peer.matchmaking_time,
         averaging_timeout=peer.averaging_timeout,
         load_state_timeout=peer.load_state_timeout,
-        grad_compression=gradient_compression(peer.grad_compression),
+        grad_compression=grad_compression_of(peer),
         state_averaging_compression=state_compression(peer.grad_compression),
         load_state_compression=LOAD_STATE_COMPRESSION,
         average_state_every=1,
