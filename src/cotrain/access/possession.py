@@ -17,6 +17,11 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils import TimedStorage, get_dht_time
+
+from cotrain.access.crypto import PublicKey
+
 MAX_CLOCK_SKEW = 60.0  # seconds between a request's time and the answering peer's clock
 NONCE_BYTES = 16  # a request's nonce (8 to 64 are accepted)
 
@@ -39,7 +44,6 @@ def payload(purpose: str, run_id: str, asker: bytes, asked: bytes, t: float, non
 def prove(access: Any, purpose: str, asker: bytes, asked: bytes) -> Proof:
     """This peer's proof (``access``: its cotrain.access.AccessControl) for one request from ``asker`` (this
     peer) to ``asked``."""
-    from hivemind.utils import get_dht_time
 
     own = access.own()
     t, nonce = get_dht_time(), secrets.token_bytes(NONCE_BYTES)
@@ -52,7 +56,6 @@ class SeenNonces:
     refused by their time): a request is answered once."""
 
     def __init__(self) -> None:
-        from hivemind.utils import TimedStorage
 
         self._seen = TimedStorage()
 
@@ -69,10 +72,6 @@ def refusal(
     """Why a request from ``asker`` to ``asked`` (this peer) with ``proof`` is not answered, in one phrase, or
     None: its token is not one the swarm (``access``) accepts, or the request does not prove that the asker
     holds the token's key, freshly and for this peer (see the module's doc). Its nonce is then seen."""
-    from hivemind.proto.auth_pb2 import AccessToken
-    from hivemind.utils import get_dht_time
-
-    from cotrain.access.crypto import PublicKey
 
     try:
         token = AccessToken.FromString(proof.token) if proof.token else None

@@ -4,13 +4,30 @@ final state to the monitor's checkpoint before it goes (both for ``SwarmPeer``, 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from cotrain.config import PeerConfig, RunConfig
 from cotrain.net.served import served_epochs
 
-if TYPE_CHECKING:
-    from cotrain.engine.peer import SwarmPeer
+
+class Joined(Protocol):
+    """What the handover reads of a peer that joined (cotrain.engine.peer.SwarmPeer)."""
+
+    strategy: Any
+    connection: Any
+    run: RunConfig
+    peer_config: PeerConfig
+    events: Callable[[str, dict], None]
+
+    @property
+    def dht(self) -> Any: ...
+
+    @property
+    def global_step(self) -> int: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -18,19 +35,19 @@ CATCH_UP_WAIT = 5.0  # seconds a newcomer waits to see other peers before decidi
 POLL = 0.5  # seconds between looks at the DHT while waiting
 
 
-def newest_served(peer: SwarmPeer) -> int:
+def newest_served(peer: Joined) -> int:
     """The newest step that another peer (a trainer, or a monitor with no trainer left) declares it serves."""
     me = peer.dht.peer_id.to_bytes()
     return int(max((e for p, e in served_epochs(peer.dht, peer.run.run_id).items() if p != me), default=0))
 
 
-def catch_up(peer: SwarmPeer) -> None:
+def catch_up(peer: Joined, stop: threading.Event) -> int:
     """Load the swarm's state when others are already further along (bounded, with a message).
 
     A peer given initial peers waits up to ``CATCH_UP_WAIT`` seconds to see either another trainer's progress
     or a state served (a resumed monitor serves its checkpoint before any trainer is back) before it decides
-    that it starts the run."""
-    strategy, stop = peer.strategy, peer._stop
+    that it starts the run. Returns the global step it starts from."""
+    strategy = peer.strategy
     deadline = time.monotonic() + min(CATCH_UP_WAIT, peer.peer_config.load_state_timeout)
     served = newest_served(peer)
     if peer.peer_config.initial_peers:  # the first peer has nobody to wait for
@@ -48,11 +65,11 @@ def catch_up(peer: SwarmPeer) -> None:
         strategy.load_state_from_peers()
         loaded = peer.global_step > before
         logger.info(f"Starting from global step {peer.global_step}")
-    peer._last_epoch = peer.global_step
     peer.events("started", {"step": peer.global_step, "swarm_step": swarm_step, "loaded": loaded})
+    return peer.global_step
 
 
-def leave_final_state(peer: SwarmPeer, timeout: float | None = None) -> bool:
+def leave_final_state(peer: Joined, stop: threading.Event, timeout: float | None = None) -> bool:
     """Announce that ``peer`` is leaving (a monitor then fetches the newest state at once) and keep serving
     its state until a monitor serves one at least as new, for up to ``timeout`` seconds (default:
     load_state_timeout + 30). Returns whether a monitor has it; False at once when no monitor keeps
@@ -78,7 +95,7 @@ def leave_final_state(peer: SwarmPeer, timeout: float | None = None) -> bool:
         f"(waiting up to {timeout:.0f} s)"
     )
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not peer._stop.wait(1.0):
+    while time.monotonic() < deadline and not stop.wait(1.0):
         if has_it():
             logger.info(f"The monitor holds global step {step}")
             peer.events("leaving", {"step": step, "monitor_has_it": True})

@@ -15,34 +15,43 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cotrain.engine.backup import BackupGuard
 from cotrain.faults import Attack, Faults
 from cotrain.host.cores import CoreShare
 from cotrain.net.healing import SwarmHealer
 
-if TYPE_CHECKING:
-    from cotrain.engine.peer import SwarmPeer
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["CoreSharing", "FaultInjection", "Healing", "NanGuard", "Part"]
+__all__ = ["CoreSharing", "FaultInjection", "Healing", "NanGuard", "Part", "Stepping"]
+
+
+class Stepping(Protocol):
+    """What the parts read of the peer whose step calls them (cotrain.engine.peer.SwarmPeer)."""
+
+    strategy: Any
+    trained_tensors: list[Any]
+
+    @property
+    def global_step(self) -> int: ...
+
+    def adopt_swarm_state(self, floor: int = 0) -> None: ...
 
 
 class Part:
     """A part of a peer: every point a no-op unless the part needs it."""
 
-    def before_step(self, peer: SwarmPeer) -> None:
+    def before_step(self, peer: Stepping) -> None:
         pass
 
-    def outgoing(self, peer: SwarmPeer, samples: int) -> int:
+    def outgoing(self, peer: Stepping, samples: int) -> int:
         return samples
 
-    def dropped(self, peer: SwarmPeer, loss_ok: bool) -> None:
+    def dropped(self, peer: Stepping, loss_ok: bool) -> None:
         pass
 
-    def after_global_step(self, peer: SwarmPeer) -> None:
+    def after_global_step(self, peer: Stepping) -> None:
         pass
 
     def close(self) -> None:
@@ -57,7 +66,7 @@ class CoreSharing(Part):
 
         self.share = CoreShare().start()
 
-    def before_step(self, peer: SwarmPeer) -> None:
+    def before_step(self, peer: Stepping) -> None:
         self.share.apply()  # another peer of this machine started or left: follow the new share
 
     def close(self) -> None:
@@ -77,7 +86,7 @@ class Healing(Part):
     def rejoins(self) -> int:
         return self.healer.rejoins
 
-    def before_step(self, peer: SwarmPeer) -> None:
+    def before_step(self, peer: Stepping) -> None:
         if self.healer.resync.is_set():
             self.healer.resync.clear()
             peer.adopt_swarm_state(self.healer.epoch_when_isolated)
@@ -95,11 +104,11 @@ class NanGuard(Part):
         self.guard = BackupGuard(strategy, every)
         self.guard.after_global_step()  # the first backup: the state this peer starts from
 
-    def dropped(self, peer: SwarmPeer, loss_ok: bool) -> None:
+    def dropped(self, peer: Stepping, loss_ok: bool) -> None:
         if not loss_ok:
             self.guard.after_bad_loss()  # restores the backup when the parameters are the cause
 
-    def after_global_step(self, peer: SwarmPeer) -> None:
+    def after_global_step(self, peer: Stepping) -> None:
         self.guard.after_global_step()  # non-finite parameters: restore the backup; else back up when due
 
 
@@ -119,14 +128,14 @@ class FaultInjection(Part):
             return cls(faults, attack)
         return None
 
-    def before_step(self, peer: SwarmPeer) -> None:
+    def before_step(self, peer: Stepping) -> None:
         self.faults.poison_gradients(peer.trained_tensors, peer.global_step)
 
-    def outgoing(self, peer: SwarmPeer, samples: int) -> int:
+    def outgoing(self, peer: Stepping, samples: int) -> int:
         # an attacker's gradient goes on the wire past the peer's own checks
         return self.attack.before_step(peer.trained_tensors, samples)
 
-    def after_global_step(self, peer: SwarmPeer) -> None:
+    def after_global_step(self, peer: Stepping) -> None:
         with peer.strategy.training_state() as (optimizer, _, params):
             targets = [params[0], optimizer.param_groups[0]["params"][0]]
             self.faults.corrupt_parameters(targets, peer.global_step)

@@ -344,7 +344,7 @@ class SwarmPeer:
     def catch_up(self) -> None:
         """Load the swarm's state when others are already further along (bounded, with a message)."""
 
-        catch_up(self)
+        self._last_epoch = catch_up(self, self._stop)
 
     def start(self) -> None:
         """Start healing (re-joining after a partition) and, with ``backup_every_steps``, the NaN guard's
@@ -517,7 +517,7 @@ class SwarmPeer:
         swarm's checkpoints has this peer's final state (cotrain.engine.handover). Waits up to ``timeout``
         seconds (default: load_state_timeout + 30); returns whether a monitor has it."""
 
-        return leave_final_state(self, timeout)
+        return leave_final_state(self, self._stop, timeout)
 
     # --- checkpoints ------------------------------------------------------------------------------
 

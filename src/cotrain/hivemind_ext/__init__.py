@@ -55,7 +55,7 @@ def install() -> None:
                 f"hivemind {hivemind.__version__} lacks what cotrain overrides or reads: {', '.join(gone)} "
                 f"(install hivemind=={HIVEMIND_VERSION})"
             )
-        from cotrain.hivemind_ext import fixes
+        from cotrain.hivemind_ext import fixes  # deferred: read once hivemind is checked
 
         fixes.apply()
         _done.append(True)

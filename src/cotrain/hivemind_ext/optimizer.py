@@ -19,7 +19,9 @@ from cotrain import hivemind_ext as internals
 from cotrain.hivemind_ext.auxiliary import contributors
 from cotrain.hivemind_ext.hooks import Optimizer
 from cotrain.hivemind_ext.liveness import RoundWatch, WatchedRounds
-from cotrain.hivemind_ext.progress import PING_TIMEOUT, forget_gone_peers
+from cotrain.hivemind_ext.progress import PING_TIMEOUT, forget_gone_peers, tracker_class
+from cotrain.hivemind_ext.statecheck import CheckedTrainingStateAverager
+from cotrain.keys import progress_key, state_averager_prefix
 from cotrain.registry import codec
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,6 @@ class SwarmOptimizer(Optimizer):
     def make_progress_tracker(self, target_batch_size: int, **kwargs):
         """hivemind's tracker, or with ``robust_progress`` the one that caps what peers claim
         (cotrain.hivemind_ext.progress)."""
-        from cotrain.hivemind_ext.progress import tracker_class
 
         return tracker_class(self.robust_progress)(
             dht=self.dht,
@@ -82,8 +83,6 @@ class SwarmOptimizer(Optimizer):
     def make_state_averager(self, **kwargs):
         """hivemind's state averager (with the arguments hivemind.Optimizer gives it), its downloads checked
         against the fingerprints that peers publish of their state (cotrain.hivemind_ext.statecheck)."""
-        from cotrain.hivemind_ext.statecheck import CheckedTrainingStateAverager
-        from cotrain.keys import progress_key, state_averager_prefix
 
         return CheckedTrainingStateAverager(
             dht=self.dht,

@@ -55,6 +55,7 @@ from hivemind.optim.progress_tracker import (
 from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from cotrain.access.voters import one_vote_each, voters_of
 from cotrain.hivemind_ext.hooks import Tracker
 
 logger = logging.getLogger(__name__)
@@ -236,7 +237,6 @@ class SwarmProgressTracker(Tracker):
     def _live(self, metadata: Any) -> Any:
         """``metadata`` without the records of peers found gone whose record has not changed since; in a
         private swarm, one record per participant (cotrain.access.voters)."""
-        from cotrain.access.voters import one_vote_each, voters_of
 
         if isinstance(metadata, dict):
             metadata = one_vote_each(metadata, voters_of(getattr(self, "dht", None)), newest=_record_time)

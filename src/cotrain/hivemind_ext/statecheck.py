@@ -92,9 +92,17 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
 from pydantic.v1 import BaseModel, conbytes, confloat, conint, conlist, constr, root_validator
 
 from cotrain.access.voters import one_vote_each, voters_of
@@ -127,6 +135,7 @@ from cotrain.algorithms.fingerprint import (  # noqa: F401 (re-exported)
 )
 from cotrain.algorithms.lineage import LINEAGE_BYTES
 from cotrain.algorithms.statelimit import StateBudget, StateTooLarge, state_bound
+from cotrain.faults import PoisonedState
 from cotrain.hivemind_ext.direct import DirectTransport
 from cotrain.hivemind_ext.hooks import Averager
 from cotrain.hivemind_ext.hosting import ServedInThread, join_at_exit
@@ -286,7 +295,6 @@ class FingerprintPublisher(threading.Thread):
         """Publish the holder's fingerprint if its step, its sampled values or the lineage it attests changed
         since the last one (the norms, a pass over every parameter, are computed only then), or REPUBLISH
         seconds went by."""
-        from hivemind.utils import get_dht_time
 
         holder = self.holder
         last_epoch, last_samples, last_time, last_lineage = self.published
@@ -351,7 +359,6 @@ class CheckedStateDownloads(Averager):
         monitor (or evaluation peer), which never averages: it answers state downloads only. An auxiliary
         reducer's (``auxiliary=True``) answers all-reduces only, and publishes no fingerprint: the state it
         holds is not the swarm's (it reduces for others and never steps)."""
-        from cotrain.faults import PoisonedState
 
         if keeps_state:
             self.serve_only(frozenset({"rpc_download_state"}))
@@ -440,8 +447,6 @@ class CheckedStateDownloads(Averager):
         """hivemind's download of the state from peers (an adapted copy: its entry in
         cotrain.hivemind_ext.manifest), with each donor's state checked against the published fingerprints
         before it is handed to ``load_state_from_peers``."""
-        from hivemind.p2p import PeerID
-        from hivemind.utils.timed_storage import ValueWithExpiration
 
         # done a little before the caller stops waiting, so that a state found late is still taken
         deadline = None if timeout is None else time.monotonic() + timeout - min(2.0, timeout / 10)
@@ -542,7 +547,6 @@ class CheckedStateDownloads(Averager):
     def _progress_epochs(self, key: str) -> list[tuple[int, bool]]:
         """(epoch, client mode) of the other peers' progress records under ``key``, one per participant in a
         private swarm; malformed and expired records count for nothing."""
-        from hivemind.optim.progress_tracker import LocalTrainingProgress
 
         found = self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
@@ -651,10 +655,6 @@ class CheckedStateDownloads(Averager):
             return None
 
     async def _download_from(self, peer: Any, chunk_timeout: float | None):
-        from hivemind.compression import deserialize_torch_tensor
-        from hivemind.proto import averaging_pb2
-        from hivemind.utils.asyncio import aiter_with_timeout
-        from hivemind.utils.streaming import combine_from_streaming
 
         started = time.monotonic()
         logger.info(f"Downloading the state from peer {peer}")

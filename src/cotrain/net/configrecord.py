@@ -22,8 +22,10 @@ from collections import Counter
 from typing import Any
 
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, confloat, constr, root_validator
 
+from cotrain.access.voters import one_vote_each, voters_of
 from cotrain.errors import UserError
 from cotrain.keys import RUNS_KEY, config_key
 
@@ -159,7 +161,6 @@ def swarm_record(
 ) -> tuple[ConfigRecord, int] | None:
     """The config most peers publish (ties: the one published first), and how many peers publish it; with
     ``voters`` (a private swarm), most participants, one vote each (cotrain.access.voters)."""
-    from cotrain.access.voters import one_vote_each
 
     records = one_vote_each(records, voters, newest=lambda r: r.time)
     if not records:
@@ -181,7 +182,6 @@ def check_agreement(
 ) -> None:
     """Raise ConfigMismatch naming every differing field when this peer's config is not the swarm's (with
     ``voters``, a private swarm's: one vote per participant)."""
-    from cotrain.access.voters import one_vote_each
 
     others = one_vote_each({k: r for k, r in records.items() if k != public_key}, voters, lambda r: r.time)
     found = swarm_record(others)
@@ -205,7 +205,6 @@ def check_agreement(
 def join_check(dht: Any, run_id: str, mine: ConfigRecord, public_key: bytes, initial_peers: list) -> None:
     """Refuse a config that differs from the swarm's; warn when nobody of this run is found (with the runs
     that this DHT carries) although initial peers were given."""
-    from cotrain.access.voters import voters_of
 
     records = read_configs(dht, run_id)
     check_agreement(records, mine, run_id, public_key, voters_of(dht))
@@ -231,7 +230,6 @@ class ConfigPublisher(threading.Thread):
         self._closed = threading.Event()
 
     def publish(self) -> None:
-        from hivemind.utils import get_dht_time
 
         expiration = get_dht_time() + CONFIG_EXPIRATION
         value = self.record.dict()

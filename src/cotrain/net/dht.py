@@ -17,6 +17,8 @@ from cotrain.hivemind_ext.authorizer import SwarmAuthorizer, start_access_servic
 from cotrain.hivemind_ext.dht import SwarmDHT
 from cotrain.hivemind_ext.unexported import Multiaddr
 from cotrain.hivemind_ext.validators import RevocationsValidator
+from cotrain.host.shm import share_by_descriptors
+from cotrain.net.identity import check_identity_free, ensure_identity
 from cotrain.net.probe import probe_refusal, refused_message
 
 logger = logging.getLogger(__name__)
@@ -133,8 +135,6 @@ def create_dht(
     record_validators = list(record_validators)
     identity: dict = {}
     if identity_path:
-        from cotrain.net.identity import check_identity_free, ensure_identity
-
         peer_id = ensure_identity(identity_path)
         check_identity_free(identity_path, peer_id, initial_peers, startup_timeout)
         # checked above; hivemind's own check would start a node with router port mapping on
@@ -147,7 +147,6 @@ def create_dht(
         # the revocation list in the DHT is guarded; requests carry this peer's token
         record_validators.append(RevocationsValidator(access.revocations_key, access.authority_public_key))
         private = {"access": access, "authorizer": SwarmAuthorizer(access)}
-    from cotrain.host.shm import share_by_descriptors
 
     share_by_descriptors()  # before the DHT's process, the averagers' and their tensors
     options = dict(

@@ -35,7 +35,9 @@ from hivemind.p2p import PeerID
 
 from cotrain.hivemind_ext.hooks import p2p_client
 from cotrain.hivemind_ext.hosting import join_at_exit
+from cotrain.hivemind_ext.optimizer import load_state_bounded
 from cotrain.hivemind_ext.unexported import Multiaddr
+from cotrain.net.served import served_epochs
 
 if TYPE_CHECKING:
     from cotrain.hivemind_ext.optimizer import SwarmOptimizer
@@ -218,8 +220,6 @@ def adopt_swarm_state(opt: SwarmOptimizer, run_id: str, timeout: float, should_s
     (the step at which this peer was cut off: see the module's doc). Call it from the training thread, between
     two optimizer steps. Tries the peers that serve the state until one delivers, for up to ``timeout``
     seconds. Returns True if the swarm's state was loaded."""
-    from cotrain.hivemind_ext.optimizer import load_state_bounded
-    from cotrain.net.served import served_epochs
 
     averager = opt.state_averager
     me = opt.dht.peer_id.to_bytes()

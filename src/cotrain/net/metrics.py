@@ -16,8 +16,10 @@ from typing import Any
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, confloat, conint, constr
 
+from cotrain.access.voters import one_vote_each, voters_of, voters_validators
 from cotrain.hivemind_ext.statecheck import fingerprint_validators
 from cotrain.keys import eval_key, metrics_key
 from cotrain.net.configrecord import schema_validators
@@ -80,7 +82,6 @@ class EvalSchema(BaseModel):
 
 def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
     """The record validators every peer of a run installs, and this process's public key (its subkey)."""
-    from cotrain.access.voters import voters_validators
 
     signature_validator = RSASignatureValidator()
     validators = [
@@ -116,7 +117,6 @@ def read_records(dht: Any, key: str, schema: type[BaseModel], what: str) -> dict
 def store_record(dht: Any, key: str, public_key: bytes, record: BaseModel, expiration: float) -> None:
     """Store ``record`` under this peer's subkey (its public key: only it can write there), valid for
     ``expiration`` seconds; does not wait for the store to complete."""
-    from hivemind.utils import get_dht_time
 
     dht.store(
         key=key,
@@ -130,7 +130,6 @@ def store_record(dht: Any, key: str, public_key: bytes, record: BaseModel, expir
 def read_metrics(dht: Any, run_id: str) -> dict[Any, LocalMetrics]:
     """The latest valid metrics record of every trainer (in a private swarm: of every participant, one each,
     cotrain.access.voters)."""
-    from cotrain.access.voters import one_vote_each, voters_of
 
     records = read_records(dht, metrics_key(run_id), LocalMetrics, "metrics")
     return one_vote_each(records, voters_of(dht), newest=lambda r: r.time)

@@ -34,7 +34,10 @@ import logging
 import time
 from typing import Any
 
+from hivemind.p2p import P2P, PeerID
+
 from cotrain.access import possession
+from cotrain.access.wire import build_messages
 from cotrain.faults import unreachable_addresses
 from cotrain.hivemind_ext.hooks import p2p_client
 from cotrain.hivemind_ext.unexported import Multiaddr
@@ -60,7 +63,6 @@ BUSY = "busy"  # the detail of an answer that refused at once: too many requests
 @functools.cache
 def messages():
     """The dial-back request and answer, built at first use from a descriptor."""
-    from cotrain.access.wire import build_messages
 
     return build_messages(
         "cotrain_dialback.proto",
@@ -186,7 +188,6 @@ class DialBackService:
 async def dial(peer: Any, addresses: list[str], timeout: float = DIAL_TIMEOUT) -> bool:
     """Whether ``peer`` could be dialed at ``addresses`` from a new, dial-only libp2p host (a new connection,
     whatever connections this process has)."""
-    from hivemind.p2p import P2P
 
     probe = await P2P.create(
         host_maddrs=[],
@@ -242,7 +243,6 @@ def dial_back(
 async def _dial_back(
     initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str], timeout: float, access: Any
 ) -> Reachability:
-    from hivemind.p2p import P2P, PeerID
 
     host = await P2P.create(
         host_maddrs=host_maddrs,

@@ -27,8 +27,11 @@ import json
 import logging
 from typing import Any
 
+from hivemind.p2p import PeerID
+
 from cotrain.access import possession
 from cotrain.access.possession import MAX_CLOCK_SKEW, SeenNonces  # noqa: F401 (re-exported)
+from cotrain.access.wire import build_messages
 from cotrain.net.configrecord import MAX_CONFIG_CHARS, ConfigRecord
 
 logger = logging.getLogger(__name__)
@@ -43,7 +46,6 @@ PURPOSE = "cotrain-config-request/1"  # what a private swarm's request proves it
 @functools.cache
 def messages():
     """The request and answer of the config handler, built at first use from a descriptor."""
-    from cotrain.access.wire import build_messages
 
     # token: a private swarm's, with its proof (time, nonce, signature: request_payload); record: JSON,
     # empty when there is none
@@ -163,7 +165,6 @@ async def _ask(
 ) -> tuple[str, ConfigRecord, bytes] | None:
     """Runs in the DHT's loop: the first of ``peers`` (in order) that answers with its config record (and the
     key that signs its records, b"" from a peer that does not say)."""
-    from hivemind.p2p import PeerID
 
     m = messages()
     access = _access(node)
