@@ -324,6 +324,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 @pytest.mark.parametrize("doc", ["models.md", "options.md", "diloco.md"])
 def test_the_toml_examples_in_the_docs_resolve(doc, tmp_path):
+    import toy_parts  # noqa: F401  (registers the parts whose parameters options.md's example sets)
+
     blocks = re.findall(r"```toml\n(.*?)```", (DOCS / doc).read_text(), flags=re.S)
     assert blocks, f"docs/{doc} has no TOML example"
     for i, block in enumerate(blocks):

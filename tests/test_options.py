@@ -484,8 +484,8 @@ def test_tracker_options_reach_hivemind_with_their_names():
 
     from hivemind.optim.progress_tracker import ProgressTracker
 
-    from cotrain.strategies.builds import tracker_settings
     from cotrain.hivemind_ext.optimizer import tracker_options
+    from cotrain.strategies.builds import tracker_settings
 
     _, c = cli.parse(
         [
