@@ -195,7 +195,7 @@ def peer_main(args: argparse.Namespace) -> None:
     while not quit_.is_set():
         time.sleep(args.step_time)  # the simulated forward/backward passes
         swarm.step(batch_size=samples, zero_grad=False)
-        averaged, failed = swarm.strategy.rounds
+        averaged, failed = swarm.strategy.progress.rounds_averaged, swarm.strategy.progress.rounds_failed
         if averaged and not contributing and swarm.last_group_size > 1:
             contributing = True
             say(contributing=time.monotonic() - launched, group=swarm.last_group_size)

@@ -205,10 +205,10 @@ def peer_main(args: argparse.Namespace) -> None:
                 in_step=in_step,
                 on_device=on_device[0],
                 round_end=round_end[0],
-                rounds=list(swarm.strategy.rounds),
+                rounds=[swarm.strategy.progress.rounds_averaged, swarm.strategy.progress.rounds_failed],
                 samples=trained,
                 bytes_sent=getattr(opt, "bytes_sent", 0),  # diloco: the engine's count of its payload
-                round_bytes=swarm.strategy.round_bytes,
+                round_bytes=swarm.strategy.progress.round_bytes,
             )
     say(done=epoch)
     swarm.shutdown()

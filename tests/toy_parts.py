@@ -33,7 +33,7 @@ from cotrain.hivemind_ext.hooks import Averager
 from cotrain.hivemind_ext.hosting import ServedInThread
 from cotrain.hivemind_ext.reducers import RobustAveraging
 from cotrain.registry import register_aggregation, register_codec, register_strategy
-from cotrain.strategies.base import Strategy
+from cotrain.strategies.base import Progress, Strategy
 from cotrain.strategies.builds import aggregation_of, grad_compression_of
 
 
@@ -134,28 +134,16 @@ class ModelAveraging(Strategy):
         return self.averager.round
 
     @property
-    def swarm_step(self) -> int:
-        return max(self.global_step, int(self.tracker.global_epoch))
-
-    @property
-    def swarm_samples(self) -> int:
-        return int(self.tracker.global_progress.samples_accumulated)
-
-    @property
-    def num_peers(self) -> int:
-        return int(self.tracker.global_progress.num_peers)
-
-    @property
-    def last_group_size(self) -> int:
-        return self.group
-
-    @property
-    def rounds(self) -> tuple[int, int]:
-        return self.averaged, self.failed
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.samples / max(time.monotonic() - self.started, 1e-3)
+    def progress(self) -> Progress:
+        return Progress(
+            swarm_step=max(self.global_step, int(self.tracker.global_epoch)),
+            swarm_samples=int(self.tracker.global_progress.samples_accumulated),
+            num_peers=int(self.tracker.global_progress.num_peers),
+            group_size=self.group,
+            rounds_averaged=self.averaged,
+            rounds_failed=self.failed,
+            samples_per_second=self.samples / max(time.monotonic() - self.started, 1e-3),
+        )
 
     @property
     def batch_size_per_step(self) -> int | None:

@@ -112,6 +112,6 @@ class BackupGuard:
             logger.warning(f"{reason}: restored the backup of global step {self.step}")
         strategy.state_replaced()
         self.restores += 1
-        if strategy.num_peers > 1:
+        if strategy.progress.num_peers > 1:
             logger.info("Loading the swarm's current state after the restore")
             strategy.load_state_from_peers()

@@ -51,14 +51,19 @@ def catch_up(peer: Joined, stop: threading.Event) -> int:
     deadline = time.monotonic() + min(CATCH_UP_WAIT, peer.peer_config.load_state_timeout)
     served = newest_served(peer)
     if peer.peer_config.initial_peers:  # the first peer has nobody to wait for
-        while strategy.num_peers <= 1 and not served and time.monotonic() < deadline and not stop.is_set():
+        while (
+            strategy.progress.num_peers <= 1
+            and not served
+            and time.monotonic() < deadline
+            and not stop.is_set()
+        ):
             time.sleep(POLL)
             served = newest_served(peer)
-    swarm_step = max(strategy.swarm_step, served or newest_served(peer))
+    swarm_step = max(strategy.progress.swarm_step, served or newest_served(peer))
     loaded = False
     if swarm_step > peer.global_step:
         logger.info(
-            f"The swarm is at step {swarm_step} ({strategy.num_peers} peers): loading its current "
+            f"The swarm is at step {swarm_step} ({strategy.progress.num_peers} peers): loading its current "
             f"state (waiting up to {peer.peer_config.load_state_timeout:.0f} s)"
         )
         before = peer.global_step

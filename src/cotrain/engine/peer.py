@@ -26,12 +26,11 @@ hivemind requires the peer to be created in the main thread of its process, and 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,38 +38,18 @@ import torch
 
 from cotrain import checkpoints as ck
 from cotrain.config import PeerConfig, RunConfig
-from cotrain.config.averaging import grad_compression_problems
-from cotrain.config.run import TOPK_OUTER_STEP
 from cotrain.engine.compute import flat_tensors, gradient_norm
 from cotrain.engine.handover import catch_up, leave_final_state
 from cotrain.engine.join import SwarmConnection
 from cotrain.engine.parts import CoreSharing, FaultInjection, Healing, NanGuard, Part
+from cotrain.engine.settings import configs_of
 from cotrain.engine.shutdown import leave_in_order, shutdown_in_order
 from cotrain.errors import UserError
 from cotrain.net.logs import one_line_errors
 from cotrain.net.metrics import LocalMetrics, publish_metrics, reported_loss
-from cotrain.registry import DEFAULT_STRATEGY, strategy_class
+from cotrain.registry import strategy_class
 
 logger = logging.getLogger(__name__)
-
-# the run settings the API takes (its other problems concern fields it leaves at their defaults)
-RUN_SETTINGS = (
-    "run_id",
-    "target_batch_size",
-    "strategy",
-    "local_steps",
-    "outer_lr",
-    "outer_momentum",
-    "aggregation",
-    "clip_tau",
-    "clip_iterations",
-    "aggregation_options",
-    "outer_compression",
-    "outer_compression_options",
-    "topk_density",
-    "topk_bits",
-    "topk_feedback_decay",
-)
 
 
 class SwarmPeer:
@@ -118,42 +97,9 @@ class SwarmPeer:
         optimizer: Callable[[Iterable], torch.optim.Optimizer],
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         *,
-        run_id: str | None = None,
-        target_batch_size: int | None = None,
-        initial_peers: Sequence[str] = (),
-        host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
-        announce_maddrs: Sequence[str] = (),
-        client_mode: bool = False,
-        identity_path: str = "",
         params: Iterable | None = None,
         batch_size_per_step: int | None = None,
-        matchmaking_time: float = 5.0,
-        averaging_timeout: float = 60.0,
-        grad_compression: str = "fp16",
         load_state: bool = True,
-        load_state_timeout: float = 60.0,
-        statistics_expiration: float = 600.0,
-        startup_timeout: float = 20.0,
-        bandwidth: float = 0.0,
-        batch_size_lead: int = 0,
-        nat_port_map: bool = False,
-        use_ipfs: bool = False,
-        verbose: bool = False,
-        max_grad_norm: float = 0.0,
-        strategy: str = DEFAULT_STRATEGY,
-        local_steps: int = 50,
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        outer_overlap: bool = False,
-        outer_compression: str = "dense",
-        topk_density: float = 1 / 64,
-        topk_bits: int = 2,
-        topk_feedback_decay: float = 0.9,
-        aggregation: str = "mean",
-        clip_tau: str | float = "auto",
-        clip_iterations: int = 5,
-        aggregation_options: dict | None = None,
-        outer_compression_options: dict | None = None,
         config: tuple[RunConfig, PeerConfig] | None = None,
         connection: Any = None,
         stop: threading.Event | None = None,
@@ -170,59 +116,13 @@ class SwarmPeer:
         if scheduler is not None and not callable(scheduler):
             raise UserError("scheduler must be a function optimizer -> LR scheduler (or None)")
         if config is not None:
-            if run_id is not None or target_batch_size is not None or settings:
+            if settings:
                 raise UserError("give either config=(run, peer) or the settings as arguments, not both")
             run, peer = config
             max_grad_norm = run.max_grad_norm
         else:
-            if run_id is None or target_batch_size is None:
-                raise UserError("run_id and target_batch_size are required (or config=(run, peer))")
-            # the outer step: 0.7 with Nesterov 0.9 (dense rounds), 1 without momentum (topk), unless given
-            dense = {name: getattr(RunConfig, name) for name in TOPK_OUTER_STEP}  # the run config's defaults
-            step = TOPK_OUTER_STEP if outer_compression == "topk" else dense
-            outer_lr = step["outer_lr"] if outer_lr is None else outer_lr
-            outer_momentum = step["outer_momentum"] if outer_momentum is None else outer_momentum
-            run, peer = _configs_of(
-                dict(
-                    run_id=run_id,
-                    target_batch_size=target_batch_size,
-                    strategy=strategy,
-                    local_steps=local_steps,
-                    outer_lr=outer_lr,
-                    outer_momentum=outer_momentum,
-                    outer_overlap=outer_overlap,
-                    outer_compression=outer_compression,
-                    topk_density=topk_density,
-                    topk_bits=topk_bits,
-                    topk_feedback_decay=topk_feedback_decay,
-                    aggregation=aggregation,
-                    clip_tau=str(clip_tau),
-                    clip_iterations=clip_iterations,
-                    aggregation_options=dict(aggregation_options or {}),
-                    outer_compression_options=dict(outer_compression_options or {}),
-                ),
-                dict(
-                    initial_peers=list(initial_peers),
-                    host_maddrs=list(host_maddrs),
-                    announce_maddrs=list(announce_maddrs),
-                    client_mode=client_mode,
-                    identity_path=identity_path,
-                    nat_port_map=nat_port_map,
-                    use_ipfs=use_ipfs,
-                    matchmaking_time=matchmaking_time,
-                    averaging_timeout=averaging_timeout,
-                    grad_compression=grad_compression,
-                    load_state_timeout=load_state_timeout,
-                    statistics_expiration=statistics_expiration,
-                    startup_timeout=startup_timeout,
-                    bandwidth=bandwidth,
-                    batch_size_lead=batch_size_lead,
-                    verbose=verbose,
-                    **settings,
-                ),
-                batch_size_per_step,
-            )
-            if not verbose:  # hivemind's expected network failures (a peer left, no group) as one line each
+            run, peer, max_grad_norm = configs_of(settings, batch_size_per_step)
+            if not peer.verbose:  # hivemind's expected network failures (a peer left, no group) as one line
                 one_line_errors()
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -322,12 +222,12 @@ class SwarmPeer:
     @property
     def num_peers(self) -> int:
         """Peers training in this run, as the progress tracker last saw them (this one included)."""
-        return self.strategy.num_peers
+        return self.strategy.progress.num_peers
 
     @property
     def last_group_size(self) -> int:
         """Peers in its last gradient-averaging group, itself included (1: it used local gradients)."""
-        return self.strategy.last_group_size
+        return self.strategy.progress.group_size
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -449,24 +349,25 @@ class SwarmPeer:
             mini_steps = 1 if mini_steps is None else mini_steps
             total = float(loss) * mini_steps
         strategy, peer = self.strategy, self.peer_config
+        progress = strategy.progress
         record = LocalMetrics(
             step=strategy.global_step,
-            samples_per_second=strategy.samples_per_second,
+            samples_per_second=progress.samples_per_second,
             samples_accumulated=self._contribution,
             loss=reported_loss(float(total)),
             mini_steps=int(mini_steps),
-            group_size=strategy.last_group_size,
+            group_size=progress.group_size,
             client_mode=self.connection.client_mode,
             time=time.time(),
             peer_id=self.peer_id[:128],
-            inner_steps=strategy.inner_steps,
-            round_bytes=strategy.round_bytes,
+            inner_steps=progress.inner_steps,
+            round_bytes=progress.round_bytes,
         )
         publish_metrics(
             self.dht, self.run.run_id, self.connection.public_key, record, peer.statistics_expiration
         )
         mean = total / mini_steps if mini_steps else None
-        averaged, failed = strategy.rounds
+        averaged, failed = progress.rounds_averaged, progress.rounds_failed
         first, self.reports = self.reports == 0, self.reports + 1
         logged = record.step % peer.logging_steps == 0 or (first and peer.logging_first_step)
         if logged:
@@ -568,25 +469,3 @@ class SwarmPeer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _configs_of(run_settings: dict, peer_settings: dict, batch_size_per_step: int | None) -> tuple:
-    """The (RunConfig, PeerConfig) of a peer built from arguments, every problem in one error."""
-
-    run = RunConfig(**run_settings)
-    problems = [p for p in run.problems() if p.split()[0] in RUN_SETTINGS]
-    if batch_size_per_step is not None and batch_size_per_step <= 0:
-        problems.append(f"batch_size_per_step must be positive, got {batch_size_per_step}")
-    problems += grad_compression_problems(
-        peer_settings["grad_compression"], peer_settings.get("grad_compression_options", {})
-    )
-    timeouts = ("matchmaking_time", "averaging_timeout", "load_state_timeout")
-    if any(peer_settings[name] <= 0 for name in timeouts):
-        problems.append("matchmaking_time, averaging_timeout and load_state_timeout must be positive")
-    known = {f.name for f in dataclasses.fields(PeerConfig)}
-    for name in sorted(set(peer_settings) - known):
-        problems.append(f"unknown setting {name!r} (see cotrain.config.PeerConfig)")
-    if problems:
-        raise UserError("; ".join(problems))
-    peer_settings.setdefault("backup_every_steps", 0)
-    return run, PeerConfig(**peer_settings)

@@ -157,7 +157,7 @@ class Trainer:
                 if peer.save_steps and swarm.global_step >= saved_step + peer.save_steps:
                     self._save_local(tokenizer)
                     saved_step = swarm.global_step
-            bar.update(swarm.global_step, swarm.strategy.swarm_samples, swarm.num_peers)
+            bar.update(swarm.global_step, swarm.strategy.progress.swarm_samples, swarm.num_peers)
             reason = self._done(swarm.global_step, seen, max_samples)
             if reason:
                 self._event("stopping", {"step": swarm.global_step, "reason": reason})

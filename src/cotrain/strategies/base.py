@@ -42,6 +42,21 @@ class CheckpointParts:
     inner: tuple[torch.optim.Optimizer, Any] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where a peer stands in the swarm, as it last saw it (``Strategy.progress``)."""
+
+    swarm_step: int  # the swarm's global step
+    swarm_samples: int  # samples the swarm has accumulated toward its next global step
+    num_peers: int  # peers training in the run, this one included
+    group_size: int  # peers in this peer's last averaging group, itself included (1: it stepped alone)
+    rounds_averaged: int  # averaging rounds that succeeded so far
+    rounds_failed: int  # and that failed
+    samples_per_second: float  # this peer's training throughput, as it reports it to the swarm
+    inner_steps: int = 0  # inner optimizer steps (diloco; 0 where there are none)
+    round_bytes: int = 0  # payload this peer sent in its last round (diloco; 0 where it is not measured)
+
+
 class Strategy(abc.ABC):
     """A training strategy, as the engine (``SwarmPeer``), the healer and the NaN guard see it: its progress,
     a step, the state it trains and serves, and its end. Nothing here names hivemind: a strategy built on
@@ -67,33 +82,8 @@ class Strategy(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def swarm_step(self) -> int:
-        """The swarm's global step as this peer last saw it."""
-
-    @property
-    @abc.abstractmethod
-    def swarm_samples(self) -> int:
-        """Samples the swarm has accumulated toward its next global step, as last seen."""
-
-    @property
-    @abc.abstractmethod
-    def num_peers(self) -> int:
-        """Peers training in the run, this one included, as last seen."""
-
-    @property
-    @abc.abstractmethod
-    def last_group_size(self) -> int:
-        """Peers in this peer's last averaging group, itself included (1: it stepped alone)."""
-
-    @property
-    @abc.abstractmethod
-    def rounds(self) -> tuple[int, int]:
-        """Averaging rounds that succeeded and that failed so far."""
-
-    @property
-    @abc.abstractmethod
-    def samples_per_second(self) -> float:
-        """This peer's training throughput, as it reports it to the swarm."""
+    def progress(self) -> Progress:
+        """Where this peer stands in the swarm, as it last saw it."""
 
     @property
     @abc.abstractmethod
@@ -109,16 +99,6 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def client_mode(self) -> bool:
         """Whether this peer only sends (it serves nothing, neither its state nor all-reduce parts)."""
-
-    @property
-    def inner_steps(self) -> int:
-        """Inner optimizer steps (diloco; 0 where there are none)."""
-        return 0
-
-    @property
-    def round_bytes(self) -> int:
-        """Payload this peer sent in its last round (diloco; 0 where it is not measured)."""
-        return 0
 
     @property
     def inner(self) -> tuple[torch.optim.Optimizer, Any] | None:
@@ -278,29 +258,18 @@ class HivemindStrategy(Strategy):
         return int(self.opt.local_epoch)
 
     @property
-    def swarm_step(self) -> int:
-        return int(self.opt.tracker.global_epoch)
-
-    @property
-    def swarm_samples(self) -> int:
-        return int(self.opt.tracker.global_progress.samples_accumulated)
-
-    @property
-    def num_peers(self) -> int:
-        return int(self.opt.tracker.global_progress.num_peers)
-
-    @property
-    def last_group_size(self) -> int:
-        return max(1, int(self.opt.last_group_size))
-
-    @property
-    def rounds(self) -> tuple[int, int]:
-        return self.opt.rounds_averaged, self.opt.rounds_failed
-
-    @property
-    def samples_per_second(self) -> float:
-        sps = float(self.opt.tracker.performance_ema.samples_per_second)
-        return min(max(sps, 0.0), 1e5) if math.isfinite(sps) else 0.0
+    def progress(self) -> Progress:
+        opt, tracker = self.opt, self.opt.tracker
+        sps = float(tracker.performance_ema.samples_per_second)
+        return Progress(
+            swarm_step=int(tracker.global_epoch),
+            swarm_samples=int(tracker.global_progress.samples_accumulated),
+            num_peers=int(tracker.global_progress.num_peers),
+            group_size=max(1, int(opt.last_group_size)),
+            rounds_averaged=opt.rounds_averaged,
+            rounds_failed=opt.rounds_failed,
+            samples_per_second=min(max(sps, 0.0), 1e5) if math.isfinite(sps) else 0.0,
+        )
 
     @property
     def batch_size_per_step(self) -> int | None:

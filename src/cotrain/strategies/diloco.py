@@ -23,7 +23,7 @@ from cotrain.hivemind_ext.progress import tracker_class
 from cotrain.keys import progress_key, state_averager_prefix
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 from cotrain.registry import codec
-from cotrain.strategies.base import CheckpointParts, HivemindStrategy
+from cotrain.strategies.base import CheckpointParts, HivemindStrategy, Progress
 from cotrain.strategies.builds import (
     aggregation_of,
     averager_options,
@@ -195,13 +195,14 @@ class DiLoCoStrategy(HivemindStrategy):
         return self.opt.inner_optimizer
 
     @property
-    def inner_steps(self) -> int:
-        """Inner optimizer steps this peer took since it started."""
-        return int(self.opt.inner_steps_done)
-
-    @property
-    def round_bytes(self) -> int:
-        return int(self.opt.last_round_bytes)
+    def progress(self) -> Progress:
+        """The swarm's progress, with the inner steps this peer took since it started and the payload it sent
+        in its last round."""
+        return dataclasses.replace(
+            super().progress,
+            inner_steps=int(self.opt.inner_steps_done),
+            round_bytes=int(self.opt.last_round_bytes),
+        )
 
     @property
     def inner(self) -> tuple[torch.optim.Optimizer, Any] | None:
