@@ -32,7 +32,8 @@ class SwarmView:
         self.target_batch_size = target_batch_size
         self.strategy = strategy
         # a global step is local_steps x target_batch_size samples where the strategy's steps are rounds
-        per_step = strategy_class(strategy).samples_per_step(target_batch_size, local_steps)
+        self.kind = strategy_class(strategy)  # what the page shows of the strategy
+        per_step = self.kind.samples_per_step(target_batch_size, local_steps)
         self.local_steps = per_step // target_batch_size if target_batch_size else 1
         self.steps: deque[dict] = deque(maxlen=HISTORY)
         self.alive: deque[tuple[float, int]] = deque(maxlen=PEER_HISTORY)
@@ -76,6 +77,8 @@ class SwarmView:
                 "join_command": self.join_command,
                 "target_batch_size": self.target_batch_size,
                 "strategy": self.strategy,
+                "step_name": self.kind.step_name,
+                "peer_fields": list(self.kind.peer_fields),
                 "local_steps": self.local_steps,
                 "step_samples": self.target_batch_size * self.local_steps,
                 "started": self.started,

@@ -88,9 +88,9 @@ function megabytes(n) {
   return n === null || n === undefined ? "-" : `${(n / 1e6).toFixed(1)} MB`;
 }
 
-// diloco: a global step is an outer round; the inner steps and bytes per round are shown, sync hides them
-function showStrategy(diloco) {
-  for (const node of document.querySelectorAll(".diloco-only")) node.hidden = !diloco;
+// a strategy of rounds (its peers report inner steps and bytes per round: diloco) shows them; sync hides them
+function showStrategy(rounds) {
+  for (const node of document.querySelectorAll(".diloco-only")) node.hidden = !rounds;
 }
 
 function renderPeers(peers, diloco) {
@@ -119,9 +119,10 @@ function render(data) {
   const steps = data.steps || [];
   const state = data.state || {};
   const last = steps.length ? steps[steps.length - 1] : {};
-  const strategy = data.strategy || state.strategy || "sync";
-  const diloco = strategy === "diloco";
-  const stepName = diloco ? "outer round" : "global step";
+  const strategy = data.strategy || state.strategy || "";
+  // what the strategy says of itself (Strategy.step_name, Strategy.peer_fields), not its name
+  const diloco = (data.peer_fields || []).includes("round_bytes");
+  const stepName = data.step_name || "global step";
   showStrategy(diloco);
   document.getElementById("run-id").textContent = data.run_id;
   document.getElementById("strategy").textContent = strategy;
@@ -149,7 +150,7 @@ function render(data) {
   const acc = state.samples_accumulated || 0;
   const pct = target ? Math.min(100, (100 * acc) / target) : 0;
   document.getElementById("progress-bar").style.width = `${pct.toFixed(1)}%`;
-  const next = `${diloco ? "round" : "step"} ${fmt((state.global_step || 0) + 1)}: ${fmt(acc)} of ${fmt(target)} samples`;
+  const next = `${stepName.split(" ").pop()} ${fmt((state.global_step || 0) + 1)}: ${fmt(acc)} of ${fmt(target)} samples`;
   document.getElementById("progress-text").textContent = !state.num_peers
     ? "no trainer has reported progress yet"
     : acc >= target
