@@ -152,7 +152,6 @@ class DiLoCoStrategy(HivemindStrategy):
         batch_size_per_step: int | None,
         should_stop: Callable[[], bool],
     ) -> None:
-
         averager_opts = averager_options(peer)
         self.run_id, self.load_state_timeout = run.run_id, peer.load_state_timeout
         self.opt = DiLoCoOptimizer(
