@@ -31,6 +31,7 @@ from hivemind.utils import enter_asynchronously
 from cotrain.algorithms.aggregation import Aggregation, Mean
 from cotrain.algorithms.lineage import carries_outer_state
 from cotrain.algorithms.sparse import Raw, TopK
+from cotrain.hivemind_ext import install
 from cotrain.hivemind_ext.hosting import ServedInThread
 from cotrain.hivemind_ext.liveness import WatchedRounds
 from cotrain.hivemind_ext.reducers import RobustAveraging
@@ -141,6 +142,7 @@ def round_averager(
     ``state`` (dense rounds): the outer state's own tensors, in shared memory, averaged in place where a
     round carries it (under ``state_lock``, the lock of whatever else reads them) instead of in buffers of
     their own: 8 bytes per parameter less (4 without momentum)."""
+    install()  # hivemind's corrections (fixes), also where no optimizer or state keeper is built first
     numel = sum(p.numel() for p in parameters)
     opts = dict(averager_opts)
     kinds = 2 if momentum else 1  # the outer state: the global parameters, and the momentum if any
