@@ -34,6 +34,7 @@ from hivemind.utils import get_dht_time
 
 from cotrain.algorithms.lineage import round_bits
 from cotrain.hivemind_ext.liveness import cancel_controls
+from cotrain.hivemind_ext.outer import round_expiration
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +166,16 @@ class RoundReducer(Reducer):
         if round_ <= self.done or not needed(tracker.global_progress):
             return
         # as the trainers do: look for the round's group a matchmaking time before its expected end
-        if tracker.estimated_next_update_time - get_dht_time() > self.matchmaking_time:
+        eta = tracker.estimated_next_update_time
+        if eta - get_dht_time() > self.matchmaking_time:
             return
         self.averager.set_group_bits(round_bits(round_))
-        control = self.averager.step(gather=AUX_GATHER, timeout=self.averaging_timeout, wait=False)
+        control = self.averager.step(
+            gather=AUX_GATHER,
+            scheduled_time=round_expiration(eta, self.matchmaking_time, self.averaging_timeout),
+            timeout=self.averaging_timeout,
+            wait=False,
+        )
         deadline = time.monotonic() + self.averaging_timeout + self.matchmaking_time
         while not control.done() and time.monotonic() < deadline and not self._closed.is_set():
             # the swarm went on to its next round while this reducer still waited for a group: look there

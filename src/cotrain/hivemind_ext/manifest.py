@@ -553,10 +553,18 @@ MANIFEST: tuple[Touch, ...] = (
     Touch(
         f"{AVG}._run_internal",
         "read",
-        f"{HOOKS}.Averager; cotrain.hivemind_ext.hosting.ServedInThread",
+        f"{HOOKS}.Averager; {EXT}hosting.ServedInThread; {EXT}outer.OuterAverager.expect_group",
         "the averager's P2P and matchmaking; an averager served from a thread runs this loop directly",
         "49c04c0695ad197a",
         ("_p2p", "_matchmaking", "_state_updated"),
+    ),
+    Touch(
+        "hivemind.averaging.matchmaking.Matchmaking.__init__",
+        "read",
+        f"{EXT}outer.OuterAverager.expect_group",
+        "the group size a leader assembles at (``target_group_size``, read again at every join request), set "
+        "per round to the peers expected in it",
+        "abb7e5e417d66c38",
     ),
     Touch(
         "hivemind.dht.dht.DHT.__init__",

@@ -72,7 +72,7 @@ from cotrain.hivemind_ext.diloco_state import (
 from cotrain.hivemind_ext.hooks import apply_optimizer_parameters
 from cotrain.hivemind_ext.liveness import RoundWatch, cancel_controls
 from cotrain.hivemind_ext.optimizer import LOAD_STATE_COMPRESSION, load_state_bounded
-from cotrain.hivemind_ext.outer import round_averager
+from cotrain.hivemind_ext.outer import round_averager, round_expiration
 from cotrain.hivemind_ext.progress import PING_TIMEOUT, forget_gone_peers, round_pace, tracker_class
 from cotrain.keys import progress_key, state_averager_prefix
 from cotrain.strategies.overlap import OverlappedRounds, RoundEnds, RoundStart, encode_with_feedback
@@ -305,7 +305,7 @@ class DiLoCoOptimizer(OverlappedRounds):
         if eta - get_dht_time() <= self.matchmaking_time:
             self._match_this_round()
             self._scheduled = self.outer_averager.step(
-                scheduled_time=max(eta, get_dht_time() + self.matchmaking_time / 2),
+                scheduled_time=round_expiration(eta, self.matchmaking_time, self.averaging_timeout),
                 timeout=self.averaging_timeout,
                 wait=False,
                 require_trigger=True,
@@ -493,8 +493,20 @@ class DiLoCoOptimizer(OverlappedRounds):
 
     def _match_this_round(self) -> None:
         """Look for a group at this round only (the key's low bits: a change never goes into another round's
-        average). Set before every matchmaking: hivemind moves the bits after each group it assembles."""
+        average). Set before every matchmaking: hivemind moves the bits after each group it assembles. The
+        group closes as soon as every peer expected in the round is in it (``_expected_group``)."""
         self.outer_averager.set_group_bits(round_bits(self.local_epoch))
+        self.outer_averager.expect_group(self._expected_group())
+
+    def _expected_group(self) -> int | None:
+        """The members of this round's group once every peer of the round is in it: this peer and the others
+        that the last read of the swarm's progress puts in this round or the one before (a record lags its
+        peer's round end). None (the configured target group size) in a swarm with client-mode peers, whose
+        group an auxiliary reducer may join (cotrain.hivemind_ext.auxiliary) that reports no progress."""
+        if self.client_mode or self.tracker.global_progress.num_clients > 0:
+            return None
+        round_ = self.local_epoch
+        return 1 + sum(epoch in (round_ - 1, round_) for epoch in self.tracker.other_epochs())
 
     def _carried_state(self) -> list[torch.Tensor]:
         """What a round that carries the outer state averages: the global parameters, and the momentum unless
