@@ -35,17 +35,19 @@ from cotrain.hivemind_ext import install
 from cotrain.hivemind_ext.hosting import ServedInThread
 from cotrain.hivemind_ext.liveness import WatchedRounds
 from cotrain.hivemind_ext.reducers import RobustAveraging
+from cotrain.hivemind_ext.roundresults import ServesRoundResults
 from cotrain.keys import outer_averager_prefix
 
 logger = logging.getLogger(__name__)
 
 
-class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
+class OuterAverager(ServedInThread, RobustAveraging, ServesRoundResults, WatchedRounds):
     """The round's all-reduce: its first ``changes`` tensors (the pseudo-gradients) always, the rest (the
     outer state) only where ``carries_outer_state`` says so for the group, decided from the group's gathered
     data so that all members decide alike. Returns (the gathered data: member's peer id -> what it sent,
     whether the all-reduce was partial here: a member's contribution dropped or a part left un-averaged,
-    after which this peer cannot count on holding the group's outer state)."""
+    after which this peer cannot count on holding the group's outer state). A round's result (its averaged
+    changes) is kept and served to a peer that missed the round (cotrain.hivemind_ext.roundresults)."""
 
     def __init__(
         self,
@@ -67,6 +69,10 @@ class OuterAverager(ServedInThread, RobustAveraging, WatchedRounds):
         # held while a round averages the outer state in place (set before a serving process is forked)
         self.state_lock = state_lock
         super().__init__(tensors, dht, **kwargs)
+
+    @property
+    def result_tensors(self) -> int:
+        return self.changes
 
     def expect_group(self, members: int | None) -> None:
         """Assemble the next matchmaking's group as soon as it holds ``members`` peers (at most the configured

@@ -207,6 +207,14 @@ class SwarmProgressTracker(Tracker):
         me, gone = self.dht.peer_id.to_bytes(), self._gone
         return [e for peer, e in _epochs(self._last_metadata).items() if peer != me and peer not in gone]
 
+    def peers_past(self, epoch: int) -> list[bytes]:
+        """The other full peers of the last read beyond ``epoch`` (those found gone left out): the peers that
+        finished it, and can serve what it gave them (cotrain.hivemind_ext.roundresults)."""
+        me, gone = self.dht.peer_id.to_bytes(), self._gone
+        full = _entries(self._last_metadata, clients=False)
+        epochs = _epochs(self._last_metadata)
+        return [p for p, e in epochs.items() if e > epoch and p in full and p != me and p not in gone]
+
     def others_at(self) -> int | None:
         """The lowest of ``other_epochs``; None when there are none."""
         return min(self.other_epochs(), default=None)

@@ -74,6 +74,7 @@ from cotrain.hivemind_ext.liveness import RoundWatch, cancel_controls
 from cotrain.hivemind_ext.optimizer import LOAD_STATE_COMPRESSION, load_state_bounded
 from cotrain.hivemind_ext.outer import round_averager, round_expiration
 from cotrain.hivemind_ext.progress import PING_TIMEOUT, forget_gone_peers, round_pace, tracker_class
+from cotrain.hivemind_ext.roundresults import RoundResult
 from cotrain.keys import progress_key, state_averager_prefix
 from cotrain.strategies.overlap import OverlappedRounds, RoundEnds, RoundStart, encode_with_feedback
 
@@ -187,6 +188,7 @@ class DiLoCoOptimizer(OverlappedRounds):
         )
         self._round_began = time.monotonic()
         self.rounds_averaged, self.rounds_failed, self.last_group_size = 0, 0, 1
+        self.rounds_caught_up = 0  # rounds averaged without this peer whose result it took (_catch_up)
         self.last_round_bytes = 0  # payload sent in its last all-reduce (from the sizes and the compression)
         self.last_carried_state = False  # whether the last averaged round carried the outer state
         self.last_round_partial = False  # whether it ended with a member's contribution or a part missing
@@ -396,10 +398,38 @@ class DiLoCoOptimizer(OverlappedRounds):
                     f"retrying with the peers left ({remaining:.0f} s left)"
                 )
         if self._others():
+            caught = self._catch_up(own)
+            if caught is not None:
+                return caught
             self.rounds_failed += 1
             if self._left_behind():
                 logger.info(f"Round {self.local_epoch}: the others finished it; this peer's own change")
         return self._alone(own)
+
+    def _catch_up(self, own: list[torch.Tensor]) -> tuple[list[torch.Tensor], None, int] | None:
+        """A round the others averaged without this peer: their group's average, fetched from peers that
+        finished the round, for an outer step from the outer state they held too (sparse rounds, without
+        overlap: cotrain.hivemind_ext.roundresults). This peer's own change (``own``: its whole change, the
+        feedback buffer's in it) goes into its next round through the feedback buffer. None: none served."""
+        if self.codec is None or self.overlap or self.should_stop():
+            return None
+        donors = self.tracker.peers_past(self.local_epoch)
+        result = self.outer_averager.fetch_result(
+            donors, self.local_epoch, self.lineage, timeout=self.averaging_timeout / 2
+        )
+        if result is None:
+            return None
+        self.cancel_rounds()
+        self.feedback.copy_(flat(own))
+        self.lineage = result.after
+        self.rounds_caught_up += 1
+        self.last_carried_state = self.last_round_partial = False
+        logger.info(
+            f"Round {self.local_epoch}: the others averaged it without this peer; it took their average "
+            f"({sum(t.numel() * t.element_size() for t in result.tensors):,} bytes) and sends its own change "
+            "in its next round"
+        )
+        return self._shaped(self.codec.decode(result.tensors[0], self.numel)), None, 1
 
     def _left_behind(self) -> bool:
         """Every other peer has finished this round (liveness.RoundWatch): nobody is left to average with."""
@@ -412,19 +442,21 @@ class DiLoCoOptimizer(OverlappedRounds):
         struck = self.lineage_watch.struck()
         return {**gather, "struck": struck} if struck else gather
 
-    def _received(self, gathered: dict[Any, Any]) -> tuple[list[torch.Tensor], list | None, bool]:
+    def _received(self, gathered: dict[Any, Any]) -> tuple[list[torch.Tensor], list | None, bool, Any]:
         """What an all-reduce with the group that sent ``gathered`` left in the averager: (the average change,
         the average outer state, global parameters then momentum, or None when the group did not carry it,
-        whether it did)."""
+        whether it did, the averaged records as received where the round sent records)."""
         n, full = self.changes, carries_outer_state(gathered, self.codec is None)
         with self.outer_averager.get_tensors() as tensors:  # dense rounds averaged the outer state in place
             averaged = [t.clone() for t in tensors[:n]]
             base = [t.clone() for t in tensors[n:]] if full and self.codec is not None else None
+        records = None
         if self.codec is not None:  # the group's records, the same on every member
+            records = averaged
             averaged = self._shaped(self.codec.decode(averaged[0], self.numel))
             if base is not None:
                 base = [t for raw in base for t in self._shaped(Raw().decode(raw, self.numel))]
-        return averaged, base, full
+        return averaged, base, full, records
 
     def _averaged(
         self, gathered: dict[Any, Any], partial: bool, received: tuple | None = None
@@ -433,8 +465,12 @@ class DiLoCoOptimizer(OverlappedRounds):
         of it, if read already): (the average change, the average outer state or None, the group's size).
         Counts the round and moves this peer to the group's lineage (a fresh one after a ``partial``
         round)."""
-        averaged, base, full = received if received is not None else self._received(gathered)
+        averaged, base, full, records = received if received is not None else self._received(gathered)
+        before = self.lineage
         self.lineage = fresh_lineage() if partial else next_lineage(self.local_epoch, gathered)
+        if records is not None and not (partial or full or self.overlap):  # served to a peer that missed it
+            result = RoundResult(self.local_epoch, before, self.lineage, tuple(records))
+            self.outer_averager.keep_result(result)
         self.last_carried_state, self.last_round_partial = full, partial
         if partial:
             logger.info(f"Round {self.local_epoch}: a partial all-reduce; the next carries the outer state")
