@@ -33,7 +33,9 @@ def main() -> None:
     p.add_argument("--outer-compression", default="dense")
     p.add_argument("--width", type=int, default=0, help="a hidden layer of this width (0: none)")
     p.add_argument("--lr", type=float, default=0.05, help="the inner AdamW's learning rate")
-    p.add_argument("--late-round", type=int, default=-1, help="a step lasting until the others end it")
+    p.add_argument(
+        "--late-when", default=None, help="once this file exists, a step lasts until the round ends"
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -123,17 +125,17 @@ def main() -> None:
         ready = dict(maddrs=peer.maddrs, step=peer.global_step, peer_id=peer.peer_id)
         emit(event="ready", **ready, lineage=opt.lineage.hex())
         print(json.dumps({"event": "ready", "maddrs": peer.maddrs}), flush=True)
-        start, late = peer.global_step, args.late_round
+        start, late = peer.global_step, args.late_when
         while peer.global_step < start + args.rounds or (args.until and not Path(args.until).exists()):
             loss = task.loss(model, args.batch)
             loss.backward()
             time.sleep(args.step_sleep)
-            if opt.local_epoch == late and opt.inner_steps_this_round > 0:  # a slow step, once
-                emit(event="late", round=late)
+            if late and opt.inner_steps_this_round > 0 and Path(late).exists():  # a slow step, once
+                round_, late = opt.local_epoch, None
+                emit(event="late", round=round_)
                 deadline = time.monotonic() + 120
-                while not opt.tracker.passed_by(late) and time.monotonic() < deadline:
+                while not opt.tracker.passed_by(round_) and time.monotonic() < deadline:
                     time.sleep(0.1)
-                late = -1
             if peer.step(loss=loss.item()):
                 emit(event="step", **peer.last_report)
         # the round's all-reduce streams this peer opened directly and over libp2p, and served directly

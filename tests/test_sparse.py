@@ -320,32 +320,53 @@ def test_sparse_rounds_keep_the_members_bit_identical_a_client_a_latecomer_and_a
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
 
 
+def uncarried(peer, rounds: list[int]) -> list[int]:
+    """Those of ``rounds`` whose all-reduce carried no outer state, as ``peer`` saw them."""
+    averages = by_round(peer, "average")
+    return [r for r in rounds if not averages[r]["carried"]]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_peer_late_for_its_round_takes_the_groups_average_and_stays_in_step(peers, tmp_path):
-    """c's step in round 2 lasts until a and b have averaged that round without it. c does not apply its
-    change alone: it takes a's and b's average from them (cotrain.hivemind_ext.roundresults), applies the same
-    outer step, and holds their global parameters to the bit, in their lineage; its change goes into its next
-    round, which the three average together without carrying the outer state, and after which they agree."""
+    """After a round of the three, c's step in a later round R lasts until a and b have averaged R without
+    it. c does not apply its change alone: it takes a's and b's average from them
+    (cotrain.hivemind_ext.roundresults), applies the same outer step, and holds their global parameters to
+    the bit, in their lineage; its change goes into its next round, which the three average together without
+    carrying the outer state, and after which they agree."""
     common = ["--outer-compression", "topk", "--width", "64", "--step-sleep", "0.15", "--local-steps", "40"]
-    done = tmp_path / "done"
+    done, late = tmp_path / "done", tmp_path / "late"
     a = peers("a", *common, "--until", str(done))
     address = a.address()
     b = peers("b", *common, "--seed", "1", "--until", str(done), "--initial-peers", *address)
-    late = ["--late-round", "2"]
-    c = peers("c", *common, "--seed", "2", *late, "--until", str(done), "--initial-peers", *address)
+    c = peers(
+        "c",
+        *common,
+        "--seed",
+        "2",
+        "--late-when",
+        str(late),
+        "--until",
+        str(done),
+        "--initial-peers",
+        *address,
+    )
     try:
-        wait_until(lambda: c.rows("late"), 150, what="c's slow step in round 2")
-        wait_until(lambda: [r for r in joint_rounds([a, b, c]) if r > 2], 150, what="a round of all after 2")
+        # a round of the three that left them one lineage (it carried no outer state: a newcomer's carries it)
+        wait_until(lambda: uncarried(a, joint_rounds([a, b, c])), 150, what="a round of the three")
+        late.touch()
+        wait_until(lambda: c.rows("late"), 150, what="c's slow step")
+        r = c.rows("late")[0]["round"]
+        wait_until(lambda: [j for j in joint_rounds([a, b, c]) if j > r], 150, what="a round of all after it")
     finally:
         done.touch()
     for p in (a, b, c):
         assert p.wait(90) == 0, p.text()
-    mine, theirs = by_round(c, "average")[2], by_round(a, "average")[2]
+    mine, theirs = by_round(c, "average")[r], by_round(a, "average")[r]
     assert mine["size"] == 1 and theirs["size"] == 2, (mine["size"], theirs["size"])
-    assert mine["lineage"] == theirs["lineage"] == by_round(b, "average")[2]["lineage"]
-    assert by_round(c, "outer")[2]["after"] == by_round(a, "outer")[2]["after"]  # the same step, to the bit
-    joint = [r for r in joint_rounds([a, b, c]) if r > 2]
+    assert mine["lineage"] == theirs["lineage"] == by_round(b, "average")[r]["lineage"]
+    assert by_round(c, "outer")[r]["after"] == by_round(a, "outer")[r]["after"]  # the same step, to the bit
+    joint = [j for j in joint_rounds([a, b, c]) if j > r]
     outers = [by_round(p, "outer")[joint[0]] for p in (a, b, c)]
     assert all(o["after"] == outers[0]["after"] for o in outers)
     assert not any(by_round(p, "averaged")[joint[0]]["carried"] for p in (a, b, c))
