@@ -390,6 +390,7 @@ class SwarmPeer:
             "strategy": strategy.name,
             "inner_steps": record.inner_steps,
             "round_bytes": record.round_bytes,
+            "rounds_caught_up": progress.rounds_caught_up,
             "logged": logged,
         }
         self._loss_sum, self._mini_steps = 0.0, 0

@@ -55,6 +55,7 @@ class Progress:
     samples_per_second: float  # this peer's training throughput, as it reports it to the swarm
     inner_steps: int = 0  # inner optimizer steps (diloco; 0 where there are none)
     round_bytes: int = 0  # payload this peer sent in its last round (diloco; 0 where it is not measured)
+    rounds_caught_up: int = 0  # rounds the others averaged without it whose average it took (diloco)
 
 
 class Strategy(abc.ABC):

@@ -201,6 +201,7 @@ class DiLoCoStrategy(HivemindStrategy):
             super().progress,
             inner_steps=int(self.opt.inner_steps_done),
             round_bytes=int(self.opt.last_round_bytes),
+            rounds_caught_up=int(self.opt.rounds_caught_up),
         )
 
     @property
