@@ -63,11 +63,16 @@ def initial_lineage(global_parameters: Iterable[torch.Tensor]) -> bytes:
     """The lineage of a peer before its first outer step: a digest of its global parameters (shapes and exact
     bytes), so that peers that start from the same weights share it (see the module's doc)."""
     digest = hashlib.blake2b(digest_size=LINEAGE_BYTES, person=b"cotrain-start")
-    for tensor in global_parameters:
+    digest_tensors(digest, global_parameters)
+    return digest.digest()
+
+
+def digest_tensors(digest: Any, tensors: Iterable[torch.Tensor]) -> None:
+    """Feed ``digest`` (a hashlib object) every tensor's shape, type and exact bytes, in order."""
+    for tensor in tensors:
         flat = tensor.detach().cpu().contiguous()
         digest.update(f"{tuple(flat.shape)}{flat.dtype}".encode())
         digest.update(flat.reshape(-1).view(torch.uint8).numpy())
-    return digest.digest()
 
 
 def periodic_round(round_: Any) -> bool:

@@ -36,7 +36,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from cotrain.algorithms.lineage import LINEAGE_BYTES
+from cotrain.algorithms.lineage import LINEAGE_BYTES, digest_tensors
 from cotrain.hivemind_ext.hooks import Averager
 
 logger = logging.getLogger(__name__)
@@ -66,10 +66,7 @@ def result_digest(round_: int, before: bytes, after: bytes, tensors: Sequence[to
     """A digest of a round's result: its round, both lineages, and every tensor's shape, type and bytes."""
     digest = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"cotrain-result")
     digest.update(str(int(round_)).encode() + before + after)
-    for tensor in tensors:
-        flat = tensor.detach().cpu().contiguous()
-        digest.update(f"{tuple(flat.shape)}{flat.dtype}".encode())
-        digest.update(flat.reshape(-1).view(torch.uint8).numpy())
+    digest_tensors(digest, tensors)
     return digest.digest()
 
 
