@@ -557,15 +557,12 @@ class DiLoCoOptimizer(OverlappedRounds):
     def _expected_group(self) -> int | None:
         """The members of this round's group once every peer of the round is in it: this peer and the others
         that the last read of the swarm's progress puts in this round or the one before (a record lags its
-        peer's round end), and at least as many as averaged in this peer's last round (a read that missed
-        some records must not close the group before they come; a peer gone since costs one round a
-        matchmaking time). None (the configured target group size) in a swarm with client-mode peers, whose
+        peer's round end). None (the configured target group size) in a swarm with client-mode peers, whose
         group an auxiliary reducer may join (cotrain.hivemind_ext.auxiliary) that reports no progress."""
         if self.client_mode or self.tracker.global_progress.num_clients > 0:
             return None
         round_ = self.local_epoch
-        read = 1 + sum(epoch in (round_ - 1, round_) for epoch in self.tracker.other_epochs())
-        return max(read, self.last_group_size)
+        return 1 + sum(epoch in (round_ - 1, round_) for epoch in self.tracker.other_epochs())
 
     def _carried_state(self) -> list[torch.Tensor]:
         """What a round that carries the outer state averages: the global parameters, and the momentum unless
