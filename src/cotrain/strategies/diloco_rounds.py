@@ -187,7 +187,6 @@ class DiLoCoOptimizer(OverlappedRounds):
             **(tracker_opts or {}),
         )
         self._round_began = time.monotonic()
-        self._read_at = 0.0  # when this peer last asked for the swarm's progress out of turn (_read_if_stale)
         self.rounds_averaged, self.rounds_failed, self.last_group_size = 0, 0, 1
         self.rounds_caught_up = 0  # rounds averaged without this peer whose result it took (_catch_up)
         self.last_round_bytes = 0  # payload sent in its last all-reduce (from the sizes and the compression)
@@ -267,7 +266,6 @@ class DiLoCoOptimizer(OverlappedRounds):
         self.inner_steps_done += 1
         self.samples += int(batch_size)
         self.tracker.report_local_progress(self.local_epoch, self.samples)
-        self._read_if_stale()
         self._maybe_schedule_round()
         if self.tracker.ready_to_update_epoch:
             self.outer_round()
@@ -297,17 +295,6 @@ class DiLoCoOptimizer(OverlappedRounds):
         self.tracker.fetch_now()  # the round's progress so far, to meet the others at its end
         if not self.client_mode:
             sa.state_sharing_priority = epoch
-
-    def _read_if_stale(self) -> None:
-        """Read the swarm's progress now when the round's expected end is a matchmaking time past and the
-        round has not ended here (at most once a matchmaking time): hivemind plans its next read from its
-        estimate of the round's end, and records paced at a round's 16th left a peer of a loaded 16-peer swarm
-        training 45 s past the round its group had averaged."""
-        now = time.monotonic()
-        late = get_dht_time() - self.tracker.estimated_next_update_time > self.matchmaking_time
-        if late and now - self._read_at > self.matchmaking_time and not self.tracker.ready_to_update_epoch:
-            self._read_at = now
-            self.tracker.fetch_now()
 
     def _maybe_schedule_round(self) -> None:
         """Start matchmaking ahead of the round's end (as hivemind.Optimizer does for gradients), so the
