@@ -75,6 +75,19 @@ def test_the_members_of_a_group_derive_the_same_lineage():
     assert next_lineage(4, {a: gathered[a], b: {"lineage": b"\x03" * 8}}) != same  # other histories
 
 
+def test_a_round_waits_for_every_peer_not_past_it_a_record_behind_included():
+    """A peer that spent its last round alone, a whole averaging timeout without a record, is at the swarm's
+    round when the others read it two rounds behind: counted out, it found every group closed before it came
+    (3 peers under load: a pair averaged 77 rounds at once, the third never joined one). A peer past the
+    round is in a later one."""
+    from cotrain.strategies.diloco_rounds import expected_members
+
+    assert expected_members(6, [6, 2]) == 3
+    assert expected_members(6, [5, 6, 0]) == 4
+    assert expected_members(6, [7, 6]) == 2
+    assert expected_members(0, []) == 1
+
+
 def test_outer_optimizer_is_nesterov_sgd_without_weight_decay():
     params = [torch.nn.Parameter(torch.ones(3))]
     opt = outer_optimizer_factory(0.7, 0.9)([{"params": params, "weight_decay": 0.01}])
@@ -752,7 +765,14 @@ def test_a_peer_killed_mid_round_stalls_nobody_past_the_timeout(peers, tmp_path)
     b = peers("b", "--rounds", "8", "--seed", "1", "--until", str(done), "--initial-peers", *address, *common)
     c = peers("c", "--rounds", "20", "--seed", "2", "--initial-peers", *address, *common)
     # once the three have averaged together, kill c in the middle of its next round
-    wait_until(lambda: any(r["size"] == 3 for r in c.rows("average")), 210, what="a round of three")
+    try:
+        wait_until(lambda: any(r["size"] == 3 for r in c.rows("average")), 210, what="a round of three")
+    except AssertionError as timed_out:
+        rounds = {
+            p.out.stem: [(r["round"], r["size"], round(r["ended"] - r["began"])) for r in p.rows("average")]
+            for p in (a, b, c)
+        }
+        raise AssertionError(f"{timed_out}; rounds (round, size, seconds): {rounds}") from None
     time.sleep(0.6)
     c.kill()
     killed_at = time.time()

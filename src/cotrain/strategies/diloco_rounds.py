@@ -81,6 +81,16 @@ from cotrain.strategies.overlap import OverlappedRounds, RoundEnds, RoundStart, 
 logger = logging.getLogger(__name__)
 
 
+def expected_members(round_: int, other_epochs: list[int]) -> int:
+    """How many peers a round's group waits for before it closes: this one and every other whose last record
+    is not past ``round_``. A record behind the round counts: it lags its peer, which may be in this round
+    already (a peer that spent a whole averaging timeout in its last round reports nothing meanwhile, then
+    joins the swarm's round), and a peer truly behind costs the group no more than its matchmaking time
+    (``round_expiration``). Counted out, such a peer found every group closed before it came, round after
+    round."""
+    return 1 + sum(epoch <= round_ for epoch in other_epochs)
+
+
 class DiLoCoOptimizer(OverlappedRounds):
     """A DiLoCo peer's optimizer (see the module's doc). Exposes what cotrain's healer, NaN guard and bounded
     state download use of ``hivemind.Optimizer``: ``state_averager``, ``tracker``, ``local_epoch``,
@@ -543,13 +553,12 @@ class DiLoCoOptimizer(OverlappedRounds):
 
     def _expected_group(self) -> int | None:
         """The members of this round's group once every peer of the round is in it: this peer and the others
-        that the last read of the swarm's progress puts in this round or the one before (a record lags its
-        peer's round end). None (the configured target group size) in a swarm with client-mode peers, whose
-        group an auxiliary reducer may join (cotrain.hivemind_ext.auxiliary) that reports no progress."""
+        that the last read of the swarm's progress does not put past this round (``expected_members``). None
+        (the configured target group size) in a swarm with client-mode peers, whose group an auxiliary reducer
+        may join (cotrain.hivemind_ext.auxiliary) that reports no progress."""
         if self.client_mode or self.tracker.global_progress.num_clients > 0:
             return None
-        round_ = self.local_epoch
-        return 1 + sum(epoch in (round_ - 1, round_) for epoch in self.tracker.other_epochs())
+        return expected_members(self.local_epoch, self.tracker.other_epochs())
 
     def _carried_state(self) -> list[torch.Tensor]:
         """What a round that carries the outer state averages: the global parameters, and the momentum unless
