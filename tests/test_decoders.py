@@ -97,6 +97,27 @@ def test_the_1b_preset_and_its_twin_share_their_attention_and_mlp_ratios(capsys)
     assert shown["peer"]["per_device_train_batch_size"] == 1
 
 
+def test_the_1b_preset_trains_with_sparse_diloco_and_config_show_takes_the_run_flags(capsys):
+    """llama-1b's sync state does not fit a desktop (47 GB of RAM on a CPU, docs/models.md): the preset runs
+    DiLoCo with sparse rounds. `config show` takes the flags `train` does; a user's other strategy gets dense
+    rounds, not a refusal of the preset's compression, and two presets named are refused."""
+    import tomllib
+
+    def shown(*flags: str) -> dict:
+        assert cli.main(["config", "show", "llama-1b", *flags]) == 0
+        return tomllib.loads(capsys.readouterr().out)["run"]
+
+    run = shown()
+    assert (run["strategy"], run["outer_compression"], run["outer_momentum"]) == ("diloco", "topk", 0.0)
+    run = shown("--strategy", "sync", "--learning-rate", "0.001")
+    assert (run["strategy"], run["outer_compression"], run["learning_rate"]) == ("sync", "dense", 0.001)
+    run = shown("--outer-compression", "dense", "--local-steps", "20")
+    assert (run["strategy"], run["outer_compression"], run["local_steps"]) == ("diloco", "dense", 20)
+    assert cli.main(["config", "show", "llama-1b", "--preset", "gpt2-tiny"]) == 2
+    assert "two presets named" in capsys.readouterr().err
+    assert cli.main(["config", "show", "llama-1b", "--strategy", "sync", "--outer-compression", "topk"]) != 0
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """A byte-level BPE tokenizer, as `cotrain prepare` trains for causal LM."""

@@ -21,7 +21,7 @@ DESCRIPTIONS = {
     "whose run settings differ from the swarm's is refused, naming the differing fields).",
     "monitor": "Start the swarm's first peer: welcome others, aggregate and log the swarm's metrics.",
     "demo": "Run a whole swarm on this machine (a monitor and N trainers on 127.0.0.1) and report.",
-    "config": "Show the resolved configuration of a preset (and an optional TOML file).",
+    "config": "Show the resolved configuration of a preset, with a TOML file and the run's flags on top.",
     "eval": "Join a swarm as an evaluation peer: load its latest state every --eval-every seconds, publish "
     "held-out loss, perplexity and accuracy.",
     "status": "Show a running swarm's state (step, peers, progress, throughput, ETA, evaluations) and exit.",
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help=DESCRIPTIONS["config"], description=DESCRIPTIONS["config"])
     p.add_argument("action", choices=["show"], help="show: print the resolved config as TOML")
     p.add_argument("preset", help=f"preset name ({', '.join(cfg.preset_names())})")
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file applied on top of the preset.")
+    add_config_options(p, "train")  # what a `cotrain train` of these settings would run with
     p = sub.add_parser("export", help=DESCRIPTIONS["export"], description=DESCRIPTIONS["export"])
     p.add_argument(
         "checkpoint",
@@ -172,7 +172,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, cfg.Config | None]:
     """Parse a command line and resolve its config (raises UserError with every problem listed)."""
     ns = build_parser().parse_args(argv)
     if ns.command == "config":
-        return ns, cfg.resolve(ns.preset, ns.config)
+        overrides = overrides_from(ns)
+        named = overrides.setdefault("run", {}).setdefault("preset", ns.preset)
+        if named != ns.preset:
+            raise UserError(f"two presets named: {ns.preset!r} and --preset {named!r}; name one")
+        return ns, cfg.resolve(ns.preset, ns.config, overrides=overrides)
     if ns.command in ("export", "token"):
         return ns, None
     # the demo trains the CPU-sized model unless told otherwise (on the command line or in its --config file)

@@ -224,6 +224,7 @@ def resolve(
         _apply(values, file_layer, str(config_file), problems, given)
     _apply(values, overrides, "command line", problems, given)
     values["run"]["preset"] = name
+    _strategy_of_preset(values["run"], preset_layer, [file_layer, overrides])
     # the outer step that sparse rounds or a short run choose, unless given (cotrain.config.run)
     values["run"].update({k: v for k, v in outer_step_defaults(values["run"]).items() if k not in given})
     if values["peer"].get("model_config_path") and not problems:
@@ -236,6 +237,16 @@ def resolve(
         values["run"]["model"] = {**values["run"]["model"], **architecture}
         given.add("model")
     return _build(values, sorted(given), problems)
+
+
+def _strategy_of_preset(run: dict, preset_layer: dict, user_layers: list[dict]) -> None:
+    """A preset's sparse rounds (llama-1b) belong to its DiLoCo: a user who chose another strategy, and no
+    compression of the rounds, gets dense rounds (which sync ignores), not a refusal of the preset's."""
+    preset_run = preset_layer.get("run", {})
+    if run.get("strategy") == "diloco" or preset_run.get("outer_compression") != run.get("outer_compression"):
+        return
+    if not any("outer_compression" in layer.get("run", {}) for layer in user_layers):
+        run["outer_compression"] = RunConfig.outer_compression
 
 
 def _build(values: dict, run_given: list[str], problems: list[str]) -> Config:
