@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -164,6 +166,51 @@ def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
         for peer in peers:
             if peer.proc.poll() is None:
                 peer.kill()
+        monitor.stop()
+
+
+def first_example() -> tuple[list[str], str]:
+    """docs/api.md's first two blocks: the monitor's command line (without `cotrain`) and the loop's code."""
+    blocks = re.findall(r"```(\w+)\n(.*?)```", (REPO / "docs" / "api.md").read_text(), re.S)
+    command = shlex.split(next(code for kind, code in blocks if kind == "bash"))
+    assert command[:2] == ["cotrain", "monitor"], command
+    return command[1:], next(code for kind, code in blocks if kind == "python")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_docs_first_example_trains_against_its_monitor_and_a_mismatched_loop_is_refused(tmp_path):
+    """docs/api.md's first example, as written, in a folder of its own: its monitor command (its output folder
+    in this test's, no dashboard), then its loop, which trains two global steps that the monitor logs. The
+    same loop with another target batch exits non-zero naming the setting, before any step."""
+    args, loop = first_example()
+    args[args.index("--output-dir") + 1] = str(tmp_path / "out")
+    monitor = Role([*args, "--dashboard-port", "-1", "--refresh-period", "0.5"], tmp_path / "monitor.log")
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        (tmp_path / "my_loop.py").write_text(code)
+        command = [sys.executable, "my_loop.py"]
+        return subprocess.run(
+            command, cwd=tmp_path, env=cotrain_env(), capture_output=True, text=True, timeout=200
+        )
+
+    try:
+        monitor_address(tmp_path / "out", 120)
+        ran = run(loop)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert "global step 2 averaged with" in ran.stdout, ran.stdout
+        assert "Traceback" not in ran.stderr and "unrecognized" not in ran.stderr, ran.stderr[-3000:]
+
+        def logged() -> list[dict]:  # the monitor's rows of the loop's global steps
+            return [r for r in read_rows(tmp_path / "out" / "metrics.jsonl") if r.get("loss") is not None]
+
+        wait_until(lambda: any(r["step"] >= 1 for r in logged()), 30, what="the monitor to log the steps")
+        mismatched = loop.replace("target_batch_size=64", "target_batch_size=4096")
+        assert mismatched != loop
+        refused = run(mismatched)
+        assert refused.returncode != 0 and "global step" not in refused.stdout, refused.stdout
+        assert "ConfigMismatch" in refused.stderr and "target_batch_size 4096 != 64" in refused.stderr
+    finally:
         monitor.stop()
 
 

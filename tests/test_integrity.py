@@ -41,6 +41,7 @@ from cotrain.net.configrecord import (
     check_agreement,
     make_record,
     read_configs,
+    swarm_record,
     text_hash,
 )
 from cotrain.net.metrics import LocalMetrics, make_validators, read_metrics
@@ -153,6 +154,35 @@ def test_a_differing_config_is_refused_naming_every_field():
     with pytest.raises(ConfigMismatch, match="learning_rate 0.02 != 0.05"):
         check_agreement(odd, make_record(run_config(), "trainer"), RUN, b"me")
     check_agreement({**swarm, **odd}, make_record(run_config(), "trainer"), RUN, b"me")
+
+
+def test_a_loop_of_ones_own_agrees_on_its_settings_alone_and_leaves_whole_configs_to_the_others():
+    """An API peer (cotrain.SwarmPeer) compares and publishes the run settings it takes (API_RUN); the
+    monitor's whole config holds a model of its own, which the API peer's loop does not train. A trainer
+    compares with whole configs only, and never takes an API peer's record as the swarm's run."""
+    from cotrain.engine.settings import API_RUN, configs_of
+    from cotrain.net.configrecord import API_ROLE, projected
+
+    names = tuple(API_RUN)
+
+    def api(**settings) -> ConfigRecord:
+        run, _, _ = configs_of({"run_id": RUN, "target_batch_size": 64, **settings}, None)
+        return make_record(projected(dataclasses.asdict(run), names), API_ROLE)
+
+    monitor = {b"monitor": make_record(run_config(learning_rate=0.05), "monitor")}
+    check_agreement(monitor, api(), RUN, b"me", names=names)  # the model and its optimizer are the loop's own
+    with pytest.raises(ConfigMismatch, match="target_batch_size 4096 != 64") as refused:
+        check_agreement(monitor, api(target_batch_size=4096), RUN, b"me", names=names)
+    assert "learning_rate" not in str(refused.value)
+    with pytest.raises(ConfigMismatch, match='strategy "diloco" != "sync"'):
+        check_agreement(monitor, api(strategy="diloco"), RUN, b"me", names=names)
+    # API peers agree with each other on their settings; two of them outvote a monitor there
+    loops = {bytes([i]): api(strategy="diloco") for i in range(2)}
+    check_agreement({**monitor, **loops}, api(strategy="diloco"), RUN, b"me", names=names)
+    # a trainer sees the monitor's whole config, never the API peers' part of one
+    assert swarm_record({**monitor, **loops})[0].role == "monitor"
+    assert swarm_record(loops) is None
+    check_agreement(loops, make_record(run_config(), "trainer"), RUN, b"me")
 
 
 # ---- a live swarm

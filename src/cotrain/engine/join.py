@@ -23,7 +23,15 @@ from cotrain.access.control import access_for
 from cotrain.access.voters import Voters, voters_of
 from cotrain.config import ConfigError, PeerConfig, RunConfig, load_preset, write_toml
 from cotrain.errors import UserError
-from cotrain.net.configrecord import ConfigPublisher, join_check, make_record, read_configs, swarm_record
+from cotrain.net.configrecord import (
+    API_ROLE,
+    ConfigPublisher,
+    join_check,
+    make_record,
+    projected,
+    read_configs,
+    swarm_record,
+)
 from cotrain.net.dht import create_dht, parse_maddrs, visible_maddrs
 from cotrain.net.metrics import make_validators
 from cotrain.net.probe import AccessWatcher
@@ -120,17 +128,22 @@ class SwarmConnection:
             time.sleep(0.5)
 
     def agree(
-        self, run: RunConfig, tokenizer_hash: str = "", publish: bool = True, manifest_sha256: str = ""
+        self,
+        run: RunConfig,
+        tokenizer_hash: str = "",
+        publish: bool = True,
+        manifest_sha256: str = "",
+        names: tuple[str, ...] | None = None,
     ) -> None:
         """Refuse this peer when its run config differs from the swarm's (ConfigMismatch names the fields);
         with ``publish``, keep publishing it, signed, while the peer runs (with the sha256 of the dataset
-        manifest it has, for newcomers to check theirs against)."""
+        manifest it has, for newcomers to check theirs against). With ``names`` (a loop of one's own: the
+        settings it takes), only those are compared and published."""
 
-        mine = make_record(
-            dataclasses.asdict(run), self.role, tokenizer_hash, self.peer_id, manifest_sha256=manifest_sha256
-        )
+        fields = projected(dataclasses.asdict(run), names)
+        mine = make_record(fields, self.role, tokenizer_hash, self.peer_id, manifest_sha256=manifest_sha256)
         self.initial_peer_record()  # asked once: the address's settings, and the key that signs its records
-        join_check(self.dht, self.run_id, mine, self.public_key, self.peer.initial_peers)
+        join_check(self.dht, self.run_id, mine, self.public_key, self.peer.initial_peers, names)
         if publish:
             self.publisher = ConfigPublisher(self.dht, self.run_id, self.public_key, mine)
             self.publisher.start()
@@ -159,7 +172,9 @@ class SwarmConnection:
         """The run config that the first answering initial peer vouches for, with its peer id; None when none
         answers."""
         found = self.initial_peer_record()
-        return None if found is None else (found[0], found[1].fields())
+        if found is None or found[1].role == API_ROLE:  # a loop of one's own publishes no whole run config
+            return None
+        return found[0], found[1].fields()
 
     def peers_in_role(self, role: str, keeps_state: bool | None = None) -> dict[bytes, str]:
         """The peers whose config record names ``role`` (e.g. "monitor", "leaving"), with ``keeps_state``

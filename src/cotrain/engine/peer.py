@@ -42,9 +42,10 @@ from cotrain.engine.compute import flat_tensors, gradient_norm
 from cotrain.engine.handover import catch_up, leave_final_state
 from cotrain.engine.join import SwarmConnection
 from cotrain.engine.parts import CoreSharing, FaultInjection, Healing, NanGuard, Part
-from cotrain.engine.settings import configs_of
+from cotrain.engine.settings import API_RUN, configs_of
 from cotrain.engine.shutdown import leave_in_order, shutdown_in_order
 from cotrain.errors import UserError
+from cotrain.net.configrecord import API_ROLE
 from cotrain.net.logs import one_line_errors
 from cotrain.net.metrics import LocalMetrics, publish_metrics, reported_loss
 from cotrain.registry import strategy_class
@@ -176,8 +177,10 @@ class SwarmPeer:
             self.cores = CoreSharing()
             self.parts.append(self.cores)
         try:
-            if self.connection is None:
-                self.connection = SwarmConnection(run.run_id, peer, role="api", stop=self._stop)
+            if self.connection is None:  # a loop of one's own: refused, like `cotrain train`, on the settings
+                # it shares with the swarm (ConfigMismatch names them) before its averagers start
+                self.connection = SwarmConnection(run.run_id, peer, role=API_ROLE, stop=self._stop)
+                self.connection.agree(run, names=tuple(API_RUN))
             self.strategy = strategy_class(run.strategy)(
                 self.connection.dht,
                 run,

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 CONFIG_EXPIRATION = 90.0  # seconds a published config record stays valid
 REPUBLISH_EVERY = 20.0  # seconds between republications while the peer runs
 MAX_CONFIG_CHARS = 20_000
+# the role of a loop of one's own (cotrain.SwarmPeer): its record holds the settings it agrees on alone
+API_ROLE = "api"
 
 
 class ConfigMismatch(UserError):
@@ -156,19 +158,34 @@ def differences(mine: dict, theirs: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def projected(fields: dict, names: tuple[str, ...] | None) -> dict:
+    """A record's ``fields`` on the settings ``names`` (all of them: None)."""
+    return fields if names is None else {name: fields.get(name, "(unset)") for name in names}
+
+
 def swarm_record(
-    records: dict[bytes, ConfigRecord], voters: dict[bytes, str] | None = None
+    records: dict[bytes, ConfigRecord],
+    voters: dict[bytes, str] | None = None,
+    names: tuple[str, ...] | None = None,
 ) -> tuple[ConfigRecord, int] | None:
     """The config most peers publish (ties: the one published first), and how many peers publish it; with
-    ``voters`` (a private swarm), most participants, one vote each (cotrain.access.voters)."""
+    ``voters`` (a private swarm), most participants, one vote each (cotrain.access.voters). With ``names``
+    (an API peer's settings, cotrain.engine.settings.API_RUN), most peers that agree on those, from every
+    record; without, from the records of whole run configs (an API peer's holds its own settings alone)."""
 
     records = one_vote_each(records, voters, newest=lambda r: r.time)
+    if names is None:
+        records = {k: r for k, r in records.items() if r.role != API_ROLE}
     if not records:
         return None
-    counts = Counter(r.hash for r in records.values())
+
+    def key(r: ConfigRecord) -> str:
+        return r.hash if names is None else text_hash(canonical(projected(r.fields(), names)))
+
+    counts = Counter(key(r) for r in records.values())
     first = {}
     for r in sorted(records.values(), key=lambda r: r.time):
-        first.setdefault(r.hash, r)
+        first.setdefault(key(r), r)
     best = max(counts, key=lambda h: (counts[h], -first[h].time))
     return first[best], counts[best]
 
@@ -179,16 +196,17 @@ def check_agreement(
     run_id: str,
     public_key: bytes,
     voters: dict[bytes, str] | None = None,
+    names: tuple[str, ...] | None = None,
 ) -> None:
     """Raise ConfigMismatch naming every differing field when this peer's config is not the swarm's (with
-    ``voters``, a private swarm's: one vote per participant)."""
+    ``voters``, a private swarm's: one vote per participant; with ``names``, on those settings alone)."""
 
     others = one_vote_each({k: r for k, r in records.items() if k != public_key}, voters, lambda r: r.time)
-    found = swarm_record(others)
+    found = swarm_record(others, names=names)
     if found is None:
         return
     theirs, peers = found
-    problems = differences(mine.fields(), theirs.fields()) if theirs.hash != mine.hash else []
+    problems = differences(projected(mine.fields(), names), projected(theirs.fields(), names))
     tokenizers = Counter(r.tokenizer_hash for r in others.values() if r.tokenizer_hash)
     if mine.tokenizer_hash and tokenizers:
         common = tokenizers.most_common(1)[0][0]
@@ -198,16 +216,23 @@ def check_agreement(
         raise ConfigMismatch(
             f"this peer's config differs from the swarm's (run {run_id!r}, {peers} peer"
             f"{'s' if peers != 1 else ''}; this peer's value != the swarm's): {', '.join(problems)}; "
-            f"use the swarm's settings or another --run-id"
+            f"use the swarm's settings or another run id"
         )
 
 
-def join_check(dht: Any, run_id: str, mine: ConfigRecord, public_key: bytes, initial_peers: list) -> None:
-    """Refuse a config that differs from the swarm's; warn when nobody of this run is found (with the runs
-    that this DHT carries) although initial peers were given."""
+def join_check(
+    dht: Any,
+    run_id: str,
+    mine: ConfigRecord,
+    public_key: bytes,
+    initial_peers: list,
+    names: tuple[str, ...] | None = None,
+) -> None:
+    """Refuse a config that differs from the swarm's (on ``names`` alone, when given); warn when nobody of
+    this run is found (with the runs that this DHT carries) although initial peers were given."""
 
     records = read_configs(dht, run_id)
-    check_agreement(records, mine, run_id, public_key, voters_of(dht))
+    check_agreement(records, mine, run_id, public_key, voters_of(dht), names)
     if initial_peers and not any(k != public_key for k in records):
         runs = read_runs(dht)
         runs.pop(run_id, None)
