@@ -196,6 +196,9 @@ def test_the_docs_first_example_trains_against_its_monitor_and_a_mismatched_loop
 
     try:
         monitor_address(tmp_path / "out", 120)
+        # a monitor of no preset also says how a loop of one's own joins, with the settings it must share
+        assert "or, from a training loop of one's own (docs/api.md):" in monitor.text()
+        assert "cotrain.SwarmPeer(model, optimizer, run_id='my-run', target_batch_size=64, " in monitor.text()
         ran = run(loop)
         assert ran.returncode == 0, ran.stderr[-3000:]
         assert "global step 2 averaged with" in ran.stdout, ran.stdout

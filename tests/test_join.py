@@ -50,8 +50,11 @@ def test_the_printed_join_command_trains_with_the_swarm(demo_data, tmp_path):
 
         wait_until(averaged, 240, what="the newcomer averaging in a group of 2")
         text = newcomer.text()
-        assert "Taking run 'join-test''s settings from initial peer" in text, text[-3000:]
+        assert "Taking the settings of run 'join-test' from initial peer" in text, text[-3000:]
         assert "preset albert-tiny" in text
+        assert "Reach: public (initial peer " in text  # how it is reached, in one line
+        # a monitor named a preset: its join line is the trainer's alone, not a loop of one's own's
+        assert "from a training loop of one's own" not in monitor.text()
         config = (tmp_path / "joined" / "config.toml").read_text()
         assert 'preset = "albert-tiny"' in config
         assert "Traceback" not in text

@@ -170,7 +170,10 @@ def test_a_diloco_swarm_shows_outer_rounds_inner_steps_and_bytes_per_round():
     }
     text = describe(state)
     assert text.splitlines()[0] == "run r: outer round 4 (strategy diloco)"
-    assert "5 local steps x 64 samples per round, 20 inner steps so far" in text
+    assert (
+        "a round every 5 target batches (5 x 64 samples of the swarm), 20 inner steps so far (the most"
+        in text
+    )
     assert "last round sent 3.5 MB per peer (6.9 MB in all)" in text
     assert "next round: 80 of 320 samples (25%)" in text
     assert "sent/round" in text and "3.4 MB" in text and "sparse rounds" not in text
@@ -196,7 +199,9 @@ def test_the_monitor_rows_and_the_dashboard_json_name_the_strategy():
     assert line["strategy"] == "diloco" and line["inner_steps"] == 20
     assert line["round_bytes"] == 3_500_000 and line["round_bytes_total"] == 6_900_000
     assert line["loss"] == pytest.approx(2.0) and line["max_group_size"] == 2
-    assert step_log_line(line).endswith("| 20 inner steps | last round sent 3.5 MB per peer, 6.9 MB in all")
+    assert step_log_line(line).endswith(
+        "| 20 inner steps (most of a peer) | last round sent 3.5 MB per peer, 6.9 MB in all"
+    )
     sync = aggregate(4, records)
     assert sync["strategy"] == "sync" and "inner_steps" not in sync and "round_bytes" not in sync
     assert step_log_line(sync).endswith("samples/s")

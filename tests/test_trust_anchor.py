@@ -73,7 +73,7 @@ def test_the_initial_peers_answer_wins_over_a_dht_majority(caplog):
     caplog.set_level(logging.INFO, logger="cotrain.engine.join")
     taken = take_swarm_run(FakeConnection((PEER, own), (sybils, 3)), RunConfig(run_id=RUN))
     assert taken.learning_rate == 0.001 and taken.init_from == ""
-    assert f"Taking run {RUN!r}'s settings from initial peer {PEER}: preset" in caplog.text
+    assert f"Taking the settings of run {RUN!r} from initial peer {PEER}: preset" in caplog.text
     assert "no address vouches" not in caplog.text
 
 
@@ -82,7 +82,7 @@ def test_without_an_answering_initial_peer_the_dht_majority_is_taken_and_said_un
     caplog.set_level(logging.INFO, logger="cotrain.engine.join")
     taken = take_swarm_run(FakeConnection(None, (sybils, 3)), RunConfig(run_id=RUN))
     assert taken.learning_rate == 0.5
-    assert f"Taking run {RUN!r}'s settings from the swarm (3 peers)" in caplog.text
+    assert f"Taking the settings of run {RUN!r} from the swarm (3 peers)" in caplog.text
     assert any(
         r.levelno == logging.WARNING and "no address vouches" in r.getMessage() for r in caplog.records
     )
@@ -218,10 +218,17 @@ def test_a_newcomer_takes_the_settings_of_the_address_it_was_given_not_of_the_mo
         )
         newcomer = Role(newcomer_args, tmp_path / "new.log")
         roles.append(newcomer)
-        wait_until(lambda: "Taking run" in newcomer.text(), 60, what="the newcomer taking the run's settings")
+        wait_until(
+            lambda: "Taking the settings of run" in newcomer.text(),
+            60,
+            what="the newcomer taking the run's settings",
+        )
         text = newcomer.text()
         monitor_id = address[0].split("/p2p/")[-1]
-        assert f"Taking run {run_id!r}'s settings from initial peer {monitor_id}: preset albert-tiny" in text
+        assert (
+            f"Taking the settings of run {run_id!r} from initial peer {monitor_id}: preset albert-tiny"
+            in text
+        )
         # the peer wrote its config.toml at its start and writes it again with the settings it took
         written = tmp_path / "new" / "config.toml"
         wait_until(lambda: 'preset = "albert-tiny"' in _read(written), 30, what="the taken config")

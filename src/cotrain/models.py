@@ -97,6 +97,9 @@ def build_model(
         except (TypeError, ValueError, KeyError, RuntimeError) as e:  # e.g. a negative size, an unknown act
             why = f"{type(e).__name__}: {_first_line(e)}"
             raise UserError(f"cannot build the {family.model_class} from [run.model] ({why})") from None
+    if run.objective == "clm" and getattr(model, "loss_type", "") is None:
+        # GPT-2's class name names no loss: transformers warns at the first step, then takes the causal one
+        model.loss_type = "ForCausalLM"
     fuse_activations(model)
     return model
 

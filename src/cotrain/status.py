@@ -14,6 +14,7 @@ from typing import Any
 from cotrain.config import Config, PeerConfig, RunConfig
 from cotrain.engine.join import SwarmConnection, take_swarm_run
 from cotrain.errors import UserError
+from cotrain.net.configrecord import API_ROLE
 from cotrain.registry import DEFAULT_STRATEGY, strategy_class
 from cotrain.snapshot import read_snapshot
 
@@ -44,7 +45,7 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
             state = read_snapshot(
                 connection.dht, run.run_id, run.target_batch_size, run.strategy, run.local_steps
             )
-            if state["num_peers"]:
+            if state["num_peers"] or not _trainers_published(connection):  # a swarm of no trainer yet: 0
                 break
             time.sleep(0.5 * (attempt + 1))
         state.update(strategy_class(run.strategy).settings_shown(run))  # e.g. the rounds' compression
@@ -54,6 +55,12 @@ def swarm_status(config: Config, attempts: int = 3) -> dict:
             connection.close()
         finally:
             _reap_children()
+
+
+def _trainers_published(connection: SwarmConnection) -> bool:
+    """Whether a peer that trains (a trainer, a loop of one's own) publishes its config record in the run:
+    then its progress is on the way, and worth another read."""
+    return any(connection.peers_in_role(role) for role in ("trainer", API_ROLE))
 
 
 def _swarm_strategy(connection: Any, run: RunConfig, given: list[str]) -> RunConfig:

@@ -126,9 +126,10 @@ class RunConfig:
     )
     local_steps: int = opt(
         50,
-        "diloco: inner optimizer steps between two outer rounds (H). A round ends when the swarm has "
-        "accumulated local_steps x target_batch_size samples; warmup_steps and total_steps count inner "
-        "steps.",
+        "diloco: H, a round's length in target batches of the swarm: a round ends when the swarm has "
+        "accumulated local_steps x target_batch_size samples (each peer takes one inner optimizer step per "
+        "step of its own meanwhile); the inner schedule moves H steps per round, and warmup_steps and "
+        "total_steps count its steps.",
     )
     outer_lr: float = opt(
         0.7,

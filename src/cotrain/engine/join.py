@@ -70,6 +70,15 @@ class SwarmConnection:
             # a peer that every answering peer called busy joins as a client (the safe side)
             unsure = self.reachability.reached is None and self.reachability.busy
             client_mode = (self.reachability.reached is False or unsure) and role != "monitor"
+        elif role in PROBED and role != "monitor":  # how this peer is reached, in one line, as when probed
+            why = (
+                "--client-mode"
+                if client_mode
+                else "--public: not probed"
+                if peer.public
+                else "no initial peer"
+            )
+            logger.info(f"Reach: {'client' if client_mode else 'public'} ({why})")
         self.dht = create_dht(
             initial_peers=peer.initial_peers,
             host_maddrs=peer.host_maddrs,
@@ -245,8 +254,7 @@ def _probe(peer: PeerConfig, role: str, access: Any = None) -> Any:
             "can dial this peer (--client-mode if they cannot)"
         )
     elif found.reached:
-        # said only where it matters (a client, an assumption): a full peer is what a user expects
-        logger.debug(f"Initial peer {found.peer} dialed this peer back at {where}: joining as a full peer")
+        logger.info(f"Reach: public (initial peer {found.peer} dialed this peer back at {where})")
     elif role == "monitor" and peer.reduce:
         raise UserError(
             f"other peers cannot dial this monitor (initial peer {found.peer} could not reach it at {where}"
@@ -313,7 +321,7 @@ def take_swarm_run(connection: SwarmConnection, run: RunConfig) -> RunConfig:
     except TypeError as e:
         raise UserError(f"the swarm's config record cannot be read by this version of cotrain: {e}") from None
     logger.info(
-        f"Taking run {run.run_id!r}'s settings from {source}: "
+        f"Taking the settings of run {run.run_id!r} from {source}: "
         f"preset {taken.preset}, {taken.model_family}, target batch {taken.target_batch_size}, "
         f"{taken.optimizer} at learning rate {taken.learning_rate:g}"
     )

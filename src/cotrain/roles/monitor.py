@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -102,6 +103,21 @@ def join_command(maddrs: list[str], run_id: str, private: bool = False, dataset_
     return f"cotrain train --run-id {run_id} --initial-peers {peers} {data}{token}"
 
 
+def api_join(maddrs: list[str], run: RunConfig) -> str:
+    """How a loop of one's own (cotrain.SwarmPeer) joins: the run settings it shares with the swarm, those
+    that differ from the API's defaults."""
+    from cotrain.engine.settings import API_RUN, configs_of  # the API's side, loaded only here
+
+    ours = dataclasses.asdict(run)
+    default = dataclasses.asdict(configs_of({"run_id": run.run_id, "target_batch_size": 1}, None)[0])
+    shared = [
+        f"{name}={ours[name]!r}"
+        for name in API_RUN
+        if name in ("run_id", "target_batch_size") or ours[name] != default[name]
+    ]
+    return f"cotrain.SwarmPeer(model, optimizer, {', '.join(shared)}, initial_peers={maddrs!r})"
+
+
 def describe_strategy(run: RunConfig) -> str:
     """The run's strategy in a few words, for log lines."""
     return strategy_class(run.strategy).words(run)
@@ -160,6 +176,8 @@ class Monitor:
         self._start_checkpoints(out, layout)
         self._start_reducer(layout)
         (out / "initial_peers.txt").write_text("\n".join(maddrs) + "\n")  # last: the monitor is ready
+        if "preset" not in self.config.run_given:  # no model named: the run may be a loop of one's own's too
+            join += "\nor, from a training loop of one's own (docs/api.md):\n  " + api_join(maddrs, run)
         logger.info(f"Monitor of run {run.run_id!r} is up, {describe_strategy(run)}. To join, run:\n  {join}")
         period = min(peer.refresh_period, DASHBOARD_TICK) if self.dashboard else peer.refresh_period
 

@@ -81,8 +81,8 @@ class DiLoCoStrategy(HivemindStrategy):
 
     @classmethod
     def swarm_fields(cls, records: list[Any]) -> dict:
-        """The inner steps (the largest any peer reports: the schedule's position) and the payload of the
-        peers' last outer all-reduce (the largest one peer sent, and the total)."""
+        """The inner steps (the most that any peer reports: each counts its own optimizer's steps since
+        it started) and the payload of the peers' last outer all-reduce (most of a peer; the total)."""
         return {
             "inner_steps": max((r.inner_steps for r in records), default=0),
             "round_bytes": max((r.round_bytes for r in records), default=0),
@@ -91,15 +91,12 @@ class DiLoCoStrategy(HivemindStrategy):
 
     @classmethod
     def step_words(cls, line: dict, style: str = "log") -> str:
+        inner = f"{line.get('inner_steps', 0)} inner steps (most of a peer)"
+        sent = line.get("round_bytes", 0) / 1e6
         if style == "demo":
-            sent = line.get("round_bytes", 0) / 1e6
-            return (
-                f", {line.get('inner_steps', 0)} inner steps, {sent:.1f} MB sent per peer in the last round"
-            )
-        return (
-            f" | {line['inner_steps']} inner steps | last round sent {line['round_bytes'] / 1e6:.1f} MB per "
-            f"peer, {line['round_bytes_total'] / 1e6:.1f} MB in all"
-        )
+            return f", {inner}, {sent:.1f} MB sent per peer in the last round"
+        total = line["round_bytes_total"] / 1e6
+        return f" | {inner} | last round sent {sent:.1f} MB per peer, {total:.1f} MB in all"
 
     @classmethod
     def settings_shown(cls, run: RunConfig) -> dict:
@@ -116,10 +113,11 @@ class DiLoCoStrategy(HivemindStrategy):
     @classmethod
     def status_lines(cls, state: dict) -> list[str]:
         sent, total = _megabytes(state.get("round_bytes", 0)), _megabytes(state.get("round_bytes_total", 0))
+        local = state.get("local_steps", 0)
         line = (
-            f"diloco: {state.get('local_steps', 0)} local steps x {state['target_batch_size']} samples per "
-            f"round, {state.get('inner_steps', 0)} inner steps so far, last round sent {sent} per peer "
-            f"({total} in all)"
+            f"diloco: a round every {local} target batches ({local} x {state['target_batch_size']} samples "
+            f"of the swarm), {state.get('inner_steps', 0)} inner steps so far (the most any peer took, one "
+            f"per step of its own), last round sent {sent} per peer ({total} in all)"
         )
         if state.get("outer_compression") == "topk":
             line += (
