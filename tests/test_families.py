@@ -123,7 +123,7 @@ def test_each_twin_builds_and_its_collator_and_loss_train_a_step(twin, tokenizer
     )
     assert type(model).__name__ == family.model_class
     assert model.get_input_embeddings().num_embeddings == len(tokenizer)  # the vocabulary is the tokenizer's
-    if run.objective == "clm":  # a causal LM names its loss (GPT2LMHeadModel's class name does not: a warning)
+    if run.objective == "clm":  # a causal LM names its loss (GPT2LMHeadModel's name does not: a warning)
         assert model.loss_type == "ForCausalLM"
     assert 0.5e6 < parameter_count(model) < 8e6, parameter_count(model)
     batch = collator_for_run(run, tokenizer, seed=0)(_batch(run.model_family, tokenizer))
