@@ -70,14 +70,8 @@ class SwarmConnection:
             # a peer that every answering peer called busy joins as a client (the safe side)
             unsure = self.reachability.reached is None and self.reachability.busy
             client_mode = (self.reachability.reached is False or unsure) and role != "monitor"
-        elif role in PROBED and role != "monitor":  # how this peer is reached, in one line, as when probed
-            why = (
-                "--client-mode"
-                if client_mode
-                else "--public: not probed"
-                if peer.public
-                else "no initial peer"
-            )
+        elif role in PROBED and role != "monitor" and peer.initial_peers:  # how it is reached, as when probed
+            why = "--client-mode" if client_mode else "--public: not probed"
             logger.info(f"Reach: {'client' if client_mode else 'public'} ({why})")
         self.dht = create_dht(
             initial_peers=peer.initial_peers,
