@@ -78,6 +78,11 @@ def test_issue_writes_a_private_token_that_verifies_and_lists(tmp_path, capsys):
     assert [(r["name"], r["status"], r["fingerprint"]) for r in rows] == [
         ("alice", "valid", token.fingerprint)
     ]
+    assert main(["token", "list", "--authority-key", str(tmp_path / "authority.key")]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["name", "fingerprint", "status", "expires"], header
+    assert row.split()[:3] == ["alice", token.fingerprint, "valid"], row
+    assert row.index(token.fingerprint) == header.index("fingerprint")  # the column under its heading
 
 
 def test_check_token_names_each_reason(tmp_path):
@@ -143,15 +148,25 @@ def test_revoke_marks_every_token_of_a_name(tmp_path, capsys):
     second = read_token_file(issue(tmp_path, "alice"))
     issue(tmp_path, "bob")
     authority = Authority.load(tmp_path / "authority.key")
-    assert (
-        main(["token", "revoke", "--name", "alice", "--authority-key", str(tmp_path / "authority.key")]) == 0
-    )
+    key = ["--authority-key", str(tmp_path / "authority.key")]
+    capsys.readouterr()
+    assert main(["token", "revoke", "--name", "alice", *key]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "revoked 2 tokens of 'alice' (the revocation list now holds 2 revoked tokens); a running monitor "
+        "tells the swarm within seconds"
+    ]
     revoked = authority.revoked_fingerprints()  # both names of each of alice's two tokens
     assert len(revoked) == 4 and {second.fingerprint, second.signature_fingerprint} <= revoked
-    assert (
-        main(["token", "revoke", "--name", "alice", "--authority-key", str(tmp_path / "authority.key")]) == 0
-    )
-    assert "already revoked" in capsys.readouterr().out
+    assert len(authority.revoked_tokens()) == 2
+    assert main(["token", "revoke", "--name", "bob", *key]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "revoked 1 token of 'bob' (the revocation list now holds 3 revoked tokens); a running monitor "
+        "tells the swarm within seconds"
+    ]
+    assert main(["token", "revoke", "--name", "alice", *key]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "the tokens of 'alice' were already revoked (the revocation list holds 3 revoked tokens)"
+    ]
     statuses = [
         e["name"] for e in json.loads(registry_path(tmp_path / "authority.key").read_text())["tokens"]
     ]
@@ -612,6 +627,86 @@ def test_only_a_refusal_the_peer_can_verify_stops_it(tmp_path):
     assert judge(refused("a\x1b[2Jb\nc"), alice, joined=False) == Verdict(unverified="a?[2Jb?c")
 
 
+REVOKED_CAROL = "access token 'carol' was revoked by the swarm's operator"
+
+
+def watch_refusal(tmp_path: Path, caplog) -> str:
+    """A running peer's access watcher, run until the swarm refuses carol's token (revoked); its refusal."""
+    import concurrent.futures
+    import logging
+    import threading
+
+    from cotrain.access import AccessControl
+    from cotrain.net.probe import AccessWatcher, Verdict
+
+    class DHT:
+        access = AccessControl.for_token(RUN, str(issue(tmp_path, "carol")))
+
+        def run_coroutine(self, coroutine, return_future):
+            future = concurrent.futures.Future()
+            future.set_result(Verdict(stop=REVOKED_CAROL))
+            return future
+
+    watcher = AccessWatcher(DHT(), [], threading.Event(), period=0.01)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cotrain.net.probe"):
+        watcher.run()
+    assert watcher.stop.is_set() and watcher.refusal == f"the swarm refused this peer: {REVOKED_CAROL}"
+    return watcher.refusal
+
+
+def test_a_refused_peer_outside_a_worker_logs_why(tmp_path, monkeypatch, caplog):
+    """A SwarmPeer of the Python API has no worker to print the swarm's refusal: its watcher logs it."""
+    from cotrain.net.probe import AccessWatcher
+
+    monkeypatch.setattr(AccessWatcher, "logs_refusal", True)
+    watch_refusal(tmp_path, caplog)
+    assert [r.getMessage() for r in caplog.records] == [f"the swarm refused this peer: {REVOKED_CAROL}"]
+
+
+@pytest.mark.parametrize(
+    "ends", [0, UserError("the swarm's settings were not found"), RuntimeError("stopped mid-step")]
+)
+def test_a_refused_role_says_so_once_as_its_error_line(tmp_path, monkeypatch, capsys, caplog, ends):
+    """A role's worker prints the swarm's refusal as the role's one error line, whatever else the stop made
+    the role end with, and its watcher logs nothing of it."""
+    import threading
+    from types import SimpleNamespace
+
+    from cotrain import _worker
+    from cotrain.net.probe import AccessWatcher
+
+    monkeypatch.setattr(AccessWatcher, "logs_refusal", True)  # put back after the worker sets it
+
+    class Role:
+        def __init__(self, config, stop) -> None:
+            self.connection = SimpleNamespace(refusal=None)
+
+        def run(self) -> int:
+            self.connection.refusal = watch_refusal(tmp_path, caplog)
+            assert caplog.records == [], caplog.text  # the watcher said nothing: the worker says it
+            if isinstance(ends, Exception):
+                raise ends
+            return ends
+
+        def close(self) -> None:
+            pass
+
+    config = SimpleNamespace(peer=SimpleNamespace(verbose=False))
+    signals = SimpleNamespace(event=threading.Event())
+    monkeypatch.setattr(_worker, "load_resolved", lambda path: config)
+    monkeypatch.setattr(_worker, "setup_logging", lambda verbose: None)
+    monkeypatch.setattr(_worker, "write_output_config", lambda config: None)
+    monkeypatch.setattr(_worker, "StopSignals", lambda: SimpleNamespace(install=lambda: signals))
+    monkeypatch.setattr(_worker, "quiet_while_stopping", lambda event: None)
+    monkeypatch.setattr(_worker, "role_class", lambda command: Role)
+    capsys.readouterr()
+    assert _worker.run_role("train", "-") == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"cotrain train: error: the swarm refused this peer: {REVOKED_CAROL}"
+    ]
+
+
 def test_the_access_package_stays_below_config_models_and_data():
     """`cotrain token` runs without hivemind; the access package imports no config, models, checkpoints,
     data, net or hivemind_ext (each checked in a fresh interpreter: every module of the package imported)."""
@@ -907,10 +1002,14 @@ def test_revoking_a_running_trainer_stops_it_and_the_swarm_goes_on(private_swarm
     carol.proc.wait(timeout=120)
     lines = carol.text().strip().splitlines()
     assert carol.proc.returncode == 2, lines[-5:]
-    assert lines[-1] == (
-        "cotrain train: error: the swarm refused this peer: access token 'carol' was revoked by the swarm's "
-        "operator"
-    ), lines[-5:]
+    refusal = "the swarm refused this peer: access token 'carol' was revoked by the swarm's operator"
+    assert lines[-1] == f"cotrain train: error: {refusal}", lines[-5:]
+    assert sum(refusal in line for line in lines) == 1, lines[-5:]  # said once, as its error line
+    # the monitor counts the revoked tokens it publishes as `token revoke` does: dave's, then carol's too
+    monitor = roles["monitor"]
+    published = "Published the revocation list: "
+    wait_until(lambda: f"{published}2 revoked tokens" in monitor.text(), 30, what="the list with carol's")
+    assert f"{published}1 revoked token\n" in monitor.text()
     stopped_after = time.monotonic() - revoked_at
     step = swarm_step(private_swarm)
     wait_until(lambda: swarm_step(private_swarm) > step, 120, what="alice training on after carol left")

@@ -60,9 +60,16 @@ def write_output_config(config: Config) -> Path:
     return write_toml(config, Path(config.peer.output_dir) / "config.toml")
 
 
+def refusal_of(role) -> str | None:
+    """Why the swarm stopped accepting the role's access token while it ran (a private swarm), if it did."""
+    connection = getattr(role, "connection", None)
+    return getattr(connection, "refusal", None)
+
+
 def run_role(command: str, resolved_config: str) -> int:
     """Run one role; its error, if any, is the last line it prints: the role is shut down first, so that no
-    background thread or averager process logs after it."""
+    background thread or averager process logs after it. A role the swarm refused (its access token revoked
+    or expired) says so in that line alone, whatever else its stop caused."""
     role = None
     error: str | None = None
     try:
@@ -71,14 +78,23 @@ def run_role(command: str, resolved_config: str) -> int:
         write_output_config(config)
         signals = StopSignals().install()
         quiet_while_stopping(signals.event)
+        from cotrain.net.probe import AccessWatcher  # deferred: the role this worker runs
+
+        AccessWatcher.logs_refusal = False  # this worker prints the refusal, as the role's error line
         role = role_class(command)(config, stop=signals.event)
+        code = 1
         try:
-            return role.run()
+            code = role.run()
         except UserError as e:
             error = str(e)
         except Exception as e:
-            logging.getLogger("cotrain").exception(f"{command} failed: {e!r}")
-            return 1
+            if refusal_of(role) is None:
+                logging.getLogger("cotrain").exception(f"{command} failed: {e!r}")
+                return 1
+            logging.getLogger("cotrain").debug(f"{command} stopped after the swarm refused it: {e!r}")
+        error = refusal_of(role) or error
+        if error is None:
+            return code
     except UserError as e:
         error = str(e)
     except OSError as e:  # OUTPUT_DIR/config.toml could not be written

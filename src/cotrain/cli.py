@@ -318,10 +318,12 @@ def cmd_token(ns: argparse.Namespace) -> int:
         print(f"issued token {token.fingerprint} for {ns.name!r}, valid until {issued.expires}: {out}")
     elif ns.token_action == "revoke":
         revoked = access.revoke_tokens(key, ns.name)
+        listed = access.count_tokens(revoked.listed, "revoked")
         print(
-            f"revoked {revoked} token(s) of {ns.name!r}; a running monitor tells the swarm within seconds"
-            if revoked
-            else f"the tokens of {ns.name!r} were already revoked"
+            f"revoked {access.count_tokens(revoked.now)} of {ns.name!r} (the revocation list now holds "
+            f"{listed}); a running monitor tells the swarm within seconds"
+            if revoked.now
+            else f"the tokens of {ns.name!r} were already revoked (the revocation list holds {listed})"
         )
     else:
         rows = access.list_tokens(key)

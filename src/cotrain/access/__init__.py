@@ -36,9 +36,11 @@ _WHERE = {
     "read_token_file": "tokens",
     "DEFAULT_AUTHORITY_KEY": "authority",
     "Authority": "authority",
+    "count_tokens": "authority",
     "registry_path": "authority",
     "verify_revocations": "authority",
     "Issued": "commands",
+    "Revoked": "commands",
     "issue_token": "commands",
     "list_tokens": "commands",
     "revoke_tokens": "commands",
@@ -57,9 +59,11 @@ __all__ = [
     "NO_TOKEN",
     "PrivateKey",
     "PublicKey",
+    "Revoked",
     "TokenFile",
     "access_for",
     "check_token",
+    "count_tokens",
     "fingerprints",
     "issue_token",
     "list_tokens",
@@ -71,8 +75,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from cotrain.access.authority import DEFAULT_AUTHORITY_KEY, Authority, registry_path, verify_revocations
-    from cotrain.access.commands import Issued, issue_token, list_tokens, revoke_tokens, token_table
+    from cotrain.access.authority import (
+        DEFAULT_AUTHORITY_KEY,
+        Authority,
+        count_tokens,
+        registry_path,
+        verify_revocations,
+    )
+    from cotrain.access.commands import Issued, Revoked, issue_token, list_tokens, revoke_tokens, token_table
     from cotrain.access.control import AccessControl, Credential, access_for
     from cotrain.access.crypto import PrivateKey, PublicKey
     from cotrain.access.tokens import NO_TOKEN, TokenFile, check_token, fingerprints, read_token_file

@@ -124,6 +124,11 @@ def _describe(index: int, entry: Skipped) -> str:
     return f"entry {index + 1}" + (f" (name {repr(entry.name)[:80]})" if entry.name is not None else "")
 
 
+def count_tokens(count: int, kind: str = "") -> str:
+    """``count`` tokens in words, ``kind`` before the noun: "1 token", "2 revoked tokens"."""
+    return f"{count} {kind + ' ' if kind else ''}token{'' if count == 1 else 's'}"
+
+
 def token_name(entry: dict) -> str:
     """The fingerprint `cotrain token list` shows for a registry entry."""
     return entry["fingerprint"] or entry["signature_fingerprint"]
@@ -320,17 +325,26 @@ class Authority:
             self._save(tokens)
         return newly
 
-    def revoked_fingerprints(self) -> set[str]:
-        """Both names of every revoked token that has not expired yet (expired ones are refused anyway), and
-        every name that a skipped entry marked revoked holds (its expiry cannot be trusted)."""
+    def revoked_tokens(self) -> list[set[str]]:
+        """The tokens of the revocation list, each as the set of its names: every revoked token that has not
+        expired yet (expired ones are refused anyway), by both its names, and every skipped entry marked
+        revoked, by the names it holds (its expiry cannot be trusted)."""
         now = time.time()
-        names: set[str] = set()
+        tokens: list[set[str]] = []
         for e in self._read():
             if isinstance(e, Skipped):
-                names.update(e.revoked_fingerprints())
+                names = e.revoked_fingerprints()
             elif e["revoked"] is not None and e["expires"] > now:
-                names.update(n for n in (e["fingerprint"], e["signature_fingerprint"]) if n)
-        return names
+                names = {n for n in (e["fingerprint"], e["signature_fingerprint"]) if n}
+            else:
+                continue
+            if names:
+                tokens.append(names)
+        return tokens
+
+    def revoked_fingerprints(self) -> set[str]:
+        """Every name of every token in the revocation list (``revoked_tokens``): what peers refuse."""
+        return set().union(*self.revoked_tokens())
 
     def signed_revocations(self, expires: float) -> dict:
         revoked = sorted(self.revoked_fingerprints())

@@ -31,9 +31,18 @@ def issue_token(authority_key: str | Path, name: str, valid_days: float, output:
     return Issued(authority.issue(name, valid_days, out), out, created)
 
 
-def revoke_tokens(authority_key: str | Path, name: str) -> int:
-    """Revoke every token issued to ``name``; the number revoked now (0: all were revoked before)."""
-    return len(Authority.load(authority_key).revoke(name))
+@dataclass
+class Revoked:
+    now: int  # tokens of the name revoked by this call (0: all were revoked before)
+    listed: int  # tokens in the revocation list after it, as the monitor counts them when it publishes it
+
+
+def revoke_tokens(authority_key: str | Path, name: str) -> Revoked:
+    """Revoke every token issued to ``name``; how many were revoked now and how many the revocation list
+    holds (every revoked token not expired yet, of any name)."""
+    authority = Authority.load(authority_key)
+    now = len(authority.revoke(name))
+    return Revoked(now, len(authority.revoked_tokens()))
 
 
 def list_tokens(authority_key: str | Path) -> list[dict]:
@@ -49,7 +58,7 @@ def list_tokens(authority_key: str | Path) -> list[dict]:
 def token_table(rows: list[dict]) -> list[str]:
     """``list_tokens``'s rows as the lines of a table (a token registered in format 1 shows the fingerprint
     of its signature, the only one its registry kept)."""
-    lines = [f"{'name':<20}{'token':<26}{'status':<9}{'expires':<25}"]
+    lines = [f"{'name':<20}{'fingerprint':<26}{'status':<9}expires"]
     for row in rows:
-        lines.append(f"{row['name']:<20}{token_name(row):<26}{row['status']:<9}{iso(row['expires']):<25}")
+        lines.append(f"{row['name']:<20}{token_name(row):<26}{row['status']:<9}{iso(row['expires'])}")
     return lines

@@ -204,7 +204,8 @@ class AccessControl:
         self.revocations_version = float(value["version"])
         self.revocations_record = value
         if newly:
-            logger.debug(f"{len(newly)} more revoked access token(s)")
+            more = f"{len(newly)} more revoked fingerprint{'' if len(newly) == 1 else 's'}"
+            logger.debug(f"A newer revocation list: {more}")
         return True
 
     def merge_revocations(self, revoked: list[str], version: float) -> None:

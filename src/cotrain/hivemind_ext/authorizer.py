@@ -18,6 +18,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
+from cotrain.access.authority import count_tokens
 from cotrain.access.control import AccessControl
 from cotrain.access.tokens import MALFORMED, REVOKED
 from cotrain.access.wire import CHECK_HANDLE, messages
@@ -98,9 +99,9 @@ async def _revocations_loop(node, access: AccessControl) -> None:
                     access.revocations_record = value  # the proof that check answers carry
                     await node.store(access.revocations_key, value, expiration_time=value["expires"])
                     if revoked != published:
-                        logger.info(
-                            f"Published the revocation list ({len(value['revoked'])} revoked token(s))"
-                        )
+                        # tokens, as `cotrain token revoke` counts them, not their names (each has two)
+                        listed = count_tokens(len(access.authority.revoked_tokens()), "revoked")
+                        logger.info(f"Published the revocation list: {listed}")
                     published, published_at = revoked, time.monotonic()
             else:
                 found = await node.get(access.revocations_key, latest=True)

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import MSGPackSerializer
@@ -187,7 +188,12 @@ def probe_refusal(initial_peers: list[str], access: AccessControl | None, timeou
 class AccessWatcher(threading.Thread):
     """Checks every few seconds that this peer's token is still accepted (not expired, not revoked). When it
     is refused, it records why and sets ``stop``: the role ends with that one line. It warns once when the
-    token will expire within the hour (a renewed token file is picked up without a restart)."""
+    token will expire within the hour (a renewed token file is picked up without a restart).
+
+    It logs the refusal as an error too, unless ``logs_refusal`` is False: a role's worker process
+    (cotrain._worker) sets that, as it prints the refusal itself as the role's one error line."""
+
+    logs_refusal: ClassVar[bool] = True
 
     def __init__(self, dht, initial_peers: list[str], stop: threading.Event, period: float = 3.0) -> None:
         super().__init__(daemon=True, name="access-watcher")
@@ -208,7 +214,8 @@ class AccessWatcher(threading.Thread):
                 continue
             if verdict.stop is not None:
                 self.refusal = f"the swarm refused this peer: {verdict.stop}"
-                logger.error(self.refusal)
+                if self.logs_refusal:
+                    logger.error(self.refusal)
                 self.stop.set()
                 return
             if (
