@@ -396,6 +396,9 @@ def test_the_seed_colab_line_joins_a_swarm_with_another_matchmaking_time(swarm, 
         wait_until(averaged, 200, interval=1.0, what="the Colab-line trainer to average in a group of 2+")
         text = role.text()
         assert "differs from the swarm" not in text and "Traceback" not in text
-        assert "settings from initial peer" in text and "preset albert-tiny" in text, text[-3000:]
+        assert (
+            "Taking the settings of run 'seed-lines' from initial peer" in text
+            and "preset albert-tiny" in text
+        ), text[-3000:]
     finally:
         role.stop()

@@ -70,9 +70,7 @@ class SwarmConnection:
             # a peer that every answering peer called busy joins as a client (the safe side)
             unsure = self.reachability.reached is None and self.reachability.busy
             client_mode = (self.reachability.reached is False or unsure) and role != "monitor"
-        elif role in PROBED and role != "monitor" and peer.initial_peers:  # how it is reached, as when probed
-            why = "--client-mode" if client_mode else "--public: not probed"
-            logger.info(f"Reach: {'client' if client_mode else 'public'} ({why})")
+        reach = _reach(peer, role, client_mode, self.reachability)
         self.dht = create_dht(
             initial_peers=peer.initial_peers,
             host_maddrs=peer.host_maddrs,
@@ -89,6 +87,8 @@ class SwarmConnection:
             record_validators=validators,
             access=self.access,
         )
+        if reach:
+            logger.info(f"Reach: {reach}")
         if self.access is not None:  # its records count as one participant's votes (cotrain.access.voters)
             Voters.of(self.dht)
         if not client_mode:  # newcomers ask it to dial them back
@@ -247,8 +247,10 @@ def _probe(peer: PeerConfig, role: str, access: Any = None) -> Any:
             f"No initial peer answered the reachability probe within {ASK_TIMEOUT:.0f} s: assuming others "
             "can dial this peer (--client-mode if they cannot)"
         )
-    elif found.reached:
-        logger.info(f"Reach: public (initial peer {found.peer} dialed this peer back at {where})")
+    elif (
+        found.reached
+    ):  # said once the DHT is up (SwarmConnection): a peer refused at start says its error alone
+        pass
     elif role == "monitor" and peer.reduce:
         raise UserError(
             f"other peers cannot dial this monitor (initial peer {found.peer} could not reach it at {where}"
@@ -269,6 +271,17 @@ def _probe(peer: PeerConfig, role: str, access: Any = None) -> Any:
             "machine (--host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT --public)"
         )
     return found
+
+
+def _reach(peer: PeerConfig, role: str, client_mode: bool, found: Any) -> str:
+    """How a trainer (or a loop of one's own) joining through initial peers is reached, where the probe's own
+    lines (a client, busy peers, no answer) did not say it: dialed back, or its flags chose."""
+    if role not in PROBED or role == "monitor" or not peer.initial_peers:
+        return ""
+    if found is not None:
+        where = ", ".join(found.addresses) or "its addresses"
+        return f"public (initial peer {found.peer} dialed this peer back at {where})" if found.reached else ""
+    return "client (--client-mode)" if client_mode else "public (--public: not probed)"
 
 
 def _why(detail: str) -> str:
