@@ -21,8 +21,20 @@ import pytest
 
 from cotrain.host.shm import remove_leftovers
 
+# fixtures that tests of several suites share (tests/support/)
+pytest_plugins = [
+    "support.checkpoints",
+    "support.data_prepare",
+    "support.data_stream",
+    "support.diloco_peers",
+    "support.families",
+    "support.hostile",
+    "support.voters",
+]
+
 REPO = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).resolve().parent / "assets"
+TESTS = Path(__file__).resolve().parent
+ASSETS = TESTS / "assets"
 SHARED = REPO.parent / "shared"  # beside the repository in the project's workspace; absent in a fresh clone
 # Real WikiText-2 (validation split, the wikitext-103-v1 format) when it is beside the repository; otherwise a
 # sample in the same format written for the tests. Tests whose thresholds depend on the corpus's size read
@@ -121,6 +133,36 @@ def network_guard():
 SESSION_STARTED = time.time()
 
 
+# how long a live test may wait for its share of the machine (machine_share): a bound of its own, apart from the
+# test's timeout; the longest live test holds the machine for at most its own timeout (240 s)
+SHARE_WAIT = 600.0
+
+
+SHARE_MISSED = pytest.StashKey[float]()
+
+
+def _flock_within(handle, kind: int, item) -> bool:
+    """Takes a lock on ``handle`` within SHARE_WAIT seconds; False (and the test marked to fail in its set-up,
+    share_bound below) where it could not."""
+    deadline = time.monotonic() + SHARE_WAIT
+    while True:
+        try:
+            fcntl.flock(handle, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                item.stash[SHARE_MISSED] = SHARE_WAIT
+                return False
+            time.sleep(0.2)
+
+
+@pytest.fixture(autouse=True)
+def share_bound(request):
+    """Fails a live test that waited past SHARE_WAIT for its share of the machine (machine_share)."""
+    if SHARE_MISSED in request.node.stash:
+        pytest.fail(f"waited {SHARE_WAIT:.0f} s for its share of the machine", pytrace=False)
+
+
 @contextlib.contextmanager
 def machine_share(item):
     """Under xdist, a live test (``slow``) holds a shared lock on this run's machine while it runs, and one
@@ -134,15 +176,31 @@ def machine_share(item):
     base = Path(tempfile.gettempdir()) / f"cotrain-tests-{run}"
     alone = item.get_closest_marker("alone") is not None
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not _flock_within(turnstile, fcntl.LOCK_EX, item):
+            yield
+            return
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            held = _flock_within(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, item)
         finally:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if not held:
+            yield
+            return
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+SUITES = ("unit", "swarm", "live")
+
+
+def pytest_collection_modifyitems(items):
+    """Each test carries the mark of its suite, the folder it lies in: ``-m unit``, ``-m "not live"``."""
+    for item in items:
+        suite = Path(str(item.path)).relative_to(TESTS).parts[0]
+        if suite in SUITES:
+            item.add_marker(suite)
 
 
 def pytest_configure(config):
