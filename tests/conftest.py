@@ -133,8 +133,8 @@ def network_guard():
 SESSION_STARTED = time.time()
 
 
-# how long a live test may wait for its share of the machine (machine_share): a bound of its own, apart from the
-# test's timeout; the longest live test holds the machine for at most its own timeout (240 s)
+# how long a live test may wait for its share of the machine (machine_share): a bound of its own, apart from
+# the test's timeout; the longest live test holds the machine for at most its own timeout (240 s)
 SHARE_WAIT = 600.0
 
 

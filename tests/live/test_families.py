@@ -1,7 +1,7 @@
-"""Model families from presets: every preset builds its family's model (full sizes checked on the meta
-device), `cotrain prepare --preset` makes the family's examples and tokenizer, optimizers and schedules
-by name, --init-from a pretrained folder, and (slow) two trainers of each family's CPU twin train together
-and the loss falls, then `cotrain export` writes a folder that the family's Auto class loads."""
+"""Two trainers of a family's CPU twin train together and the loss falls, then `cotrain export` writes a
+folder that the family's Auto class loads: an encoder (bert, with whole-word masking) and a decoder (gpt2).
+The swarm does not depend on the family; every family's twin trains a step and exports in
+tests/unit/test_families.py."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def prepared(small_corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # about 45 s on an idle machine; much more when the cores are shared
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.timeout(240)  # about 25 s on an idle machine; more when the cores are shared
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_two_trainers_of_each_family_train_together_and_export(family, prepared, tmp_path):
     import transformers
     from transformers import AutoTokenizer

@@ -1,13 +1,15 @@
 """Model families from presets: every preset builds its family's model (full sizes checked on the meta
 device), `cotrain prepare --preset` makes the family's examples and tokenizer, optimizers and schedules
-by name, --init-from a pretrained folder, and (slow) two trainers of each family's CPU twin train together
-and the loss falls, then `cotrain export` writes a folder that the family's Auto class loads."""
+by name, --init-from a pretrained folder, and each family's CPU twin trains a step and its checkpoint exports
+to a folder that the family's Auto class loads with the same logits. Two trainers of a twin training together
+in a live swarm: tests/live/test_families.py."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,7 +90,9 @@ def _batch(family: str, tokenizer) -> list[dict]:
 
 
 @pytest.mark.parametrize("twin", sorted(set(TWINS.values())))
-def test_each_twin_builds_and_its_collator_and_loss_train_a_step(twin, tokenizers):
+def test_each_twin_builds_trains_a_step_and_its_checkpoint_exports_for_its_auto_class(
+    twin, tokenizers, tmp_path
+):
     from cotrain.models import build_model, collator_for_run, forward_loss, parameter_count
     from cotrain.optim import optimizer_factory, parameter_groups
 
@@ -113,6 +117,28 @@ def test_each_twin_builds_and_its_collator_and_loss_train_a_step(twin, tokenizer
         optimizer.zero_grad()
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    # its trainer's checkpoint exports to a folder that the family's Auto class loads, with the same logits
+    import transformers
+    from transformers import AutoTokenizer
+
+    from cotrain import checkpoints as ck
+    from cotrain.optim import scheduler_factory
+
+    scheduler = scheduler_factory(run)(optimizer)
+    saved = ck.save_checkpoint(
+        tmp_path / "checkpoints", 3, model, optimizer, scheduler, cfg.resolve(twin).to_dict(), tokenizer
+    )
+    assert cli.main(["export", str(tmp_path / "checkpoints"), str(tmp_path / "export")]) == 0
+    exported = json.loads((tmp_path / "export" / "cotrain.json").read_text())
+    assert exported["auto_class"] == family.auto_class and Path(exported["checkpoint"]) == saved
+    loaded = getattr(transformers, family.auto_class).from_pretrained(tmp_path / "export")
+    assert type(loaded).__name__ == family.model_class
+    loaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert loaded.get_input_embeddings().num_embeddings == len(loaded_tokenizer)
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs)[0], model(**inputs)[0])
 
 
 @pytest.mark.parametrize("twin", ["albert-tiny", "bert-tiny", "distilbert-tiny", "roberta-tiny"])
