@@ -75,10 +75,18 @@ def measure(preset: str) -> dict:
     return out
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["llama-150m", "qwen-500m", "llama-1b"])
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = [measure(preset) for preset in args.presets]
     gib = 2**30

@@ -1,6 +1,6 @@
 """All-reduce of ALBERT-large's gradients over shaped links: cotrain's averager, the bound, hivemind's.
 
-n peers (2, 4 and 8 by default), each in a network namespace of its own behind a bridge (``_netns.Network``);
+n peers (2, 4 and 8 by default), each in a network namespace of its own behind a bridge (``netns.Network``);
 every link is shaped with ``tbf`` to ``--rate`` Mbit/s each way (``--rate-8`` for 8 peers, so that the link
 and not the machine's 2 cores stays the bottleneck). Each peer is a process running a DHT (cotrain's
 ``create_dht``) and, per precision, two averagers of a vector shaped like ALBERT-large's parameters
@@ -28,7 +28,7 @@ included. The ratio divides it by the bound 2(n-1)/n x M / bandwidth, M the byte
 value). Each result is checked against the true average. Beside each row: the share of the machine's 2 cores
 busy during the all-reduces and the TCP goodput of one flow over the same shaped link (the floor any protocol
 over TCP starts from). After each precision's rounds, the same bytes are exchanged all-to-all (every peer
-sends 2 x M / n to every other peer, all at once) over plain TCP (``_netns.tcp_exchange_s``) and over raw
+sends 2 x M / n to every other peer, all at once) over plain TCP (``netns.tcp_exchange_s``) and over raw
 libp2p streams through the peers' daemons (``P2PExchange``): what the links and hivemind's transport allow
 for this traffic without the all-reduce's logic. ``--transport quic`` runs the peers' libp2p over QUIC.
 
@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _netns  # noqa: E402
-from _netns import CpuSampler, Peers, say  # noqa: E402
+from lib import netns  # noqa: E402
+from lib.netns import CpuSampler, Peers, say  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL = 1.15  # the all-reduce over the bandwidth bound, at every n
@@ -307,41 +307,47 @@ def make_cotrain_averager(args, dht, dtype, params, compression, group, aggregat
 # ------------------------------------------------------------------------------------------- orchestration
 
 
+def peer_argv(n: int, args, shapes_file: Path) -> list[str]:
+    """The command line of a peer process (this script with ``--peer``) in a group of ``n``; ``Peers.start``
+    adds its ``--index``, ``--address`` and ``--initial-peer``."""
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--peer",
+        "--shapes",
+        str(shapes_file),
+        "--group-size",
+        str(n),
+        "--matchmaking-time",
+        str(args.matchmaking_time),
+        "--bandwidth",
+        str(args.bandwidth),
+        "--part-size",
+        str(args.part_size),
+        "--read-ahead",
+        str(args.read_ahead),
+        "--transport",
+        args.transport,
+        "--aggregation",
+        args.aggregation,
+        *(["--libp2p-arm"] if args.libp2p_arm else []),
+    ]
+
+
 def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> list[dict]:
     rows = []
-    with _netns.Network(n, rate, congestion=args.congestion_control) as net:
+    with netns.Network(n, rate, congestion=args.congestion_control) as net:
         print(
             f"n={n}: {rate:g} Mbit/s links, libp2p over {args.transport}, "
             f"TCP congestion control {net.congestion_control()}",
             flush=True,
         )
-        goodput = _netns.tcp_goodput_mbit(net, 0, 1, megabytes=max(8, int(rate / 8 * 3)))
-        worker = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--peer",
-            "--shapes",
-            str(shapes_file),
-            "--group-size",
-            str(n),
-            "--matchmaking-time",
-            str(args.matchmaking_time),
-            "--bandwidth",
-            str(args.bandwidth),
-            "--part-size",
-            str(args.part_size),
-            "--read-ahead",
-            str(args.read_ahead),
-            "--transport",
-            args.transport,
-            "--aggregation",
-            args.aggregation,
-            *(["--libp2p-arm"] if args.libp2p_arm else []),
-        ]
+        goodput = netns.tcp_goodput_mbit(net, 0, 1, megabytes=max(8, int(rate / 8 * 3)))
+        worker = peer_argv(n, args, shapes_file)
         peers = Peers(net, worker, logdir / f"n{n}", cwd=REPO)
         peers.logdir.mkdir(parents=True, exist_ok=True)
         sampler = CpuSampler(peers.pids)
-        links = _netns.LinkCounters(net)
+        links = netns.LinkCounters(net)
         try:
             peers.start(0, [])
             first = peers.receive(0, 300)["maddrs"][0]
@@ -401,9 +407,9 @@ def run_group(n: int, rate: float, args, shapes_file: Path, logdir: Path) -> lis
                             ),
                             flush=True,
                         )
-                bound = _netns.allreduce_bound_s(n, message, rate * 1e6)
+                bound = netns.allreduce_bound_s(n, message, rate * 1e6)
                 per_flow = int(payload / (n - 1))
-                tcp = [_netns.tcp_exchange_s(net, per_flow) for _ in range(args.exchanges)]
+                tcp = [netns.tcp_exchange_s(net, per_flow) for _ in range(args.exchanges)]
                 exchanges = [p2p_exchange_s(peers, peer_ids, per_flow) for _ in range(args.exchanges)]
                 libp2p = [t for t, _ in exchanges]
                 print(
@@ -442,7 +448,7 @@ def _numel(shape) -> int:
     return out
 
 
-def round_summary(answers, n, sampler: CpuSampler, links: _netns.LinkCounters, rate_bytes, payload) -> dict:
+def round_summary(answers, n, sampler: CpuSampler, links: netns.LinkCounters, rate_bytes, payload) -> dict:
     bad = [a for a in answers if a.get("error") or a["group"] != n or not a["t1"]]
     if bad:
         why = bad[0].get("error") or f"group of {bad[0]['group']}"
@@ -562,7 +568,7 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8], help="group sizes to run")
     ap.add_argument("--rate", type=float, default=100.0, help="link rate, Mbit/s each way (n <= 4)")
@@ -618,13 +624,23 @@ def main() -> None:
     ap.add_argument("--address", default="", help=argparse.SUPPRESS)
     ap.add_argument("--initial-peer", default="", help=argparse.SUPPRESS)
     ap.add_argument("--shapes", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.peer:
-        return peer_main(args)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.quick:
         args.peers, args.dtypes, args.rounds = [2, 4], ["fp16"], 1
-    _netns.prepare_namespaces("allreduce.py", args.limit)
-    started = _netns.print_started()
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.peer:
+        return peer_main(args)
+    netns.prepare_namespaces("allreduce.py", args.limit)
+    started = netns.print_started()
     rows = []
     tmp = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="cotrain-allreduce-"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -640,7 +656,7 @@ def main() -> None:
     if not args.logs:
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)
-    _netns.print_finished(started)
+    netns.print_finished(started)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

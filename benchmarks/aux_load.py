@@ -5,17 +5,17 @@ public peers that reduce for them as auxiliary peers, which the monitor does (co
 Each client sends its vector to the reducers and receives the average, so the reducers' links carry one vector
 per client each way and every round: this benchmark measures that on shaped links.
 
-The hosts are network namespaces (``_netns.Network``), every link shaped to ``--rate`` Mbit/s each way. For
+The hosts are network namespaces (``netns.Network``), every link shaped to ``--rate`` Mbit/s each way. For
 each count of clients in ``--clients`` and each mode in ``--modes`` (``diloco``: dense fp16 rounds;
 ``diloco-topk``: sparse rounds), a fresh swarm runs:
 
 - ``--reducers`` public peers (1 by default) that train nothing and run the strategy's auxiliary reducer, as
   the monitor does (``Strategy.reducer``, built on the same model shapes as the trainers'), the first of them
   the swarm's first peer;
-- the client trainers: the peers of ``utilization.py`` in client mode, cotrain's DHT and ``cotrain.SwarmPeer``
-  with DiLoCo for the real ALBERT-large model of the ``albert-large-v2`` preset (17.8M parameters), their
-  forward and backward passes simulated by a sleep (``--step-time`` s per micro-batch), ``--local-steps``
-  inner steps per round.
+- the client trainers: the peers of ``utilization.py`` (``lib/simulated.py``) in client mode, cotrain's DHT
+  and ``cotrain.SwarmPeer`` with DiLoCo for the real ALBERT-large model of the ``albert-large-v2`` preset
+  (17.8M parameters), their forward and backward passes simulated by a sleep (``--step-time`` s per
+  micro-batch), ``--local-steps`` inner steps per round.
 
 Reported per configuration, over ``--rounds`` rounds after a warm-up round: the seconds per round and how long
 the trainers waited for the round's all-reduce (``opt.step`` time less the inner steps), the bytes the
@@ -39,12 +39,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _netns  # noqa: E402
-import utilization  # noqa: E402
-from _netns import LinkCounters, Peers  # noqa: E402
+from lib import netns  # noqa: E402
+from lib.netns import LinkCounters, Peers  # noqa: E402
+from lib.simulated import ALBERT_LARGE_PARAMS as PARAMS  # noqa: E402
+from lib.simulated import REPO, collect_marks, worker_argv  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-PARAMS = utilization.ALBERT_LARGE_PARAMS
+
+def peer_argv(mode: str, clients: int, args) -> list[str]:
+    """The command line of the peers of one swarm (``Peers.start`` adds ``--aux`` or ``--client-mode``):
+    the real ALBERT-large model, rounds timed out at 3 x the bound of the largest at the reducers' links."""
+    inner_batch = clients * args.micro_batch * args.accumulation
+    payload = 3 * 2 * PARAMS  # the largest round (it carries the outer state): 3 fp16 vectors per client
+    timeout = 3 * netns.allreduce_bound_s(2, clients * payload / args.reducers, args.rate * 1e6)
+    settings = {"peers": clients, "averaging_timeout": float(max(60, math.ceil(timeout))), "model_params": 0}
+    return worker_argv(mode, argparse.Namespace(**{**vars(args), **settings}), 2 + args.rounds, inner_batch)
 
 
 def run_config(mode: str, clients: int, args, logdir: Path) -> dict:
@@ -53,15 +61,9 @@ def run_config(mode: str, clients: int, args, logdir: Path) -> dict:
     reducers = list(range(args.reducers))
     trainers = list(range(args.reducers, args.reducers + clients))
     a, b = 1, 1 + args.rounds
-    inner_batch = clients * args.micro_batch * args.accumulation
-    payload = 3 * 2 * PARAMS  # the largest round (it carries the outer state): 3 fp16 vectors per client
-    timeout = 3 * _netns.allreduce_bound_s(2, clients * payload / len(reducers), args.rate * 1e6)
-    worker_args = argparse.Namespace(
-        **{**vars(args), "peers": clients, "averaging_timeout": float(max(60, math.ceil(timeout)))}
-    )
-    worker = utilization.worker_argv(mode, worker_args, b + 1, inner_batch)
+    worker = peer_argv(mode, clients, args)
     reduced: list[list[int]] = []
-    with _netns.Network(len(reducers) + clients, args.rate) as net:
+    with netns.Network(len(reducers) + clients, args.rate) as net:
         counters = LinkCounters(net)
         peers = Peers(net, worker, logdir / f"{mode}-{clients}", cwd=REPO)
         peers.logdir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +79,7 @@ def run_config(mode: str, clients: int, args, logdir: Path) -> dict:
                 peers.receive(i, 300)  # ready
             peers.send({"op": "go"})
             net.remember_pids()
-            marks = utilization.collect_marks(peers, trainers, b, label)
+            marks = collect_marks(peers, trainers, b, label)
             for i in reducers:
                 peers.send({"op": "quit"}, only=i)
                 reduced.append(peers.receive(i, 60)["reduced"])
@@ -159,7 +161,7 @@ def print_table(rows: list[dict], args) -> None:
         )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, nargs="+", default=[2, 4, 6], help="client trainers per swarm")
     ap.add_argument("--reducers", type=int, default=1, help="public auxiliary reducers (monitors)")
@@ -174,13 +176,23 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=1500.0, help="stop a swarm after this many seconds")
     ap.add_argument("--keep-logs", action="store_true", help="cotrain's info lines in the peers' logs")
     ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if min(args.clients) < 2 or args.reducers < 1:
         ap.error("a reducer takes part from two clients on: --clients 2 or more, --reducers 1 or more")
-    _netns.prepare_namespaces("aux_load.py", len(args.clients) * len(args.modes) * (args.limit + 120))
-    started = _netns.print_started()
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    netns.prepare_namespaces("aux_load.py", len(args.clients) * len(args.modes) * (args.limit + 120))
+    started = netns.print_started()
     rows = []
-    with _netns.logs_folder("cotrain-aux-load-", args.keep_logs) as tmp:
+    with netns.logs_folder("cotrain-aux-load-", args.keep_logs) as tmp:
         for mode in args.modes:
             for clients in args.clients:
                 rows.append(run_config(mode, clients, args, tmp))
@@ -188,7 +200,7 @@ def main() -> None:
     print_table(rows, args)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    _netns.print_finished(started)
+    netns.print_finished(started)
     print(json.dumps({"event": "aux_load_summary", "rate_mbit": args.rate, "rows": rows}))
 
 

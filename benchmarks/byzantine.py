@@ -47,9 +47,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import TimeUp, install_exit_handlers, print_finished, print_started  # noqa: E402
-from convergence import LOCALHOST, REPO, WIKITEXT, Swarm, prepare, read_jsonl  # noqa: E402
 from cotrain.faults import ATTACK, ATTACK_SCALE, ATTACKS, GRADIENT_ATTACKS  # noqa: E402
+from lib.netns import TimeUp, install_exit_handlers, print_finished, print_started  # noqa: E402
+from lib.roles import LOCALHOST, REPO, WIKITEXT, Swarm, prepare_wikitext, read_jsonl  # noqa: E402
 
 CLIP_GOAL = 0.05  # centered-clip: |attacked - clean| / clean at most this for every gradient attack
 CLEARLY_WORSE = 0.05  # mean: sign flip and random direction at least this much worse than clean
@@ -107,7 +107,7 @@ def arms_for(args) -> list[Arm]:
 
 
 class AttackSwarm(Swarm):
-    """convergence.Swarm whose processes may get environment variables of their own (the attackers')."""
+    """lib.roles.Swarm whose processes may get environment variables of their own (the attackers')."""
 
     def start(self, name: str, args: list[str], threads: int, env: dict[str, str] | None = None) -> None:
         with patched_environ(env or {}):
@@ -418,11 +418,16 @@ def cost_table(results: list[dict]) -> None:
         )
 
 
-def allreduce_cost(args) -> None:
+def allreduce_argv(args) -> list[str]:
     """benchmarks/allreduce.py at n = 4, fp16, 100 Mbit/s, centered-clip and mean side by side."""
-    cmd = [sys.executable, str(Path(__file__).resolve().parent / "allreduce.py"), "--peers", "4",
-           "--dtypes", "fp16", "--aggregation", "both", "--rounds", str(args.allreduce_rounds),
-           "--exchanges", "0"]  # fmt: skip
+    return [sys.executable, str(Path(__file__).resolve().parent / "allreduce.py"), "--peers", "4",
+            "--dtypes", "fp16", "--aggregation", "both", "--rounds", str(args.allreduce_rounds),
+            "--exchanges", "0"]  # fmt: skip
+
+
+def allreduce_cost(args) -> None:
+    """The all-reduce time of centered-clip against mean (``allreduce_argv``)."""
+    cmd = allreduce_argv(args)
     print(f"\nall-reduce cost: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=False, cwd=REPO)
 
@@ -435,11 +440,11 @@ def prepared(model: str, args, root: Path) -> Path:
         if folder.exists():
             shutil.rmtree(folder)
         ns = argparse.Namespace(preset=model, seq_length=args.seq_length, valid_fraction=args.valid_fraction)
-        prepare(folder, ns)
+        prepare_wikitext(folder, ns)
     return folder
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["albert-tiny", "gpt2-tiny"], help="presets to train")
     ap.add_argument(
@@ -475,13 +480,23 @@ def main() -> None:
     ap.add_argument("--logs", help="keep every swarm's logs and metrics in this folder")
     ap.add_argument("--merge", nargs="+", help="report on arms saved with --json instead (later files win)")
     ap.add_argument("--quick", action="store_true", help="sign flip, 1 of 5 attacks, gpt2-tiny, 12 steps")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.quick:
         args.models, args.setups, args.attacks, args.steps = ["gpt2-tiny"], [(5, 1)], ["sign-flip"], 12
         args.cost = args.allreduce = False
         args.parallel = 1  # three swarms of 7 roles at once thrash 2 cores; one after the other is faster
         args.run_limit = min(args.run_limit, 300.0)  # 7 roles of 12 steps take 140-200 s on 2 cores
         args.eval_every, args.eval_wait = 10.0, 60.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.merge:
         merged = {}
         for name in args.merge:

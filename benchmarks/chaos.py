@@ -40,7 +40,9 @@ from pathlib import Path
 
 import psutil
 
-LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.roles import LOCALHOST, demo_dataset, read_jsonl  # noqa: E402
+
 RUN_ID = "chaos"
 # timeouts shrunk as in the multi-peer tests: a global step takes seconds on 2 loaded cores
 FAST = ["--matchmaking-time", "2", "--averaging-timeout", "10", "--torch-threads", "1",
@@ -58,18 +60,6 @@ def _die_with_driver() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written when the peer was killed
-            pass
-    return rows
 
 
 class Peer:
@@ -183,23 +173,6 @@ def wait_for(predicate, timeout: float, what: str):
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def prepare_data(out: Path) -> Path:
-    from cotrain.data import prepare_from_source
-
-    data = out / "data"
-    prepare_from_source(
-        demo=True,
-        text_files=None,
-        out_dir=data,
-        max_length=128,
-        seed=0,
-        tokenizer_path=None,
-        vocab_size=4000,
-        progress=False,
-    )
-    return data
-
-
 def final_parameters(folders: list[Path]) -> dict:
     """Whether the newest good checkpoint of the swarm's state (the monitor's, or a trainer's local one, as
     a download by the monitor may time out on a loaded machine) holds only finite numbers."""
@@ -220,8 +193,7 @@ def final_parameters(folders: list[Path]) -> dict:
 def swarm_status(initial: list[str], timeout: float) -> dict | None:
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "cotrain", "status", "--run-id", RUN_ID, "--initial-peers", *initial,
-             "--host-maddrs", LOCALHOST, "--json"],
+            [sys.executable, "-m", "cotrain", *status_argv(initial)],
             capture_output=True, text=True, timeout=timeout, env=cotrain_env(),
         )  # fmt: skip
         return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
@@ -253,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     out = Path(args.out or tempfile.mkdtemp(prefix="cotrain-chaos-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    data = Path(args.data) if args.data else prepare_data(out)
+    data = Path(args.data) if args.data else demo_dataset(out)
     load_start = os.getloadavg()
     peers: list[Peer] = []
     trainers: list[Peer] = []
@@ -264,25 +236,12 @@ def run(args: argparse.Namespace) -> dict:
     def start_trainer(initial: list[str]) -> Peer:
         i = next(counter)
         name = f"trainer{i}"
-        peer = Peer(
-            name,
-            ["train", *COMMON, *strategy_args(args), "--initial-peers", *initial, "--dataset-path", str(data),
-             "--seed", str(i),
-             "--per-device-train-batch-size", "8", "--statistics-expiration", "20",
-             "--save-steps", "3", "--save-total-limit", "1", "--output-dir", str(out / name)],
-            out / name,
-        )  # fmt: skip
+        peer = Peer(name, trainer_argv(args, data, out, i, initial), out / name)
         peers.append(peer)
         trainers.append(peer)
         return peer
 
-    monitor = Peer(
-        "monitor",
-        ["monitor", *COMMON, *strategy_args(args), "--output-dir", str(out / "monitor"),
-         "--refresh-period", "1",
-         "--dashboard-port", "-1", "--save-every", str(args.save_every), "--dataset-path", str(data)],
-        out / "monitor",
-    )  # fmt: skip
+    monitor = Peer("monitor", monitor_argv(args, data, out), out / "monitor")
     peers.append(monitor)
     metrics = out / "monitor" / "metrics.jsonl"
     status, interrupted = None, None
@@ -294,8 +253,8 @@ def run(args: argparse.Namespace) -> dict:
         initial = peers_file.read_text().split()
         for _ in range(args.trainers):
             start_trainer(initial)
-        wait_for(lambda: read_rows(metrics), args.startup_timeout, "the swarm's first global step")
-        step_at_start = max(r["step"] for r in read_rows(metrics))
+        wait_for(lambda: read_jsonl(metrics), args.startup_timeout, "the swarm's first global step")
+        step_at_start = max(r["step"] for r in read_jsonl(metrics))
         churn_start = time.monotonic()
         next_kill = churn_start + args.kill_every * rng.uniform(0.8, 1.2)
 
@@ -318,10 +277,10 @@ def run(args: argparse.Namespace) -> dict:
                 next_kill = now + args.kill_every * rng.uniform(0.8, 1.2)
             time.sleep(1.0)
         churn_seconds = time.monotonic() - churn_start
-        step_at_end = max((r["step"] for r in read_rows(metrics)), default=0)
+        step_at_end = max((r["step"] for r in read_jsonl(metrics)), default=0)
         settle_end = time.monotonic() + args.settle  # no more kills: let the newest trainers take a step
         while (now := time.monotonic()) < settle_end and any(
-            not read_rows(t.out / "metrics.jsonl") for t in trainers if not t.killed
+            not read_jsonl(t.out / "metrics.jsonl") for t in trainers if not t.killed
         ):
             sample(now)
             time.sleep(1.0)
@@ -331,7 +290,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         if churn_seconds is None:
             churn_seconds = time.monotonic() - churn_start
-            step_at_end = max((r["step"] for r in read_rows(metrics)), default=0)
+            step_at_end = max((r["step"] for r in read_jsonl(metrics)), default=0)
         crashed = [p.name for p in peers if p.crashed()]
         for p in peers:
             p.stop()
@@ -355,8 +314,8 @@ def run(args: argparse.Namespace) -> dict:
         for p in peers:
             p.close()
 
-    rows = read_rows(metrics)
-    last = {t.name: read_rows(t.out / "metrics.jsonl") for t in trainers}
+    rows = read_jsonl(metrics)
+    last = {t.name: read_jsonl(t.out / "metrics.jsonl") for t in trainers}
     last_rows = [r[-1] for r in last.values() if r]
     replacements = trainers[args.trainers :]
     result = {
@@ -439,7 +398,27 @@ def strategy_args(args: argparse.Namespace) -> list[str]:
     return ["--strategy", args.strategy, "--local-steps", str(args.local_steps)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def monitor_argv(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
+    """The monitor: it keeps the state (checkpoints every ``--save-every`` global steps) and serves it."""
+    return ["monitor", *COMMON, *strategy_args(args), "--output-dir", str(out / "monitor"),
+            "--refresh-period", "1", "--dashboard-port", "-1", "--save-every", str(args.save_every),
+            "--dataset-path", str(data)]  # fmt: skip
+
+
+def trainer_argv(args: argparse.Namespace, data: Path, out: Path, i: int, initial: list[str]) -> list[str]:
+    """Trainer ``i`` (its seed), joining through ``initial``."""
+    return ["train", *COMMON, *strategy_args(args), "--initial-peers", *initial, "--dataset-path", str(data),
+            "--seed", str(i), "--per-device-train-batch-size", "8", "--statistics-expiration", "20",
+            "--save-steps", "3", "--save-total-limit", "1",
+            "--output-dir", str(out / f"trainer{i}")]  # fmt: skip
+
+
+def status_argv(initial: list[str]) -> list[str]:
+    """`cotrain status` of the swarm, as JSON."""
+    return ["status", "--run-id", RUN_ID, "--initial-peers", *initial, "--host-maddrs", LOCALHOST, "--json"]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of churn (default 180)")
     parser.add_argument("--trainers", type=int, default=4, help="trainers running at any time (default 4)")
@@ -464,9 +443,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the summary to this file")
     parser.add_argument("--strategy", choices=("sync", "diloco"), default="sync", help="the swarm's strategy")
     parser.add_argument("--local-steps", type=int, default=2, help="diloco: inner steps per outer round")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.trainers < 2:
         parser.error("--trainers must be at least 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     def interrupt(signum, frame):  # SIGTERM/SIGHUP: stop every role in order, as on Ctrl+C
         raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -37,34 +37,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import (  # noqa: E402
-    TimeUp,
-    die_with_parent,
-    install_exit_handlers,
-    print_finished,
-    print_started,
-    remove_shared_memory,
-)
+from lib.netns import TimeUp, install_exit_handlers, print_finished, print_started  # noqa: E402
+from lib.roles import LOCALHOST, REPO, WIKITEXT, Swarm, prepare_wikitext, read_jsonl  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 GOAL = 0.02  # |gap| of N sync peers to 1 peer
 DILOCO_GOAL = 0.03  # |gap| of DiLoCo to sync with as many peers
-LOCALHOST = "/ip4/127.0.0.1/tcp/0"
 
 
 class Arm:
@@ -115,79 +102,6 @@ class Arm:
         if value is None or not self.own_steps:
             return value
         return max(1, round(value * self.own_steps / steps))
-
-
-class Swarm:
-    """A monitor and N trainers of one run, each a `cotrain` CLI process in a process group of its own."""
-
-    def __init__(self, out: Path):
-        self.out = out
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.tree: set[int] = set()
-
-    def start(self, name: str, args: list[str], threads: int) -> None:
-        # malloc's arenas as cotrain sets them for its workers (cotrain.host.procs.worker_env)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-        with open(self.out / f"{name}.log", "w") as log:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "cotrain", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-                preexec_fn=die_with_parent,
-            )
-
-    def remember_tree(self) -> None:
-        """Note every descendant (workers, DHT, averagers, p2pd) so that none outlives the benchmark."""
-        for proc in self.procs.values():
-            try:
-                root = psutil.Process(proc.pid)
-                self.tree.update(p.pid for p in [root, *root.children(recursive=True)])
-            except psutil.Error:
-                pass
-
-    def dead(self) -> list[str]:
-        return [name for name, p in self.procs.items() if p.poll() is not None]
-
-    def stop(self, grace: float = 20.0) -> None:
-        self.remember_tree()
-        trainers = [p for n, p in self.procs.items() if n != "monitor"]
-        monitor = [p for n, p in self.procs.items() if n == "monitor"]
-        for group in (trainers, monitor):  # trainers first: the monitor serves them until they are gone
-            for p in group:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for p in group:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-        time.sleep(0.5)
-        for pid in self.tree:  # anything left of this run's process trees
-            try:
-                proc = psutil.Process(pid)
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    proc.kill()
-            except psutil.Error:
-                pass
-        time.sleep(0.5)
-        # torch's shared-memory tensors (hivemind's averagers) of processes killed here stay in /dev/shm, in
-        # RAM, until removed: a few hundred MB per swarm, which add up over a benchmark on a small machine
-        remove_shared_memory(sorted(self.tree))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line being written
-    return rows
 
 
 def swarm_curve(trainer_rows: list[list[dict]]) -> list[tuple[int, int, float]]:
@@ -444,13 +358,6 @@ def run_all(args, data: Path, root: Path) -> list[dict]:
     return results
 
 
-def prepare(data: Path, args) -> None:
-    cmd = [sys.executable, "-m", "cotrain", "prepare", "--preset", args.preset, "--text-files", str(WIKITEXT),
-           "--output", str(data), "--max-seq-length", str(args.seq_length),
-           "--valid-fraction", str(args.valid_fraction)]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True, timeout=900)
-
-
 ARM_COLORS = {"1": "#222222", "2": "#2f6fde", "4": "#d9541e", "8": "#2a9d4b"}
 DILOCO_COLORS = ["#2f6fde", "#2a9d4b", "#8e44ad", "#c79a00"]
 
@@ -512,7 +419,7 @@ def plot(runs: list[dict], path: Path, lo: float, hi: float, args) -> None:
     tmp.replace(path)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4], help="synchronous arms (N peers)")
     ap.add_argument(
@@ -553,13 +460,23 @@ def main() -> None:
     ap.add_argument("--collect", nargs="+", help="report on the run folders of earlier invocations instead")
     ap.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed, first-seed + 1, ...")
     ap.add_argument("--quick", action="store_true", help="1 and 2 peers, 1 seed, 8 steps, no plot")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.quick:
         args.peers, args.arms, args.seeds, args.steps, args.plot = [1, 2], None, 1, 8, ""
     args.arms = args.arms or [Arm(str(n)) for n in args.peers]
     for arm in args.arms:
         if arm.strategy == "diloco" and args.steps % arm.local_steps:
             ap.error(f"--steps {args.steps} is not a multiple of H = {arm.local_steps} ({arm.key})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.collect:
         runs = collect(args.collect, args)
         if args.json:  # to --merge with the runs of other invocations
@@ -584,7 +501,7 @@ def main() -> None:
                 f"preparing WikiText-2 valid with `cotrain prepare` (max length {args.seq_length})",
                 flush=True,
             )
-            prepare(data, args)
+            prepare_wikitext(data, args)
         runs = run_all(args, data, tmp)
     except (BaseException, TimeUp):
         print(f"logs kept in {tmp}", file=sys.stderr)

@@ -8,7 +8,7 @@ cotrain's peers replace by file descriptors: cotrain.host.shm), torch's ``torch_
 /proc/PID/smaps): PSS counts a page shared by k processes as 1/k in each, so the PSS of a role's tree is
 what it adds to the machine's memory beside the other peers; USS is what only that process holds (freed when
 it exits). Shared libraries (torch's, most of all) are shared by every peer on the machine: the more peers,
-the smaller each one's PSS. The roles run as ``benchmarks/convergence.py`` starts them (one CPU thread each,
+the smaller each one's PSS. The roles run as ``lib/roles.py`` starts them (one CPU thread each,
 and the two malloc arenas cotrain gives its workers unless ``MALLOC_ARENA_MAX`` is set: glibc's default
 held a trainer 56 MiB larger).
 
@@ -24,105 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import print_finished, print_started  # noqa: E402
-from convergence import LOCALHOST, Swarm  # noqa: E402
+from lib.netns import print_finished, print_started  # noqa: E402
+from lib.procs import KINDS, growth, sample  # noqa: E402
+from lib.roles import LOCALHOST, Swarm, prepare_demo, start_swarm, stopped_early  # noqa: E402
 
 GOALS_MIB = {"trainer": 600, "monitor": 300}  # PSS of a role's process tree
-KINDS = ("supervisor", "worker", "dht", "p2pd", "averager", "torch_shm_manager", "other")
-
-
-@dataclass(frozen=True)
-class Proc:
-    pid: int
-    ppid: int
-    name: str
-    cmdline: tuple[str, ...]
-
-
-def kinds(procs: list[Proc], root: int) -> dict[int, str]:
-    """What each process of a role's tree is: the supervisor (``root``, ``python -m cotrain ROLE``), the
-    worker (``-m cotrain._worker``), the worker's forked children (the same command line): the DHT is the one
-    whose child is ``p2pd``, the others are averagers; then p2pd and torch's shm manager by name."""
-    children: dict[int, list[Proc]] = {}
-    for p in procs:
-        children.setdefault(p.ppid, []).append(p)
-    out = {root: "supervisor"}
-    workers = [p for p in children.get(root, []) if "cotrain._worker" in p.cmdline]
-    for worker in workers:
-        out[worker.pid] = "worker"
-        for child in children.get(worker.pid, []):
-            if child.name == "torch_shm_manager":
-                out[child.pid] = "torch_shm_manager"
-            elif child.cmdline == worker.cmdline:
-                grandchildren = children.get(child.pid, [])
-                out[child.pid] = "dht" if any(g.name == "p2pd" for g in grandchildren) else "averager"
-    for p in procs:
-        if p.name == "p2pd":
-            out[p.pid] = "p2pd"
-        out.setdefault(p.pid, "other")
-    return out
-
-
-def tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def sample(pid: int) -> list[dict]:
-    """One sample of a role's tree: a row per process (MiB), with its kind."""
-    rows, procs = [], []
-    for p in tree(pid):
-        try:
-            with p.oneshot():
-                info = Proc(p.pid, p.ppid(), p.name(), tuple(p.cmdline()))
-                mem = p.memory_full_info()
-        except psutil.Error:
-            continue
-        procs.append(info)
-        rows.append({"pid": p.pid, "rss": mem.rss / 2**20, "pss": mem.pss / 2**20, "uss": mem.uss / 2**20,
-                     **pss_split(p.pid)})  # fmt: skip
-    kind = kinds(procs, pid)
-    for row in rows:
-        row["kind"] = kind[row["pid"]]
-    return rows
-
-
-def pss_split(pid: int) -> dict[str, float]:
-    """A process's PSS by what backs it (MiB, from /proc/PID/smaps_rollup): ``pss_anon`` (its heap and
-    anonymous mappings: allocator arenas, tensors), ``pss_file`` (libraries and other mapped files),
-    ``pss_shmem`` (shared memory: tensors handed between processes through /dev/shm); empty where the kernel
-    has no rollup."""
-    fields = {"Pss_Anon:": "pss_anon", "Pss_File:": "pss_file", "Pss_Shmem:": "pss_shmem"}
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] in fields:
-            out[fields[parts[0]]] = int(parts[1]) / 1024
-    return out
-
-
-def growth(values: list[float]) -> float:
-    """Relative change from the mean of the first quarter of ``values`` to the mean of the last quarter."""
-    quarter = max(1, len(values) // 4)
-    first, last = statistics.mean(values[:quarter]), statistics.mean(values[-quarter:])
-    return (last - first) / first if first else 0.0
 
 
 def summarize(samples: list[list[dict]]) -> dict:
@@ -153,45 +65,18 @@ def print_table(results: dict[str, dict]) -> None:
         print(f"{role:10s} {'PSS growth':18s} {100 * table['total']['pss_growth']:+.1f}%")
 
 
-def prepare(data: Path, preset: str, seq_length: int) -> None:
-    """The built-in demo corpus, prepared for ``preset`` with `cotrain prepare`."""
-    cmd = [sys.executable, "-m", "cotrain", "prepare", "--preset", preset, "--demo-corpus",
-           "--max-seq-length", str(seq_length), "--vocab-size", "4000", "--output", str(data)]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True)
+def common_args(args) -> list[str]:
+    """What every role is given: the preset, the run, 127.0.0.1 and the sequence length."""
+    return ["--preset", args.preset, "--run-id", "footprint", "--host-maddrs", LOCALHOST,
+            "--max-seq-length", str(args.seq_length)]  # fmt: skip
 
 
-def stopped_early(root: Path, names: list[str]) -> None:
-    """Exit, showing the end of the logs of the roles that stopped (their folder is about to be removed)."""
-    for name in names:
-        log = root / f"{name}.log"
-        tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else []
-        print(f"--- {name} stopped early; the end of its log:", *tail, sep="\n", file=sys.stderr)
-    raise SystemExit(f"{', '.join(names)} stopped before the measurement ended")
+def keeper_args(data: Path) -> list[str]:
+    """The monitor's: checkpoints every 10 global steps, so it keeps and serves the state."""
+    return ["--dataset-path", str(data), "--save-every", "10", "--dashboard-port", "-1"]
 
 
-def start_swarm(
-    swarm: Swarm, root: Path, common: list[str], data: Path, trainers: int, monitor_extra: list[str]
-) -> None:
-    """Start a monitor (``common`` and ``monitor_extra`` on its command line), wait for its address, then
-    ``trainers`` trainers joining it (micro-batches of 8, seeds 0, 1, ...; output in ``root``/t0, t1, ...)."""
-    swarm.start(
-        "monitor", ["monitor", *common, "--output-dir", str(root / "monitor"), *monitor_extra], threads=1
-    )
-    peers = root / "monitor" / "initial_peers.txt"
-    deadline = time.monotonic() + 120
-    while not peers.exists():
-        if time.monotonic() > deadline or swarm.dead():
-            stopped_early(root, ["monitor"])
-        time.sleep(0.5)
-    initial = peers.read_text().split()
-    for i in range(trainers):
-        trainer = ["train", *common, "--initial-peers", *initial, "--dataset-path", str(data),
-                   "--output-dir", str(root / f"t{i}"), "--seed", str(i),
-                   "--per-device-train-batch-size", "8"]  # fmt: skip
-        swarm.start(f"trainer{i}", trainer, threads=1)
-
-
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="albert-tiny")
     ap.add_argument("--trainers", type=int, default=2)
@@ -200,18 +85,23 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--seq-length", type=int, default=128)
     ap.add_argument("--json", type=Path, help="also write the per-role tables here")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     started = print_started()
     with tempfile.TemporaryDirectory(prefix="cotrain-footprint-") as tmp:
         root = Path(tmp)
         data = root / "data"
-        prepare(data, args.preset, args.seq_length)
+        prepare_demo(data, args.preset, args.seq_length)
         swarm = Swarm(root)
-        common = ["--preset", args.preset, "--run-id", "footprint", "--host-maddrs", LOCALHOST,
-                  "--max-seq-length", str(args.seq_length)]  # fmt: skip
         try:
-            keeper = ["--dataset-path", str(data), "--save-every", "10", "--dashboard-port", "-1"]
-            start_swarm(swarm, root, common, data, args.trainers, keeper)
+            start_swarm(swarm, root, common_args(args), data, args.trainers, keeper_args(data))
             time.sleep(args.warmup)
             samples: dict[str, list[list[dict]]] = {name: [] for name in swarm.procs}
             end = time.monotonic() + 60 * args.minutes

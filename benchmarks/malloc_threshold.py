@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import print_finished, print_started  # noqa: E402
-from _steps import alternate, print_table  # noqa: E402
+from lib.netns import print_finished, print_started  # noqa: E402
+from lib.steps import alternate, print_table  # noqa: E402
 
 SETTINGS = {
     "glibc default": {},
@@ -32,13 +32,21 @@ SETTINGS = {
 }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="albert-tiny")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     started = print_started()
     common = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup}
     summary = alternate({name: {**common, **arm} for name, arm in SETTINGS.items()}, args.repeats)

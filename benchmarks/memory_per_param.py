@@ -238,7 +238,14 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def one_command(preset: str, strategy: str, momentum: float | None, args: argparse.Namespace) -> list[str]:
+    """One measurement's process: this script with ``--one PRESET STRATEGY``."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--one", preset, strategy]
+    command += ["--seq", str(args.seq), "--device", args.device]
+    return command + ([] if momentum is None else ["--outer-momentum", str(momentum)])
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["llama-tiny", "llama-150m"])
     parser.add_argument("--strategies", nargs="+", default=["sync", "diloco"], choices=["sync", "diloco"])
@@ -248,7 +255,15 @@ def main() -> int:
         "--outer-momentum", type=float, nargs="+", help="DiLoCo runs: one run per outer momentum given"
     )
     parser.add_argument("--one", nargs=2, metavar=("PRESET", "STRATEGY"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.one:
         momentum = None if args.outer_momentum is None else args.outer_momentum[0]
         print(json.dumps(one_run(*args.one, args.seq, args.device, momentum)), flush=True)
@@ -259,10 +274,9 @@ def main() -> int:
         if "diloco" in args.strategies:
             runs += [("diloco", m) for m in (args.outer_momentum or [None])]
         for strategy, momentum in runs:
-            command = [sys.executable, str(Path(__file__).resolve()), "--one", preset, strategy]
-            command += ["--seq", str(args.seq), "--device", args.device]
-            command += [] if momentum is None else ["--outer-momentum", str(momentum)]
-            done = subprocess.run(command, capture_output=True, text=True)
+            done = subprocess.run(
+                one_command(preset, strategy, momentum, args), capture_output=True, text=True
+            )
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode != 0 or not lines:
                 print(f"{preset} {strategy}: failed (exit {done.returncode})\n{done.stderr[-3000:]}")

@@ -1,6 +1,6 @@
 """Behind NAT: a trainer on a home network joins a swarm through its router and averages with the others.
 
-The hosts are network namespaces on one machine (``benchmarks/_netns.py``), links shaped to ``--rate`` Mbit/s
+The hosts are network namespaces on one machine (``lib/netns.py``), links shaped to ``--rate`` Mbit/s
 both ways: the monitor on ``h0``, a public trainer on ``h1``, and ``--homes`` home routers (2 by default) that
 run nothing of cotrain, each with a home host behind it on a private network of its own (10.214.<k>.2). A
 router masquerades what its home host sends and forwards nothing that starts outside (nftables; no port
@@ -48,9 +48,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _netns  # noqa: E402
-from convergence import read_jsonl  # noqa: E402
-from footprint import prepare  # noqa: E402
+from lib import netns  # noqa: E402
+from lib.roles import prepare_demo, read_jsonl  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MONITOR, PUBLIC = 0, 1  # the home routers are the hosts after them
@@ -103,19 +102,47 @@ def _said(log: Path, what: str = "joining as a client") -> str:
     return ""
 
 
-def nat_reach(net: _netns.Network, homes: list[int]) -> dict:
+def nat_reach(net: netns.Network, homes: list[int]) -> dict:
     """TCP checks of the NAT before any peer starts: each home host reaches the public trainer's host, and
     nobody reaches a home host, at its private address or at its router's (raises otherwise)."""
     reach = {}
     for k, home in enumerate(homes):
         router = home - len(homes)  # add_nat_host numbers the homes after the hosts, in the routers' order
-        reach[f"home{k}_dials_out"] = _netns.tcp_connects(net, home, net.address(PUBLIC), PUBLIC)
-        reach[f"home{k}_dialed_at_router"] = _netns.tcp_connects(net, PUBLIC, net.address(router), home)
+        reach[f"home{k}_dials_out"] = netns.tcp_connects(net, home, net.address(PUBLIC), PUBLIC)
+        reach[f"home{k}_dialed_at_router"] = netns.tcp_connects(net, PUBLIC, net.address(router), home)
         for src in [PUBLIC, *(h for h in homes if h != home)]:
-            reach[f"home{k}_dialed_from_h{src}"] = _netns.tcp_connects(net, src, net.address(home), home)
+            reach[f"home{k}_dialed_from_h{src}"] = netns.tcp_connects(net, src, net.address(home), home)
     if any(v != key.endswith("dials_out") for key, v in reach.items()):
         raise RuntimeError(f"the NAT does not behave as a home router: {reach}")
     return reach
+
+
+def strategy_args(args: argparse.Namespace) -> list[str]:
+    """The swarm's strategy on every role's command line (DiLoCo: 2 local steps per round)."""
+    return ["--strategy", args.strategy, *(["--local-steps", "2"] if args.strategy == "diloco" else [])]
+
+
+def monitor_args(args: argparse.Namespace) -> list[str]:
+    return ["monitor", "--dashboard-port", "-1", "--refresh-period", "2", *strategy_args(args)]
+
+
+def trainer_args(args: argparse.Namespace, initial: list[str], host: int, extra: list[str]) -> list[str]:
+    """A trainer on ``host`` (its seed), joining through ``initial``, with ``extra`` (a mode's flags)."""
+    return ["train", "--initial-peers", *initial, "--per-device-train-batch-size", "8", "--seed", str(host),
+            *strategy_args(args), *extra]  # fmt: skip
+
+
+def role_argv(
+    role: list[str], mode: str, args: argparse.Namespace, data: Path, out: Path, address: str
+) -> list[str]:
+    """``role`` (``monitor_args``, ``trainer_args``) with what every role of a mode's swarm is given: the
+    preset, the run, the timing settings, the dataset, its output folder ``out`` and the address it listens
+    on."""
+    return [*role, "--preset", args.preset, "--run-id", f"nat-{mode}", "--max-seq-length", "128",
+            "--host-maddrs", f"/ip4/{address}/tcp/0", "--torch-threads", "1",
+            "--matchmaking-time", str(args.matchmaking_time),
+            "--averaging-timeout", str(args.averaging_timeout),
+            "--dataset-path", str(data), "--output-dir", str(out)]  # fmt: skip
 
 
 def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dict:
@@ -124,29 +151,18 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     procs = []
-    with _netns.Network(2 + args.homes, args.rate) as net:
+    with netns.Network(2 + args.homes, args.rate) as net:
         homes = [net.add_nat_host(router) for router in range(2, 2 + args.homes)]
         reach = nat_reach(net, homes)
 
-        def start(name: str, host: int, argv: list[str], listen: str = "") -> None:
-            common = ["--preset", args.preset, "--run-id", f"nat-{mode}", "--max-seq-length", "128",
-                      "--host-maddrs", f"/ip4/{listen or net.address(host)}/tcp/0", "--torch-threads", "1",
-                      "--matchmaking-time", str(args.matchmaking_time),
-                      "--averaging-timeout", str(args.averaging_timeout), "--dataset-path", str(data),
-                      "--output-dir", str(out / name)]  # fmt: skip
+        def start(name: str, host: int, role: list[str], listen: str = "") -> None:
             log = open(out / f"{name}.log", "w")
-            argv = [sys.executable, "-m", "cotrain", *argv, *common]
-            procs.append(_netns.start_in_ns(net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
+            address = listen or net.address(host)
+            argv = [sys.executable, "-m", "cotrain", *role_argv(role, mode, args, data, out / name, address)]
+            procs.append(netns.start_in_ns(net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
 
         try:
-            strategy = [
-                "--strategy",
-                args.strategy,
-                *(["--local-steps", "2"] if args.strategy == "diloco" else []),
-            ]
-            start(
-                "monitor", MONITOR, ["monitor", "--dashboard-port", "-1", "--refresh-period", "2", *strategy]
-            )
+            start("monitor", MONITOR, monitor_args(args))
             peers_file = out / "monitor" / "initial_peers.txt"
             deadline = time.monotonic() + 180
             while not peers_file.exists():
@@ -158,8 +174,7 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
             trainers = [("public", PUBLIC, [], "")] if args.public_trainer else []
             trainers += [(f"home{k}", h, MODES[mode], LISTEN.get(mode, "")) for k, h in enumerate(homes)]
             for name, host, extra, listen in trainers:
-                start(name, host, ["train", "--initial-peers", *initial, "--per-device-train-batch-size", "8",
-                                   "--seed", str(host), *strategy, *extra], listen)  # fmt: skip
+                start(name, host, trainer_args(args, initial, host, extra), listen)
             end = time.monotonic() + args.minutes * 60
             while time.monotonic() < end and all(p.poll() is None for p in procs):
                 time.sleep(2)
@@ -169,7 +184,7 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
         finally:
             net.remember_pids()
             for proc in reversed(procs):  # the trainers first: the monitor serves them until they are gone
-                _netns.stop_process(proc, grace=20)
+                netns.stop_process(proc, grace=20)
     said = {name: _said(out / f"{name}.log") for name, *_ in trainers}
     rows = {name: read_jsonl(out / name / "metrics.jsonl") for name, *_ in trainers}
     firsts = [
@@ -195,7 +210,7 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, root: Path) -> dic
     return result
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--homes", type=int, default=2, help="home trainers, each behind a NAT of its own")
@@ -214,17 +229,27 @@ def main() -> int:
     )
     ap.add_argument("--keep-logs", action="store_true", help="keep the roles' logs and metrics")
     ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if not 1 <= args.homes <= 8:
         ap.error("--homes must be between 1 and 8")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not shutil.which("nft"):
         sys.exit("nat.py needs nftables for the home router's NAT: apt-get install nftables")
-    _netns.prepare_namespaces("nat.py", limit_s=len(args.modes) * (args.minutes * 60 + 300) + 600)
-    started = _netns.print_started()
+    netns.prepare_namespaces("nat.py", limit_s=len(args.modes) * (args.minutes * 60 + 300) + 600)
+    started = netns.print_started()
     results = {}
-    with _netns.logs_folder("cotrain-nat-", args.keep_logs) as root:
+    with netns.logs_folder("cotrain-nat-", args.keep_logs) as root:
         data = root / "data"
-        prepare(data, args.preset, 128)
+        prepare_demo(data, args.preset, 128)
         for mode in args.modes:
             print(f"{mode}: the home trainers join with {' '.join(MODES[mode]) or 'no flag'}", flush=True)
             results[mode] = run_mode(mode, args, data, root)
@@ -252,7 +277,7 @@ def main() -> int:
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
-    _netns.print_finished(started)
+    netns.print_finished(started)
     summary = {"event": "nat_summary", "homes": args.homes, "strategy": args.strategy, "modes": {}}
     summary["public_trainer"] = args.public_trainer
     for mode, r in results.items():

@@ -265,12 +265,18 @@ def plain_worker(args: argparse.Namespace) -> None:
     print(json.dumps({"samples": samples, "loss": loss}), flush=True)
 
 
-def run_plain(args: argparse.Namespace, dataset: Path) -> Window:
+def plain_command(args: argparse.Namespace, dataset: Path) -> list[str]:
+    """The plain loop's process: this script with ``--plain-worker`` and the same work as the peer's."""
     cmd = [sys.executable, __file__, "--plain-worker", "--dataset-path", str(dataset)]
     cmd += ["--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps)]
     cmd += ["--threads", str(args.threads), "--micro-batch", str(args.micro_batch)]
     cmd += ["--preset", args.preset, "--device", args.device, "--precision", args.precision]
     cmd += ["--accumulation", str(args.accumulation), "--target-batch-size", str(args.target_batch_size)]
+    return cmd
+
+
+def run_plain(args: argparse.Namespace, dataset: Path) -> Window:
+    cmd = plain_command(args, dataset)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     start = result = None
     for line in proc.stdout:
@@ -418,7 +424,7 @@ def print_report(args: argparse.Namespace, rows: list[tuple[Window, Window]], se
     return median
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="pairs of runs (plain, cotrain), alternating")
     parser.add_argument("--steps", type=int, default=10, help="global steps per run (the peer's --max-steps)")
@@ -451,12 +457,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--plain-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("cotrain_args", nargs="*", help="extra flags for `cotrain train` (after --)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.steps <= args.warmup_steps and not args.plain_worker:
+        parser.error("--steps must exceed --warmup-steps")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.plain_worker:
         plain_worker(args)
         return 0
-    if args.steps <= args.warmup_steps:
-        parser.error("--steps must exceed --warmup-steps")
 
     started = time.monotonic()
     rows: list[tuple[Window, Window]] = []

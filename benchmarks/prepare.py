@@ -92,14 +92,34 @@ def measure(cmd: list[str]) -> tuple[float, float, str]:
     return seconds, peak / 2**20, stdout
 
 
-def main() -> None:
+def baseline_command(corpus: Path, tokenizer: Path, out: Path, cache: Path) -> list[str]:
+    """The original recipe's preparation of ``corpus``: this script with ``--baseline``."""
+    return [sys.executable, __file__, "--baseline", str(corpus), str(tokenizer), str(out), str(cache)]
+
+
+def cotrain_command(corpus: Path, tokenizer: Path, out: Path, num_proc: int) -> list[str]:
+    """`cotrain prepare` of ``corpus`` for albert-large-v2 with the same tokenizer."""
+    return [sys.executable, "-m", "cotrain", "prepare", "--preset", "albert-large-v2", "--text-files",
+            str(corpus), "--tokenizer", str(tokenizer), "--output", str(out), "--num-proc",
+            str(num_proc)]  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--repeats", type=int, nargs="+", default=[5, 20])
     parser.add_argument(
         "--baseline", nargs=4, metavar=("CORPUS", "TOKENIZER", "OUT", "CACHE"), help="internal"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.baseline:
         baseline(*args.baseline)
         return
@@ -119,14 +139,10 @@ def main() -> None:
             mb = corpus.stat().st_size / 1e6
             out = tmp_path / f"base-{repeats}"
             cache = tmp_path / f"hf-cache-{repeats}"
-            cmd = [sys.executable, __file__, "--baseline", str(corpus), str(tokenizer), str(out), str(cache)]
-            t_base, m_base, stdout = measure(cmd)
+            t_base, m_base, stdout = measure(baseline_command(corpus, tokenizer, out, cache))
             tokens = json.loads(stdout.strip().splitlines()[-1])["tokens"]
             out = tmp_path / f"cotrain-{repeats}"
-            cmd = [sys.executable, "-m", "cotrain", "prepare", "--preset", "albert-large-v2", "--text-files",
-                   str(corpus), "--tokenizer", str(tokenizer), "--output", str(out), "--num-proc",
-                   str(args.num_proc)]  # fmt: skip
-            t_ours, m_ours, _ = measure(cmd)
+            t_ours, m_ours, _ = measure(cotrain_command(corpus, tokenizer, out, args.num_proc))
             manifest = json.loads((out / "manifest.json").read_text())
             ours_tokens = sum(manifest["num_tokens"].values())
             rows.append((repeats, mb, tokens, t_base, m_base, ours_tokens, t_ours, m_ours))

@@ -81,14 +81,27 @@ def measure(mode: str, senders: int, part_mb: float) -> dict:
     }
 
 
-def main() -> None:
+def one_command(mode: str, senders: int, part_mb: float) -> list[str]:
+    """One measurement's process: this script with ``--one MODE SENDERS``."""
+    return [sys.executable, __file__, "--one", mode, str(senders), "--part-mb", str(part_mb)]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--senders", type=int, nargs="+", default=[2, 8, 16])
     parser.add_argument("--part-mb", type=float, default=0.5)
     modes = ["streamed", "stacked"]
     parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # MODE SENDERS: one measurement, here
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.one:
         print(json.dumps(measure(args.one[0], int(args.one[1]), args.part_mb)))
         return
@@ -96,7 +109,7 @@ def main() -> None:
     for senders in args.senders:
         for mode in args.modes:
             out = subprocess.run(
-                [sys.executable, __file__, "--one", mode, str(senders), "--part-mb", str(args.part_mb)],
+                one_command(mode, senders, args.part_mb),
                 check=True,
                 capture_output=True,
                 text=True,

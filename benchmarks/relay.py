@@ -1,6 +1,6 @@
 """Relays and hole punching, tried with a large transfer: can a peer behind NAT be reached through a relay?
 
-The hosts are network namespaces on one machine (``benchmarks/_netns.py``), links shaped to ``--rate``
+The hosts are network namespaces on one machine (``benchmarks/lib/netns.py``), links shaped to ``--rate``
 Mbit/s both ways: a public relay on ``h0`` (hivemind's p2pd, forced public: it offers libp2p's relay
 v2), a public peer on ``h1``, and two home hosts, each behind a home router of its own that
 masquerades what it sends and forwards nothing that starts outside (nftables, as in ``benchmarks/nat.py``).
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _netns  # noqa: E402
+from lib import netns  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RELAY, PUBLIC, ROUTER_A, ROUTER_B = 0, 1, 2, 3
@@ -277,29 +277,34 @@ def _wait_file(path: Path, seconds: float, procs: list) -> dict:
     return json.loads(path.read_text())
 
 
+def role_argv(name: str, root: Path, listen: str, dht: bool, extra: list[str]) -> list[str]:
+    """The process of role ``name`` (``relay``, ``receiver``, ``sender-ARM``): this script with ``--role``,
+    listening on ``listen``, writing what it saw to ``root``/NAME.json, stopping once ``root``/stop exists."""
+    return [sys.executable, str(Path(__file__).resolve()), "--role", name.split("-")[0], "--stop",
+            str(root / "stop"), "--out", str(root / f"{name}.json"), "--listen", listen,
+            *(["--dht"] if dht else []), *extra]  # fmt: skip
+
+
 def run(args: argparse.Namespace, root: Path) -> dict:
     import os
 
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    me = [sys.executable, str(Path(__file__).resolve())]
-    stop = root / "stop"
+    stop = root / "stop"  # the file role_argv names: every role stops once it exists
     procs = []
     results: dict = {}
-    with _netns.Network(4, args.rate) as net:
+    with netns.Network(4, args.rate) as net:
         home_a, home_b = net.add_nat_host(ROUTER_A), net.add_nat_host(ROUTER_B)
         results["reach"] = {
-            "a_dials_out": _netns.tcp_connects(net, home_a, net.address(RELAY), RELAY),
-            "a_dialed_from_public": _netns.tcp_connects(net, PUBLIC, net.address(home_a), home_a),
-            "a_dialed_from_b": _netns.tcp_connects(net, home_b, net.address(home_a), home_a),
+            "a_dials_out": netns.tcp_connects(net, home_a, net.address(RELAY), RELAY),
+            "a_dialed_from_public": netns.tcp_connects(net, PUBLIC, net.address(home_a), home_a),
+            "a_dialed_from_b": netns.tcp_connects(net, home_b, net.address(home_a), home_a),
         }
 
         def start(name: str, host: int, extra: list[str]) -> None:
             log = open(root / f"{name}.log", "w")
             listen = "0.0.0.0" if host in net.nat else net.address(host)
-            argv = [*me, "--role", name.split("-")[0], "--stop", str(stop), "--out",
-                    str(root / f"{name}.json"), "--listen", listen, *(["--dht"] if args.dht else []),
-                    *extra]  # fmt: skip
-            procs.append(_netns.start_in_ns(net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
+            argv = role_argv(name, root, listen, args.dht, extra)
+            procs.append(netns.start_in_ns(net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
 
         try:
             start("relay", RELAY, [])
@@ -327,11 +332,11 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             stop.touch()
             net.remember_pids()
             for proc in reversed(procs):
-                _netns.stop_process(proc, grace=10)
+                netns.stop_process(proc, grace=10)
     return results
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["relay", "receiver", "sender"], help=argparse.SUPPRESS)
     ap.add_argument("--listen", help=argparse.SUPPRESS)
@@ -351,7 +356,15 @@ def main() -> int:
     )
     ap.add_argument("--keep-logs", action="store_true", help="keep the peers' logs")
     ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.role and args.dht:
         dht_role(args)
         return 0
@@ -361,9 +374,9 @@ def main() -> int:
         return 0
     if not shutil.which("nft"):
         sys.exit("relay.py needs nftables for the home routers' NAT: apt-get install nftables")
-    _netns.prepare_namespaces("relay.py", limit_s=args.wait + 1500)
-    started = _netns.print_started()
-    with _netns.logs_folder("cotrain-relay-", args.keep_logs) as root:
+    netns.prepare_namespaces("relay.py", limit_s=args.wait + 1500)
+    started = netns.print_started()
+    with netns.logs_folder("cotrain-relay-", args.keep_logs) as root:
         results = run(args, root)
     print(json.dumps(results, indent=1))
     print(f"\n{'arm':8s} {'connected':>9s} {'MiB received':>12s} {'seconds':>8s} {'Mbit/s':>7s}  stream over")
@@ -375,7 +388,7 @@ def main() -> int:
               f"{r.get('mbit_s', 0):>7}  {over}  {r.get('error', '')}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
-    _netns.print_finished(started)
+    netns.print_finished(started)
     summary = {"event": "relay_summary", "megabytes": args.megabytes, "circuit": results.get("circuit")}
     summary["arms"] = {
         arm: {

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import print_finished, print_started  # noqa: E402
+from lib.netns import print_finished, print_started  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("wall", "user", "sys", "minflt")
@@ -45,9 +45,9 @@ def peer_main(args: argparse.Namespace) -> None:
 
     import torch
 
-    from _netns import fixed_gradients, plain_model, simulated_peer
     from cotrain.config import resolve
     from cotrain.engine import SwarmConnection
+    from lib.netns import fixed_gradients, plain_model, simulated_peer
 
     torch.set_num_threads(1)
     run = {"run_id": "round-end", "target_batch_size": 32, "strategy": "diloco", "outer_overlap": True}
@@ -82,11 +82,16 @@ def peer_main(args: argparse.Namespace) -> None:
         swarm.shutdown()
 
 
-def run_tree(src: Path, args: argparse.Namespace) -> list[dict]:
-    """One peer from the tree ``src``: its timed round ends (the first, which allocates, left out)."""
+def peer_command(args: argparse.Namespace) -> list[str]:
+    """The lone peer's process: this script with ``--peer``."""
     argv = [sys.executable, __file__, "--peer", "--model-params", str(args.model_params)]
     argv += ["--rounds", str(args.rounds), "--local-steps", str(args.local_steps)]
-    argv += ["--dense"] if args.dense else []
+    return argv + (["--dense"] if args.dense else [])
+
+
+def run_tree(src: Path, args: argparse.Namespace) -> list[dict]:
+    """One peer from the tree ``src``: its timed round ends (the first, which allocates, left out)."""
+    argv = peer_command(args)
     env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{Path(__file__).resolve().parent}")
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.limit, cwd=REPO)
     rows = [json.loads(line)["round"] for line in out.stdout.splitlines() if line.startswith('{"round"')]
@@ -95,7 +100,7 @@ def run_tree(src: Path, args: argparse.Namespace) -> list[dict]:
     return rows[1:]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", type=Path, nargs="+", default=[REPO / "src"], help="source trees to compare")
     ap.add_argument("--model-params", type=int, default=100_000_000)
@@ -105,7 +110,15 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true", help="dense overlapped rounds instead of topk")
     ap.add_argument("--limit", type=float, default=900.0, help="seconds a peer may take")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.peer:
         return peer_main(args)
     for src in args.src:

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import print_finished, print_started  # noqa: E402
+from lib.netns import print_finished, print_started  # noqa: E402
+from lib.roles import WIKITEXT, prepare_wikitext  # noqa: E402
 
 HELD_OUT = 128  # validation examples in the held-out loss
 
@@ -339,7 +340,7 @@ def run_arm(arm: Arm, seed: int, args, data: Path) -> dict:
     return {"arm": arm.name, "seed": seed, "final": curve[-1][1], "curve": curve}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arms", nargs="+", default=["dense", "topk"], help="dense, topk[:decay=D:...] (doc)")
     ap.add_argument("--preset", default="llama-tiny")
@@ -356,21 +357,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", help="a dataset prepared from WikiText-2 valid (default: prepare one)")
     ap.add_argument("--json", help="write the summary here too")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     arms = [Arm.parse(a) for a in args.arms]
 
     import torch
-
-    import convergence
 
     torch.set_num_threads(args.threads)
     started = print_started()
     with tempfile.TemporaryDirectory(prefix="cotrain-rounds-sim-") as tmp:
         data = Path(args.data) if args.data else Path(tmp) / "data"
         if not args.data:
-            if not convergence.WIKITEXT.exists():
-                sys.exit(f"{convergence.WIKITEXT} not found (give --data)")
-            convergence.prepare(data, args)
+            if not WIKITEXT.exists():
+                sys.exit(f"{WIKITEXT} not found (give --data)")
+            prepare_wikitext(data, args)
         seeds = range(args.first_seed, args.first_seed + args.seeds)
         runs = [run_arm(arm, seed, args, data) for seed in seeds for arm in arms]
     summary = {"event": "rounds_sim_summary", "runs": runs}

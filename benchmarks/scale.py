@@ -1,6 +1,6 @@
 """Scale: a swarm of 16 or more trainers, each on a host of its own, with a monitor and an evaluation peer.
 
-Every role runs in a network namespace of its own (``_netns.Network``) with a ``tbf``-shaped link: the
+Every role runs in a network namespace of its own (``netns.Network``) with a ``tbf``-shaped link: the
 monitor and the evaluation peer at 100 Mbit/s; the trainers mixed, two of every three at 100 Mbit/s and
 one at 20 Mbit/s, and every fourth in client mode (it reaches others, none reach it). The monitor and the
 evaluation peer are cotrain's own roles (``cotrain monitor``, ``cotrain eval``, preset ``albert-tiny`` on a
@@ -57,8 +57,9 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _netns  # noqa: E402
-from _netns import CpuSampler, fixed_gradients, say, simulated_peer  # noqa: E402
+from lib import netns  # noqa: E402
+from lib.netns import CpuSampler, fixed_gradients, say, simulated_peer  # noqa: E402
+from lib.roles import demo_dataset  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = "albert-tiny"
@@ -249,6 +250,21 @@ def role_argv(role: str, args: argparse.Namespace, host: str, initial: list[str]
     return [*common, "--eval-every", "30", "--eval-batches", "2"]
 
 
+def trainer_argv(
+    args: argparse.Namespace, k: int, address: str, initial: list[str], group_size: int, at_once: bool
+) -> list[str]:
+    """The command line of trainer ``k`` (this script with ``--peer``) on the host at ``address``."""
+    return [
+        sys.executable, str(Path(__file__).resolve()), "--peer", "--index", str(k),
+        "--address", address, "--initial-peers", *initial,
+        "--group-size", str(group_size or args.peers), "--data", str(args.data),
+        "--target-batch-size", str(args.target_batch_size), "--micro-batch", str(args.micro_batch),
+        "--step-time", str(args.step_time), "--matchmaking-time", str(args.matchmaking_time),
+        "--averaging-timeout", str(args.averaging_timeout),
+        *(["--client"] if trainer_client(k) else []), *(["--at-once"] if at_once else []),
+    ]  # fmt: skip
+
+
 class Swarm:
     """One configuration's roles on one network: the monitor, the evaluation peer and the trainers."""
 
@@ -257,7 +273,7 @@ class Swarm:
         spare = int(args.minutes * 60 / args.kill_every) + 2 if churn else 1
         self.trainer_hosts = args.peers + spare
         rates = [FAST_RATE, FAST_RATE] + [trainer_rate(k) for k in range(self.trainer_hosts)]
-        self.net = _netns.Network(len(rates), FAST_RATE, rates=rates)
+        self.net = netns.Network(len(rates), FAST_RATE, rates=rates)
         self.roles: list = []  # the monitor's and the evaluation peer's processes
         self.procs: dict[int, Any] = {}  # trainer k -> its process
         self.inbox: dict[int, list[dict]] = {}
@@ -272,7 +288,7 @@ class Swarm:
         argv = role_argv(role, self.args, self.net.address(host), self.initial, out)
         log = open(self.logdir / f"{role}.log", "w")
         env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        self.roles.append(_netns.start_in_ns(self.net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
+        self.roles.append(netns.start_in_ns(self.net, host, argv, stdout=log, stderr=log, env=env, cwd=REPO))
 
     def start_monitor(self) -> None:
         self.start_role("monitor", MONITOR)
@@ -291,20 +307,11 @@ class Swarm:
         if k >= self.trainer_hosts:
             raise RuntimeError("no host left for a new trainer")
         self.next_trainer += 1
-        a = self.args
-        argv = [
-            sys.executable, str(Path(__file__).resolve()), "--peer", "--index", str(k),
-            "--address", self.net.address(2 + k), "--initial-peers", *self.initial,
-            "--group-size", str(self.group_size or a.peers), "--data", str(a.data),
-            "--target-batch-size", str(a.target_batch_size), "--micro-batch", str(a.micro_batch),
-            "--step-time", str(a.step_time), "--matchmaking-time", str(a.matchmaking_time),
-            "--averaging-timeout", str(a.averaging_timeout),
-            *(["--client"] if trainer_client(k) else []), *(["--at-once"] if at_once else []),
-        ]  # fmt: skip
+        argv = trainer_argv(self.args, k, self.net.address(2 + k), self.initial, self.group_size, at_once)
         log = open(self.logdir / f"trainer{k}.log", "w")
         env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
         self.started[k] = time.monotonic()
-        proc = _netns.start_in_ns(
+        proc = netns.start_in_ns(
             self.net, 2 + k, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
             env=env, cwd=REPO,
         )  # fmt: skip
@@ -312,8 +319,8 @@ class Swarm:
 
         def read() -> None:
             for line in proc.stdout:
-                if line.startswith(_netns.TAG):
-                    msg = json.loads(line[len(_netns.TAG) :])
+                if line.startswith(netns.TAG):
+                    msg = json.loads(line[len(netns.TAG) :])
                     msg["at"] = time.monotonic()
                     self.inbox[k].append(msg)
 
@@ -351,7 +358,7 @@ class Swarm:
     def vanish(self, k: int) -> None:
         """Trainer k's machine is switched off: SIGKILL to every process in its namespace."""
         self.net.remember_pids()
-        _netns.kill_pids(_netns.netns_pids(self.net.host_ns(2 + k)), grace=0.0)
+        netns.kill_pids(netns.netns_pids(self.net.host_ns(2 + k)), grace=0.0)
         self.killed.append(k)
 
     def pss_mb(self, pid: int) -> float:
@@ -377,9 +384,9 @@ class Swarm:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except Exception:
                 pass
-            _netns.stop_process(proc, grace=3)
+            netns.stop_process(proc, grace=3)
         for proc in reversed(self.roles):
-            _netns.stop_process(proc, grace=15)
+            netns.stop_process(proc, grace=15)
 
 
 def run_config(args: argparse.Namespace, group_size: int, churn: bool, logdir: Path) -> dict:
@@ -538,7 +545,7 @@ def summary_line(rows: list[dict], args: argparse.Namespace) -> dict:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, default=16, help="trainers (default 16)")
     ap.add_argument(
@@ -574,6 +581,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--at-once", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--data", default="", help=argparse.SUPPRESS)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.peers < 2:
         ap.error("--peers must be at least 2")
@@ -591,13 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         peer_main(args)
         return 0
-    _netns.prepare_namespaces("scale.py", args.limit)
-    started = _netns.print_started()
-    from chaos import prepare_data
-
+    netns.prepare_namespaces("scale.py", args.limit)
+    started = netns.print_started()
     rows = []
-    with _netns.logs_folder("cotrain-scale-", args.keep_logs) as tmp:
-        args.data = str(prepare_data(tmp))
+    with netns.logs_folder("cotrain-scale-", args.keep_logs) as tmp:
+        args.data = str(demo_dataset(tmp))
         configs = [(g, False) for g in args.group_sizes]
         if args.churn:
             configs += [(g, True) for g in args.group_sizes]
@@ -609,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summary_line(rows, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
-    _netns.print_finished(started)
+    netns.print_finished(started)
     print(json.dumps(summary), flush=True)
     return 0 if not summary["crashed"] else 1
 

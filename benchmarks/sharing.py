@@ -36,11 +36,21 @@ from pathlib import Path
 
 import psutil
 
-from chaos import prepare_data, read_rows  # the demo corpus at 128 tokens, JSON lines
 from cotrain.host.cores import machine_cores, share_of
 
-LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.roles import LOCALHOST, demo_dataset, read_jsonl, samples_per_second  # noqa: E402
+
 FIRST_STEP_TIMEOUT = 120.0
+
+
+def trainer_argv(name: str, threads: int, data: Path, out: Path, target: int) -> list[str]:
+    """A `cotrain train` alone in its run (``sharing-NAME``) with ``threads`` torch threads (0: its share)."""
+    args = ["train", "--preset", "albert-tiny", "--run-id", f"sharing-{name}", "--host-maddrs", LOCALHOST]
+    args += ["--dataset-path", str(data), "--target-batch-size", str(target)]
+    args += ["--per-device-train-batch-size", "8", "--devices", "cpu", "--torch-threads", str(threads)]
+    args += ["--matchmaking-time", "2", "--averaging-timeout", "10", "--output-dir", str(out)]
+    return args
 
 
 class Trainer:
@@ -49,15 +59,11 @@ class Trainer:
     def __init__(self, name: str, threads: int, data: Path, work: Path, target: int) -> None:
         self.out = work / name
         self.out.mkdir(parents=True)
-        args = ["train", "--preset", "albert-tiny", "--run-id", f"sharing-{name}", "--host-maddrs", LOCALHOST]
-        args += ["--dataset-path", str(data), "--target-batch-size", str(target)]
-        args += ["--per-device-train-batch-size", "8", "--devices", "cpu", "--torch-threads", str(threads)]
-        args += ["--matchmaking-time", "2", "--averaging-timeout", "10", "--output-dir", str(self.out)]
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
         env.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         self.log = open(work / f"{name}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cotrain", *args],
+            [sys.executable, "-m", "cotrain", *trainer_argv(name, threads, data, self.out, target)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -78,7 +84,7 @@ class Trainer:
         return total
 
     def rows(self) -> list[dict]:
-        return read_rows(self.out / "metrics.jsonl")
+        return read_jsonl(self.out / "metrics.jsonl")
 
     def remember_tree(self) -> None:
         try:
@@ -102,17 +108,6 @@ class Trainer:
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
         self.log.close()
-
-
-def samples_per_second(rows: list[dict], t0: float, t1: float) -> float | None:
-    """A trainer's samples/s over [t0, t1]: its contribution between the last row before t0 and the last
-    row up to t1."""
-    before = [r for r in rows if r["time"] < t0]
-    inside = [r for r in rows if t0 <= r["time"] <= t1]
-    if not before or not inside:
-        return None
-    start, end = before[-1], inside[-1]
-    return (end["contribution"] - start["contribution"]) / (end["time"] - start["time"])
 
 
 def busy_seconds() -> float:
@@ -164,7 +159,7 @@ def measure(
             t.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainers", type=int, default=2, help="trainers that run together (default: 2)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds measured per arm (default: 30)")
@@ -177,7 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         default=20.0,
         help="seconds to wait at most for an idle machine before an arm",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     cores = machine_cores()
     shared = 0 if args.auto else share_of(cores, args.trainers)
     alone_threads = 0 if args.auto else cores  # one trainer alone takes every core either way
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="cotrain-sharing-") as tmp:
         work = Path(tmp)
-        data = args.data or prepare_data(work)
+        data = args.data or demo_dataset(work)
         for i, (name, n, threads) in enumerate(arms):
             wait_idle(args.idle_wait)
             speeds, other = measure(n, threads, data, work / f"arm{i}", args.duration, args.target_batch_size)

@@ -51,6 +51,32 @@ def run_settings(args) -> list[str]:
     ]  # fmt: skip
 
 
+def monitor_args(args, out: Path) -> list[str]:
+    return ["monitor", *run_settings(args), "--output-dir", str(out), "--host-maddrs", LOOPBACK,
+            "--dashboard-port", "-1", "--refresh-period", "1"]  # fmt: skip
+
+
+def trainer_args(args, i: int, initial: list[str], data: Path, out: Path) -> list[str]:
+    """Trainer ``i`` (its seed), joining through ``initial``, for ``--rounds`` rounds."""
+    return ["train", *run_settings(args), "--initial-peers", *initial, "--host-maddrs", LOOPBACK,
+            "--dataset-path", str(data), "--seed", str(i), "--per-device-train-batch-size", "8",
+            "--max-steps", str(args.rounds), "--output-dir", str(out), "--torch-threads", "1"]  # fmt: skip
+
+
+def prepare_args(args, data: Path) -> list[str]:
+    """The built-in demo corpus, prepared for ``--preset`` at 128 tokens."""
+    return [
+        "prepare",
+        "--preset",
+        args.preset,
+        "--demo-corpus",
+        "--max-seq-length",
+        "128",
+        "--output",
+        str(data),
+    ]
+
+
 def throttled(command: list[str], group: Path | None) -> list[str]:
     """``command``, started inside the cgroup ``group`` (every process it starts stays in it)."""
     if group is None:
@@ -98,8 +124,7 @@ def run_config(name: str, slow: bool, args, data: Path, work: Path) -> dict:
     try:
         monitor_dir = work / name / "monitor"
         monitor_dir.mkdir(parents=True)
-        command = cotrain("monitor", *run_settings(args), "--output-dir", str(monitor_dir))
-        command += ["--host-maddrs", LOOPBACK, "--dashboard-port", "-1", "--refresh-period", "1"]
+        command = cotrain(*monitor_args(args, monitor_dir))
         logs.append(open(work / name / "monitor.log", "w"))
         procs.append(
             subprocess.Popen(command, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
@@ -114,11 +139,7 @@ def run_config(name: str, slow: bool, args, data: Path, work: Path) -> dict:
         trainers = []
         for i in range(3):
             out = work / name / f"trainer{i}"
-            command = cotrain(
-                "train", *run_settings(args), "--initial-peers", *initial, "--host-maddrs", LOOPBACK
-            )
-            command += ["--dataset-path", str(data), "--seed", str(i), "--per-device-train-batch-size", "8"]
-            command += ["--max-steps", str(args.rounds), "--output-dir", str(out), "--torch-threads", "1"]
+            command = cotrain(*trainer_args(args, i, initial, data, out))
             logs.append(open(work / name / f"trainer{i}.log", "w"))
             command = throttled(command, group if slow and i == args.slow_index else None)
             procs.append(
@@ -172,7 +193,7 @@ def print_table(results: list[dict], args) -> None:
             )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--quota", type=float, default=0.25, help="the slow trainer's share of one core")
@@ -184,27 +205,22 @@ def main() -> None:
     ap.add_argument("--averaging-timeout", type=float, default=30.0)
     ap.add_argument("--limit", type=float, default=900.0, help="seconds a configuration may run")
     ap.add_argument("--only", choices=["even", "slow"], default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if not (CGROUP / "tasks").exists() or os.geteuid() != 0:
         sys.exit("slow_peer.py: needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="cotrain-slow-peer-"))
     try:
         data = work / "data"
-        subprocess.run(
-            cotrain(
-                "prepare",
-                "--preset",
-                args.preset,
-                "--demo-corpus",
-                "--max-seq-length",
-                "128",
-                "--output",
-                str(data),
-            ),
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        subprocess.run(cotrain(*prepare_args(args, data)), check=True, stdout=subprocess.DEVNULL)
         configs = [c for c in ("even", "slow") if args.only in (None, c)]
         results = [run_config(c, c == "slow", args, data, work) for c in configs]
         print_table(results, args)

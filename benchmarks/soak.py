@@ -42,9 +42,9 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import print_finished, print_started  # noqa: E402
-from convergence import LOCALHOST, Swarm, read_jsonl  # noqa: E402
-from footprint import growth, prepare, sample  # noqa: E402
+from lib.netns import print_finished, print_started  # noqa: E402
+from lib.procs import growth, sample  # noqa: E402
+from lib.roles import LOCALHOST, Swarm, prepare_demo, read_jsonl  # noqa: E402
 
 GOAL_GROWTH = 0.05
 
@@ -73,7 +73,7 @@ def per_kind(rows: list[dict]) -> dict[str, float]:
 
 def per_kind_split(rows: list[dict]) -> dict[str, dict[str, float]]:
     """One memory sample of a role: per process kind, its PSS by what backs it (anonymous memory, mapped
-    files, shared memory; footprint.pss_split), summed over the processes of that kind."""
+    files, shared memory; lib.procs.pss_split), summed over the processes of that kind."""
     out: dict[str, dict[str, float]] = {}
     for r in rows:
         split = out.setdefault(r["kind"], {})
@@ -136,7 +136,33 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def main() -> int:
+def common_args(args) -> list[str]:
+    """What every role of the run is given: the preset, the run, 127.0.0.1 and the timing settings."""
+    return ["--preset", args.preset, "--run-id", "soak", "--host-maddrs", LOCALHOST,
+            "--max-seq-length", "128", "--matchmaking-time", str(args.matchmaking_time),
+            "--averaging-timeout", str(args.averaging_timeout), "--torch-threads", "1"]  # fmt: skip
+
+
+def monitor_argv(args, root: Path, data: Path) -> list[str]:
+    """The monitor: it checkpoints every 20 global steps, so it keeps and serves the state."""
+    return ["monitor", *common_args(args), "--output-dir", str(root / "monitor"), "--dataset-path", str(data),
+            "--save-every", "20", "--refresh-period", "1", "--dashboard-port", "-1"]  # fmt: skip
+
+
+def eval_argv(args, root: Path, data: Path, initial: list[str]) -> list[str]:
+    """The evaluation peer: the held-out loss every 60 s."""
+    return ["eval", *common_args(args), "--initial-peers", *initial, "--dataset-path", str(data),
+            "--output-dir", str(root / "eval"), "--eval-every", "60", "--eval-batches", "4"]  # fmt: skip
+
+
+def trainer_argv(args, root: Path, data: Path, initial: list[str], count: int) -> list[str]:
+    """The ``count``-th trainer of the run (its seed)."""
+    return ["train", *common_args(args), "--initial-peers", *initial, "--dataset-path", str(data),
+            "--output-dir", str(root / f"trainer{count}"), "--seed", str(count),
+            "--per-device-train-batch-size", "8"]  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--trainers", type=int, default=4)
@@ -149,27 +175,32 @@ def main() -> int:
     ap.add_argument("--averaging-timeout", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0, help="which trainers are killed")
     ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.settle >= args.minutes * 60:
         ap.error("--settle must be shorter than the run (--minutes)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     started = print_started()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="cotrain-soak-") as tmp:
         root = Path(tmp)
         data = args.dataset_path or root / "data"
         if not args.dataset_path:
-            prepare(data, args.preset, 128)
+            prepare_demo(data, args.preset, 128)
         swarm = Swarm(root)
-        common = ["--preset", args.preset, "--run-id", "soak", "--host-maddrs", LOCALHOST,
-                  "--max-seq-length", "128", "--matchmaking-time", str(args.matchmaking_time),
-                  "--averaging-timeout", str(args.averaging_timeout), "--torch-threads", "1"]  # fmt: skip
         samples: dict[str, list[tuple[float, list[dict]]]] = {}
         killed: list[str] = []
         kills: list[tuple[float, str, str]] = []  # (s since the start, killed, started)
         try:
-            monitor = ["monitor", *common, "--output-dir", str(root / "monitor"), "--dataset-path", str(data),
-                       "--save-every", "20", "--refresh-period", "1", "--dashboard-port", "-1"]  # fmt: skip
-            swarm.start("monitor", monitor, threads=1)
+            swarm.start("monitor", monitor_argv(args, root, data), threads=1)
             peers = root / "monitor" / "initial_peers.txt"
             deadline = time.monotonic() + 180
             while not peers.exists():
@@ -177,17 +208,13 @@ def main() -> int:
                     raise SystemExit(f"the monitor did not start; see {root / 'monitor.log'}")
                 time.sleep(0.5)
             initial = [a for a in peers.read_text().split() if "/127.0.0.1/" in a]
-            swarm.start("eval", ["eval", *common, "--initial-peers", *initial, "--dataset-path", str(data),
-                                 "--output-dir", str(root / "eval"), "--eval-every", "60",
-                                 "--eval-batches", "4"], threads=1)  # fmt: skip
+            swarm.start("eval", eval_argv(args, root, data, initial), threads=1)
             count = 0
 
             def new_trainer() -> str:
                 nonlocal count
                 name = f"trainer{count}"
-                swarm.start(name, ["train", *common, "--initial-peers", *initial, "--dataset-path", str(data),
-                                   "--output-dir", str(root / name), "--seed", str(count),
-                                   "--per-device-train-batch-size", "8"], threads=1)  # fmt: skip
+                swarm.start(name, trainer_argv(args, root, data, initial, count), threads=1)
                 count += 1
                 return name
 

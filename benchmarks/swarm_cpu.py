@@ -29,13 +29,22 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import print_finished, print_started  # noqa: E402
-from chaos import read_rows  # noqa: E402
-from convergence import LOCALHOST, REPO, Swarm  # noqa: E402
-from footprint import Proc, kinds, prepare, start_swarm, stopped_early, tree  # noqa: E402
-from sharing import samples_per_second  # noqa: E402
+from lib.netns import print_finished, print_started  # noqa: E402
+from lib.procs import Proc, kinds, tree  # noqa: E402
+from lib.roles import (  # noqa: E402  # noqa: E402
+    LOCALHOST,
+    REPO,
+    Swarm,
+    prepare_demo,
+    read_jsonl,
+    samples_per_second,
+    start_swarm,
+    stopped_early,
+)
 
-ROWS = ("worker", "dht", "p2pd", "averager")  # a trainer's processes, as footprint.kinds names them
+COMMON = ("--preset", "albert-tiny", "--run-id", "swarmcpu", "--host-maddrs", LOCALHOST,
+          "--max-seq-length", "128")  # fmt: skip
+ROWS = ("worker", "dht", "p2pd", "averager")  # a trainer's processes, as lib.procs.kinds names them
 
 
 def cpu_by_process(pid: int) -> dict[int, tuple[str, float]]:
@@ -58,10 +67,8 @@ def run_once(src: Path, args, data: Path, root: Path) -> dict:
     trainers' samples/s, over the window."""
     os.environ["PYTHONPATH"] = str(src)
     swarm = Swarm(root)
-    common = ["--preset", "albert-tiny", "--run-id", "swarmcpu", "--host-maddrs", LOCALHOST,
-              "--max-seq-length", "128"]  # fmt: skip
     try:
-        start_swarm(swarm, root, common, data, args.trainers, ["--dashboard-port", "-1"])
+        start_swarm(swarm, root, list(COMMON), data, args.trainers, ["--dashboard-port", "-1"])
         time.sleep(args.warmup)
         before = {name: cpu_by_process(p.pid) for name, p in swarm.procs.items()}
         t0 = time.time()
@@ -82,12 +89,12 @@ def run_once(src: Path, args, data: Path, root: Path) -> dict:
     for row in (*ROWS, "other"):
         cpu[row] = cpu.get(row, 0.0) / args.trainers
     rates = [
-        samples_per_second(read_rows(root / f"t{i}" / "metrics.jsonl"), t0, t1) for i in range(args.trainers)
+        samples_per_second(read_jsonl(root / f"t{i}" / "metrics.jsonl"), t0, t1) for i in range(args.trainers)
     ]
     return {"cpu_per_min": cpu, "samples_per_s": sum(r or 0.0 for r in rates)}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", type=Path, nargs="+", default=[REPO / "src"], help="source trees to compare")
     ap.add_argument("--trainers", type=int, default=2)
@@ -96,12 +103,20 @@ def main() -> None:
         "--warmup", type=float, default=75.0, help="seconds from the trainers' start to the window"
     )
     ap.add_argument("--repeats", type=int, default=2, help="rounds over the trees")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     started = print_started()
     runs: dict[Path, list[dict]] = {src: [] for src in args.src}
     with tempfile.TemporaryDirectory(prefix="cotrain-swarmcpu-") as tmp:
         data = Path(tmp) / "data"
-        prepare(data, "albert-tiny", 128)
+        prepare_demo(data, "albert-tiny", 128)
         for r in range(args.repeats):
             order = args.src if r % 2 == 0 else list(reversed(args.src))
             for src in order:

@@ -1,11 +1,12 @@
 """Bytes on the wire per trained sample: synchronous averaging against DiLoCo with H = 10, 50 and 100.
 
 4 peers (``--peers``), each in a network namespace of its own with a ``tbf``-shaped link of ``--rate`` Mbit/s
-each way (``_netns.Network``), run the peers of ``utilization.py``: cotrain's DHT and ``cotrain.SwarmPeer``
-for the real ALBERT-large model of the ``albert-large-v2`` preset (17.8M parameters, fp16 on the wire), with
-the forward and backward passes simulated by a sleep of ``--step-time`` s per micro-batch. Configurations, one
-after the other on the same links, all with the same swarm batch ``--target-batch-size`` (sync: samples per
-global step; DiLoCo: samples per inner step, so a round is H x that):
+each way (``lib.netns.Network``), run the simulated peers of ``lib/simulated.py``: cotrain's DHT and
+``cotrain.SwarmPeer`` for the real ALBERT-large model of the ``albert-large-v2`` preset (17.8M parameters,
+fp16 on the wire), with the forward and backward passes simulated by a sleep of ``--step-time`` s per
+micro-batch. Configurations, one after the other on the same links, all with the same swarm batch
+``--target-batch-size`` (sync: samples per global step; DiLoCo: samples per inner step, so a round is H x
+that):
 
 - sync: cotrain's defaults (gradients averaged at every global step, parameters averaged in the background
   at every step);
@@ -41,22 +42,36 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _netns  # noqa: E402
-import utilization  # noqa: E402
-from _netns import LinkCounters  # noqa: E402
+from lib import netns  # noqa: E402
+from lib.netns import LinkCounters  # noqa: E402
+from lib.simulated import ALBERT_LARGE_PARAMS, is_diloco, run_swarm, worker_argv  # noqa: E402
 
-ALBERT_LARGE_PARAMS = utilization.ALBERT_LARGE_PARAMS
+
+def peer_argv(mode: str, local_steps: int, timed: int, args) -> list[str]:
+    """The command line of a peer of one configuration: it runs one step or round past the window."""
+    peer_args = argparse.Namespace(**{**vars(args), "local_steps": local_steps})
+    return worker_argv(mode, peer_args, args.warmup + timed + 1, args.target_batch_size)
+
+
+def configs(args) -> list[tuple[str, str, int, int]]:
+    """(name, mode, H, steps or rounds timed) of each configuration, in the order they run."""
+    out = [] if args.no_sync else [("sync", "sync", args.local_steps[0], args.steps)]
+    for h in args.local_steps:
+        if not (args.no_dense and args.topk):
+            out.append((f"diloco H={h}", "diloco", h, args.rounds))
+        if args.topk:
+            out.append((f"diloco-topk H={h}", "diloco-topk", h, args.rounds))
+    return out
 
 
 def run_config(name: str, mode: str, local_steps: int, timed: int, args, logdir: Path) -> dict:
     """Run one configuration; ``timed`` global steps (sync) or rounds (diloco) after the warm-up."""
     a, b = args.warmup, args.warmup + timed
-    peer_args = argparse.Namespace(**{**vars(args), "local_steps": local_steps})
-    with _netns.Network(args.peers, args.rate) as net:
+    with netns.Network(args.peers, args.rate) as net:
         counters = LinkCounters(net)
         try:
-            worker = utilization.worker_argv(mode, peer_args, b + 1, args.target_batch_size)
-            marks = utilization.run_swarm(net, worker, logdir / name, name, lambda peers: None, b)
+            worker = peer_argv(mode, local_steps, timed, args)
+            marks = run_swarm(net, worker, logdir / name, name, lambda peers: None, b)
         except RuntimeError as e:
             print(f"  {name}: {e}", flush=True)
             return {"config": name, "ok": False, "error": str(e)}
@@ -75,7 +90,7 @@ def run_config(name: str, mode: str, local_steps: int, timed: int, args, logdir:
     return {
         "config": name,
         "ok": True,
-        "local_steps": local_steps if utilization.is_diloco(mode) else None,
+        "local_steps": local_steps if is_diloco(mode) else None,
         "window": [a, b],
         "seconds": t1 - t0,
         "samples": samples,
@@ -85,13 +100,11 @@ def run_config(name: str, mode: str, local_steps: int, timed: int, args, logdir:
         "bytes_per_sample": sent / samples,
         # per sample of the target (a sync step's batch, a round's H x batch): without the steps' overshoot
         "bytes_per_target_sample": sent
-        / (timed * args.target_batch_size * (local_steps if utilization.is_diloco(mode) else 1)),
+        / (timed * args.target_batch_size * (local_steps if is_diloco(mode) else 1)),
         "sent_per_peer_per_step": sent / len(links) / timed,
         "received_per_peer_per_step": sum(r for _, r in links) / len(links) / timed,
-        "engine_bytes_per_sample": engine / samples if utilization.is_diloco(mode) else None,
-        "round_bytes": (
-            statistics.mean(m[b]["round_bytes"] for m in complete) if utilization.is_diloco(mode) else None
-        ),
+        "engine_bytes_per_sample": engine / samples if is_diloco(mode) else None,
+        "round_bytes": (statistics.mean(m[b]["round_bytes"] for m in complete) if is_diloco(mode) else None),
         "failed_rounds": sum(m[b]["rounds"][1] - m[a]["rounds"][1] for m in complete),
     }
 
@@ -139,7 +152,7 @@ def print_table(rows: list[dict], args) -> None:
         )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--rate", type=float, default=100.0, help="link rate, Mbit/s each way")
@@ -169,26 +182,30 @@ def main() -> None:
     ap.add_argument(
         "--model-params", type=int, default=0, help="a simulated model of N parameters (utilization.py)"
     )
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.quick:
         args.local_steps, args.steps, args.rounds = [10, 50], 4, 1
     if not args.target_batch_size:
         args.target_batch_size = args.peers * args.micro_batch * args.accumulation
     if not args.averaging_timeout:  # a DiLoCo round that carries the outer state: 3 fp16 vectors
-        bound = _netns.allreduce_bound_s(args.peers, 3 * 2 * ALBERT_LARGE_PARAMS, args.rate * 1e6)
+        bound = netns.allreduce_bound_s(args.peers, 3 * 2 * ALBERT_LARGE_PARAMS, args.rate * 1e6)
         args.averaging_timeout = float(max(60, math.ceil(3 * bound)))
-    _netns.prepare_namespaces("traffic.py", args.limit)
-    started = _netns.print_started()
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    netns.prepare_namespaces("traffic.py", args.limit)
+    started = netns.print_started()
     tmp = Path(tempfile.mkdtemp(prefix="cotrain-traffic-"))
-    configs = [] if args.no_sync else [("sync", "sync", args.local_steps[0], args.steps)]
-    for h in args.local_steps:
-        if not (args.no_dense and args.topk):
-            configs.append((f"diloco H={h}", "diloco", h, args.rounds))
-        if args.topk:
-            configs.append((f"diloco-topk H={h}", "diloco-topk", h, args.rounds))
     rows = []
     try:
-        for name, mode, h, timed in configs:
+        for name, mode, h, timed in configs(args):
             rows.append(run_config(name, mode, h, timed, args, tmp))
     except BaseException:
         print(f"peers' logs kept in {tmp}", file=sys.stderr)
@@ -198,7 +215,7 @@ def main() -> None:
     else:
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows, args)
-    _netns.print_finished(started)
+    netns.print_finished(started)
     summary = {
         "peers": args.peers,
         "rate_mbit": args.rate,

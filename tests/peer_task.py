@@ -1,5 +1,5 @@
 """The task the live tests' peer scripts train (tests/diloco_peer.py, tests/defence_peer.py, the peer of
-tests/test_statecheck.py): a noisy linear map of DIM inputs, the same on every peer, each peer drawing its own
+tests/statecheck_peer.py): a noisy linear map of DIM inputs, the same on every peer, each peer drawing its own
 batches from its seed; and the JSON lines a peer script writes for its test to read."""
 
 from __future__ import annotations

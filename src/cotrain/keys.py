@@ -4,7 +4,7 @@ cotrain stores some of these itself; hivemind builds the others from the run id
 (``hivemind.Optimizer(run_id=...)``) or from a schema's field names: ``SchemaValidator(schema,
 prefix=run_id)`` guards ``{prefix}_{field}``. Those are spelled here the way hivemind spells them, so that
 cotrain's readers (status, the monitor, the state keeper) read the very keys hivemind writes;
-tests/test_records.py checks these spellings against hivemind's own.
+tests/swarm/test_records.py checks these spellings against hivemind's own.
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def masked_lm_loss(
     sentence-order loss), with the vocabulary head applied to the masked positions only. transformers applies
     it to every position and ignores the unmasked ones in the loss: with 15% masked, 85% of the largest
     matrix product of a small model, and of its logits' memory (batch x length x vocabulary), went to
-    positions without a label. The loss and the gradients are the same (tests/test_families.py)."""
+    positions without a label. The loss and the gradients are the same (tests/unit/test_families.py)."""
     inputs = dict(inputs)
     labels = inputs.pop("labels")
     order = inputs.pop("sentence_order_label", None)

@@ -3,13 +3,13 @@
 Torch alone, no transformers: the monitor keeps the swarm's optimizer and schedule (cotrain.roles.keeper) and
 imports no transformers (about 20 MB more in its process). The schedules are transformers'
 ``get_linear_schedule_with_warmup`` and ``get_cosine_schedule_with_warmup``: the same ``LambdaLR`` with the
-same factors (tests/test_optim.py compares them step by step), so that a schedule's state is the same wherever
-it was made: in a checkpoint, in a trainer, in a monitor.
+same factors (tests/unit/test_optim.py compares them step by step), so that a schedule's state is the same
+wherever it was made: in a checkpoint, in a trainer, in a monitor.
 
 LAMB (the seed recipe's optimizer) is cotrain's own ``Lamb``: the algorithm of ``torch_optimizer.Lamb``
 (You et al., "Large Batch Optimization for Deep Learning", with Adam's bias correction), the same updates and
 the same state entries, so that checkpoints and the swarm's averaged optimizer state carry over
-(tests/test_optim.py compares the two step by step where torch-optimizer is installed).
+(tests/unit/test_optim.py compares the two step by step where torch-optimizer is installed).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Churn, the short version of benchmarks/chaos.py: three trainers and a monitor on 127.0.0.1, a trainer
 killed like a vanishing machine (SIGKILL to its whole process tree) and replaced by a fresh one every ~12 s
 (`cotrain status` is left to the long run). With the sync strategy: DiLoCo's churn (a peer killed mid-round,
-late joiners) is tested in tests/test_diloco.py and tests/test_diloco_swarm.py, and `benchmarks/chaos.py
---strategy diloco` runs this very churn with it."""
+late joiners) is tested in tests/live/test_diloco.py and tests/live/test_diloco_swarm.py, and
+`benchmarks/chaos.py --strategy diloco` runs this very churn with it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Live test of the defences against malicious peers on 127.0.0.1: a peer that inflates its progress does not
-make the swarm step early. (A silent group member: tests/test_attacks.py; a poisoned donor:
-tests/test_statecheck.py; clipped gradients: tests/test_robust.py.)"""
+make the swarm step early. (A silent group member: tests/live/test_attacks.py; a poisoned donor:
+tests/live/test_statecheck.py; clipped gradients: tests/swarm/test_robust.py.)"""
 
 from __future__ import annotations
 

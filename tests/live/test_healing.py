@@ -4,8 +4,8 @@ Two live `cotrain.SwarmPeer`s of one run on 127.0.0.1, in one process. Peer a st
 cut off at step 3 and took steps alone up to 5; peer b for a laggard that joined a step or two behind just
 before the cut and still holds step 1 (it could not download the state since). Back in the swarm, a does not
 adopt b's state, which is older than what the swarm had when they parted; it goes on with its own. Without
-that floor the same download replaces a's state with b's step 1 (what a rare run of tests/test_partition.py
-showed: the swarm fell back from step 5 to 1).
+that floor the same download replaces a's state with b's step 1 (what a rare run of
+tests/live/test_partition.py showed: the swarm fell back from step 5 to 1).
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ records; the order in which donors are asked; the record schema on a live DHT; t
 Slow: live swarms on 127.0.0.1 (sync and DiLoCo) of 2 honest peers and one that serves a poisoned state with
 the highest priority; a newcomer names the poisoned donor and loads an honest peer's state.
 
-Run as a script, this file is one peer of those swarms: ``cotrain.SwarmPeer`` on a small regression model,
+Each peer of those swarms is tests/statecheck_peer.py: ``cotrain.SwarmPeer`` on a small regression model,
 writing its state (the tensors it serves) after each global step as JSON lines:
 
-    python tests/test_statecheck.py --out a.jsonl --strategy sync --steps 3 --until STOP [--initial-peers ...]
-    python tests/test_statecheck.py --out n.jsonl --strategy sync --newcomer --initial-peers ...
+    python tests/statecheck_peer.py --out a.jsonl --strategy sync --steps 3 --until STOP [--initial-peers ...]
+    python tests/statecheck_peer.py --out n.jsonl --strategy sync --newcomer --initial-peers ...
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Llama- and Qwen2-style decoders: the full-size presets have the parameter counts of their shapes (built
 on the meta device), --gradient-checkpointing is a per-peer option that keeps the gradients, and `cotrain
 export` of a tiny twin's checkpoint is a folder that AutoModelForCausalLM loads with the checkpoint's logits
-and that pipeline("text-generation") runs. The live two-peer run of each twin is in tests/test_families.py."""
+and that pipeline("text-generation") runs. The live two-peer run of a decoder is in
+tests/live/test_families.py."""
 
 from __future__ import annotations
 

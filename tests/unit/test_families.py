@@ -28,7 +28,7 @@ KNOWN_SIZES = {
     "distilbert-base": (66.0, 30522),
     "roberta-base": (125.0, 50265),
     "gpt2-small": (124.0, 50257),
-    # computed from the shapes in tests/test_decoders.py (llama-150m has no published checkpoint)
+    # computed from the shapes in tests/unit/test_decoders.py (llama-150m has no published checkpoint)
     "llama-150m": (148.26, 32000),
     "qwen-500m": (494.0, 151936),  # Qwen2-0.5B, tied embeddings counted once
     "llama-1b": (1100.05, 32000),  # TinyLlama-1.1B

@@ -69,7 +69,7 @@ def _value_for(section: str, f: dataclasses.Field):
         "init_from": "/models/albert",
         "model_config_path": "",  # reads a file: tested below
         "devices": "cpu",
-        "nproc_per_node": 1,  # more ranks need --strategy diloco: tests/test_node.py
+        "nproc_per_node": 1,  # more ranks need --strategy diloco: tests/live/test_node.py
         "per_device_train_batch_size": 16,
         "fp16": None,  # exclusive with bf16: tested below
         "delay_optimizer_step": None,
@@ -86,11 +86,11 @@ def _value_for(section: str, f: dataclasses.Field):
         "outer_momentum": 0.5,  # must stay below 1
         "aggregation": "centered-clip",
         "clip_tau": "0.25",
-        "outer_compression": None,  # needs --strategy diloco: tests/test_sparse.py
+        "outer_compression": None,  # needs --strategy diloco: tests/live/test_sparse.py
         "topk_density": 0.03,
         "topk_bits": 4,
         "topk_feedback_decay": 0.5,
-        # a part's parameters, checked against what it declares: tests/test_parts.py
+        # a part's parameters, checked against what it declares: tests/live/test_parts.py
         "aggregation_options": None,
         "outer_compression_options": None,
         "grad_compression_options": None,

@@ -1,5 +1,5 @@
-"""cotrain's own math on tensors, torch only (tests/test_layout.py forbids importing hivemind here): each
-part is testable in one process.
+"""cotrain's own math on tensors, torch only (tests/unit/test_core_layout.py forbids importing hivemind
+here): each part is testable in one process.
 
 - ``aggregation``: how a reducer combines the group's copies of a part (``Aggregation``: mean,
   CenteredClip), chosen by name (cotrain.registry);

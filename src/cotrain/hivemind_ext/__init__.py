@@ -1,7 +1,8 @@
 """The wall around hivemind: everything in cotrain that subclasses a hivemind class, imports a hivemind module
 beyond its public API (``manifest.PUBLIC``), or replaces, overrides, copies, calls or reads a hivemind name
-starting with ``_`` is in this package, and nothing outside it does (tests/test_internals.py checks all
-three, and that each override and copy is in the manifest).
+starting with ``_`` is in this package, and nothing outside it does
+(tests/unit/hivemind_ext/test_internals.py checks all three, and that each override and copy is in the
+manifest).
 
 - ``manifest``: each hivemind function touched, how, by what in cotrain, why, and the hash of the source it
   was written against; ``changed()`` turns a hivemind upgrade into a checklist; ``PUBLIC``: the modules

@@ -31,7 +31,7 @@ to them (a step's matchmaking, the declaration of an averager in the DHT); such 
 ``MPFuture`` answered by its id through the update pipe, is a cycle nothing else refers to. A process of its
 own seldom collects its oldest objects; the training thread's process does often, and it destroyed such tasks
 mid-round, closing their coroutines from the training thread. The averager's matchmaking was left broken: no
-later round found a group (tests/test_partition.py, diloco).
+later round found a group (tests/live/test_partition.py, diloco).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ found nobody).
 
 ``WatchedRounds`` sits right before ``DecentralizedAverager`` in an averager's bases, so that it sees every
 round the averager begins, whichever way hivemind begins it (``GradientAverager.schedule_step`` and
-``TrainingStateAverager``'s background step both call ``super().step``; tests/test_leaving.py checks that
+``TrainingStateAverager``'s background step both call ``super().step``; tests/live/test_leaving.py checks that
 both rounds are seen). ``RoundWatch`` (one thread per optimizer) looks at those rounds every second: one still
 looking for a group a matchmaking time (plus ``GRACE``) after its scheduled start has found nobody so far, so
 the watch pings the other peers the progress counts (``forget_gone_peers``); when none is left, every such

@@ -2,10 +2,10 @@
 entry per hivemind function, with the hash of the source it was written against.
 
 An upgrade of hivemind is a checklist: ``changed()`` names every function whose source differs from the one
-recorded here (tests/test_internals.py fails naming them); re-read each, adapt cotrain's side (``by``), then
-record the new hash (``python -m cotrain.hivemind_ext.manifest`` prints them). ``missing()`` names those
-that no longer exist at all, and ``install()`` refuses to start on them: an override of a renamed method
-would silently never be called.
+recorded here (tests/swarm/test_internals.py fails naming them); re-read each, adapt cotrain's side
+(``by``), then record the new hash (``python -m cotrain.hivemind_ext.manifest`` prints them).
+``missing()`` names those that no longer exist at all, and ``install()`` refuses to start on them: an
+override of a renamed method would silently never be called.
 
 ``PUBLIC`` is the part of hivemind that code outside this package may import: its packages' exports and
 the documented record modules, each with why; the rest is named only inside cotrain.hivemind_ext.
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 HIVEMIND_VERSION = "1.1.12"  # the release every hash below was taken from
 
 # hivemind's public API: the modules that code outside cotrain.hivemind_ext may import from (checked by
-# tests/test_internals.py). A package counts with the names its ``__init__`` exports; ``.*`` admits every
-# submodule. Any other hivemind name needed elsewhere is re-exported by cotrain.hivemind_ext.unexported.
+# tests/unit/hivemind_ext/test_internals.py). A package counts with the names its ``__init__`` exports;
+# ``.*`` admits every submodule. Any other hivemind name needed elsewhere is re-exported by
+# cotrain.hivemind_ext.unexported.
 PUBLIC: tuple[tuple[str, str], ...] = (
     ("hivemind", "the top-level classes: DHT, DecentralizedAverager, Optimizer"),
     ("hivemind.dht", "DHT, DHTNode, DHTID: the DHT and its keys"),

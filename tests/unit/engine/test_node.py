@@ -6,7 +6,7 @@
   falls, and the 2-rank peer's checkpoint exports to the folder the 1-rank peer's export of the same round
   is, logits and all (live, slow);
 - a rank that dies mid-step stops its peer with one line, and nothing of the peer is left running (live);
-- what a node refuses, before any rank starts (tests/test_bad_input.py has the command-line rows).
+- what a node refuses, before any rank starts (tests/live/test_bad_input.py has the command-line rows).
 """
 
 from __future__ import annotations

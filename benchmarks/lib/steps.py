@@ -1,5 +1,5 @@
 """Training steps of a preset's model on one CPU thread in a fresh process, for the benchmarks that compare
-ways of running them side by side (``malloc_threshold.py``, ``masked_head.py``).
+ways of running them side by side (``malloc_threshold.py``, ``masked_head.py``, ``fused_gelu.py``).
 
 A step is a micro-batch of random tokens (``batch`` x ``length``, 15% of them masked, ALBERT's sentence-order
 labels included), its loss (``loss``: ``forward_loss``, cotrain's, or ``full``, the model's own forward), its
@@ -12,11 +12,14 @@ transformers' own ``gelu_new`` back in place of the fused kernel cotrain builds 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable
+
+from lib.netns import print_finished, print_started
 
 STEPS = """
 import ctypes, json, sys, time
@@ -102,16 +105,8 @@ def alternate(
     }
 
 
-def compare_presets(
-    description: str, arms: dict[str, dict], base: str, presets: list[str], event: str
-) -> None:
-    """A benchmark's command line: for each of ``--presets`` (default ``presets``), run the step ``arms``
-    (``base`` among them) side by side, print a table per preset and last a JSON line ``{"event": event,
-    "batch": ..., "length": ..., "presets": {PRESET: {ARM: ROW}}}``."""
-    import argparse
-
-    from _netns import print_finished, print_started
-
+def build_parser(description: str, presets: list[str]) -> argparse.ArgumentParser:
+    """The command line of a benchmark that compares step arms per preset (``compare_presets``)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--presets", nargs="+", default=presets)
     ap.add_argument("--steps", type=int, default=20)
@@ -119,7 +114,21 @@ def compare_presets(
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    return ap
+
+
+def compare_presets(
+    description: str,
+    arms: dict[str, dict],
+    base: str,
+    presets: list[str],
+    event: str,
+    argv: list[str] | None = None,
+) -> None:
+    """A benchmark's command line: for each of ``--presets`` (default ``presets``), run the step ``arms``
+    (``base`` among them) side by side, print a table per preset and last a JSON line ``{"event": event,
+    "batch": ..., "length": ..., "presets": {PRESET: {ARM: ROW}}}``."""
+    args = build_parser(description, presets).parse_args(argv)
     started = print_started()
     results = {}
     for preset in args.presets:
