@@ -94,7 +94,7 @@ class Example:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(240)
 def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
     run = ["--run-id", "api-test", "--host-maddrs", LOCALHOST]
     monitor = Role(
@@ -150,7 +150,7 @@ def first_example() -> tuple[list[str], str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_the_docs_first_example_trains_against_its_monitor_and_a_mismatched_loop_is_refused(tmp_path):
     """docs/api.md's first example, as written, in a folder of its own: its monitor command (its output folder
     in this test's, no dashboard), then its loop, which trains two global steps that the monitor logs. The

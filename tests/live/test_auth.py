@@ -108,7 +108,7 @@ def private_swarm(demo_data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_valid_tokens_train_together_and_the_monitor_checkpoints(private_swarm):
     rows = metric_rows(private_swarm["metrics"])
     assert max(r["step"] for r in rows) >= 2 and max(r["alive_peers"] for r in rows) >= 2, rows
@@ -122,7 +122,7 @@ def test_valid_tokens_train_together_and_the_monitor_checkpoints(private_swarm):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_peers_without_a_valid_token_are_refused_with_one_line(private_swarm, tmp_path):
     out, initial, common = private_swarm["out"], private_swarm["initial"], private_swarm["common"]
     foreign = issue(tmp_path, "mallory", key="other.key")  # a token from another authority
@@ -182,7 +182,7 @@ def trainer_address(role: Role) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(private_swarm):
     from hivemind.p2p import P2P, P2PHandlerError, PeerID
     from hivemind.proto import averaging_pb2, dht_pb2
@@ -305,7 +305,7 @@ def test_averaging_download_and_dht_requests_need_a_token_and_replays_fail(priva
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_revoking_a_running_trainer_stops_it_and_the_swarm_goes_on(private_swarm):
     roles = private_swarm["roles"]
     carol = roles["carol"]

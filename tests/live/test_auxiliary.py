@@ -20,7 +20,7 @@ from conftest import (
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["sync", "diloco"])
 def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tmp_path):
     """Two trainers in client mode and no other full peer: only a public monitor can reduce their parts. With
@@ -95,7 +95,7 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
 
 @pytest.mark.slow
 @pytest.mark.alone  # four peers of sparse rounds: under another live test's load, clients' rounds rarely meet
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(240)
 def test_a_client_claiming_a_huge_weight_is_refused_and_the_honest_ones_keep_averaging(demo_data, tmp_path):
     """Sparse rounds through the monitor, the only public peer, with two honest clients and one that sends
     its parts with weight 1e39 every round (finite as a double, Inf in float32: it once made the monitor's

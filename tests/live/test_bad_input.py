@@ -185,7 +185,7 @@ def process_workspace(tmp_path_factory, demo_data):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("argv", "expected"), [pytest.param(*c[1:3], id=c[0]) for c in CASES if c[3] == "process"]
 )

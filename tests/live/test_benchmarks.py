@@ -170,3 +170,22 @@ def test_two_simulated_peers_average_sparse_rounds_over_shaped_namespaced_links(
     assert row["round_bytes"] > 0 and row["sent_per_peer_per_step"] >= row["round_bytes"], row
     ours = f"{netns.PREFIX}-{os.getpid()}-"
     assert not [n for n in netns.list_netns() if n.startswith(ours)], "a namespace outlived the run"
+
+
+def test_the_scale_configuration_waits_for_newcomers_that_have_not_contributed(tmp_path):
+    swarm = scale.Swarm(scale.parse_args(["--peers", "2", "--minutes", "1"]), 0, False, tmp_path)
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
+    try:
+        now = time.monotonic()
+        swarm.procs = dict(enumerate(procs))
+        # trainers 0 and 1 were there at t0; 2 is a newcomer that contributed; 3 one that has not
+        swarm.started = {0: now - 100, 1: now - 100, 2: now - 50, 3: now - 40}
+        swarm.inbox = {0: [], 1: [], 2: [{"contributing": 12.0, "at": now - 38}], 3: [{"epoch": 1}]}
+        assert swarm.newcomers_waiting(now - 90, timeout=60) == [3]
+        assert swarm.newcomers_waiting(now - 90, timeout=30) == []  # started too long ago
+        swarm.killed = [3]
+        assert swarm.newcomers_waiting(now - 90, timeout=60) == []  # its host vanished
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

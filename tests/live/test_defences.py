@@ -69,7 +69,7 @@ def peers(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_inflated_progress_does_not_trigger_early_steps(peers, tmp_path):
     # a trains with the attacker c until the newcomer b has taken 8 global steps with them
     done = tmp_path / "done"

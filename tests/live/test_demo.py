@@ -64,7 +64,7 @@ def _stop_the_demo(role: Role, how: str, started: float) -> None:
         assert role.proc.returncode == 128 + signal.SIGINT and "interrupted: stopping the swarm" in text, text
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_the_diloco_demo_averages_outer_rounds_reports_its_strategy_and_stops_on_sigterm(tmp_path):
     """`cotrain demo --strategy diloco`: without --local-steps the demo's rounds are 5 x 64 samples (not
     50 x 64); the two trainers average their parameter changes in groups of 2 and the loss falls. The
@@ -111,7 +111,7 @@ def test_the_diloco_demo_averages_outer_rounds_reports_its_strategy_and_stops_on
         assert "Traceback" not in (root / f"{name}.log").read_text(), name
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_ctrl_c_stops_the_whole_demo_within_15_seconds(tmp_path):
     """Ctrl+C in a terminal while the demo trains: every peer stops with it, nothing is left behind (SIGTERM
     is the DiLoCo demo's test)."""
@@ -126,7 +126,7 @@ def test_ctrl_c_stops_the_whole_demo_within_15_seconds(tmp_path):
         role.stop()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_demo_trains_a_real_swarm_reports_and_gives_every_peer_its_run_flags(tmp_path):
     """`cotrain demo` as a new user runs it (its dashboard on), with `--weight-decay 0.3 --target-batch-size
     32`: the two trainers average and the loss falls; the last line is the demo's summary; each peer's

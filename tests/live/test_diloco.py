@@ -118,7 +118,7 @@ def check_rounds(members: list[Peer], rounds: list[int]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, tmp_path):
     done = tmp_path / "done"
     a = peers("a", "--rounds", "3", "--step-sleep", "0.2", "--until", str(done))
@@ -192,7 +192,7 @@ def test_peers_average_pseudo_gradients_newcomers_and_a_client_included(peers, t
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(240)
 def test_a_peer_killed_mid_round_stalls_nobody_past_the_timeout(peers, tmp_path):
     timeout = 12.0
     done = tmp_path / "done"  # a and b go on past their 8 rounds until 2 rounds each ended after the kill
@@ -232,7 +232,7 @@ def test_a_peer_killed_mid_round_stalls_nobody_past_the_timeout(peers, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk"])
 def test_overlapped_rounds_keep_the_global_parameters_together(peers, tmp_path, sparse):
     """Two peers with overlapped rounds hold the same global parameters after every round they averaged

@@ -69,7 +69,7 @@ def story(demo_data, tmp_path_factory):
                 role.kill_all()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_1_checkpoints_evaluation_and_export_hold_the_global_state(story, demo_data, tmp_path):
     out = story["out"]
     monitor = story["monitor"]("m1")

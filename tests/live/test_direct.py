@@ -73,7 +73,7 @@ def assert_averaged(out, sizes, tensors):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_three_peers_average_over_direct_connections():
     tensors = peers_tensors(3)
     out, sizes, counts = run_round(tensors, [True, True, True])
@@ -83,7 +83,7 @@ def test_three_peers_average_over_direct_connections():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_a_peer_without_the_direct_path_averages_over_libp2p_with_the_others():
     tensors = peers_tensors(3)
     out, sizes, counts = run_round(tensors, [True, True, False])
@@ -95,7 +95,7 @@ def test_a_peer_without_the_direct_path_averages_over_libp2p_with_the_others():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_an_offer_naming_another_address_than_libp2p_reaches_is_not_dialled(monkeypatch):
     import cotrain.hivemind_ext.direct as direct
 
@@ -192,7 +192,7 @@ class Flood(threading.Thread):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_an_honest_round_averages_while_a_flood_hits_a_reducers_endpoint_and_its_memory_stays_bounded():
     """Two peers average over direct connections while an outsider floods one reducer's endpoint with bare
     connections, junk instead of tickets, more offers than a peer may hold and frames of 16 MiB: the round

@@ -62,7 +62,7 @@ def eval_rows(path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(240)
 def test_an_eval_peer_measures_the_swarms_state(demo_data, tmp_path):
     from cotrain import checkpoints as ck
     from cotrain.data import read_manifest

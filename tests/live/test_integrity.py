@@ -126,7 +126,7 @@ def finite_checkpoints(folder) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1100)
+@pytest.mark.timeout(240)
 def test_nan_gradients_stay_with_their_peer(swarm):
     honest, poisoned = swarm["roles"]["honest"], swarm["roles"]["poisoned"]
     # at its first micro-batch at step 2 or later: a slow peer that loaded the swarm's state past step 2 gets
@@ -189,7 +189,7 @@ def test_a_mistyped_run_id_is_named_with_the_runs_that_exist(swarm):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_a_forger_changes_no_record_and_no_aggregate(swarm):
     """A real DHT peer signs only its own records and validates nothing, so its forgeries reach the swarm's
     nodes; they must refuse them. An honest reader (full validators) then sees the true records."""

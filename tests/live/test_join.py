@@ -20,7 +20,7 @@ def printed_join_command(log: str) -> list[str]:
     return command[1:]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_the_printed_join_command_trains_with_the_swarm(demo_data, tmp_path):
     common = ["--preset", "albert-tiny", "--run-id", "join-test", "--host-maddrs", LOCALHOST, *FAST]
     monitor = Role(monitor_args(common, tmp_path / "monitor"), tmp_path / "monitor.log")

@@ -138,3 +138,18 @@ def test_the_monitor_finds_the_tokenizer_of_a_dataset_it_reads_by_url(tmp_path):
         httpd.server_close()
     assert tokenizer.content_hash == tokenizer_hash(load_tokenizer(data / "tokenizer"))
     assert tokenizer_hash(load_tokenizer(tmp_path / "saved")) == tokenizer.content_hash
+
+
+def test_a_model_the_child_cannot_build_gives_one_clear_error(tmp_path):
+    from cotrain.data import demo_corpus, train_albert_tokenizer
+
+    train_albert_tokenizer(demo_corpus()[:300], 300, tmp_path / "given")
+    config = resolve(
+        overrides={
+            "run": {"preset": "albert-tiny", "model": {"no_such_key": 1}},
+            "peer": {"tokenizer_path": str(tmp_path / "given")},
+        }
+    )
+    with pytest.raises(UserError, match=r"^cannot read the model's layout: .*no_such_key"):
+        run_state_layout(config, tmp_path / "checkpoints", tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()  # nothing half-saved

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow]
 MAX_STEPS = 5  # far below --save-every: the monitor's schedule alone would take no checkpoint at all
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_trainers_stopping_together_leave_their_final_state_to_the_monitor(demo_data, tmp_path):
     common = ["--preset", "albert-tiny", "--run-id", "leaving-test", "--host-maddrs", LOCALHOST, *FAST]
     checkpoints = ["--dataset-path", str(demo_data), "--save-every", "500", "--load-state-timeout", "20"]
@@ -73,7 +73,7 @@ def test_trainers_stopping_together_leave_their_final_state_to_the_monitor(demo_
                 role.kill_all()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_a_trainer_whose_partner_dies_stops_waiting_for_it_within_a_matchmaking_time(demo_data, tmp_path):
     # the dead partner's progress record stays in the DHT for --metadata-expiration (60 s): the survivor kept
     # counting it and waited a whole averaging round (--averaging-timeout) for it before every step; and the

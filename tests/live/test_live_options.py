@@ -180,7 +180,7 @@ def dataclasses_replace(obj, **changes):
     return dataclasses.replace(obj, **changes)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_a_trainer_stops_after_its_epochs(demo_data, tmp_path):
     """--num-train-epochs: a lone trainer (its optimizer on the device: --no-offload-optimizer) stops by
     itself after the asked fraction of a pass over its examples."""
@@ -308,7 +308,7 @@ def swarm(demo_data, tmp_path_factory):
                 role.kill_all()
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(240)
 def test_the_seed_command_lines_train_a_swarm(swarm):
     rows = [r for r in read_rows(swarm["metrics"]) if r["loss"] is not None]
     assert max(r["step"] for r in rows) >= STEPS and max(r["alive_peers"] for r in rows) == 2, rows

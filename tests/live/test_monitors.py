@@ -71,7 +71,7 @@ def story(demo_data, tmp_path_factory):
                 role.kill_all()
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(240)
 def test_both_monitors_log_the_swarm_and_keep_checkpoints(story):
     out = story["out"]
 
@@ -90,7 +90,7 @@ def test_both_monitors_log_the_swarm_and_keep_checkpoints(story):
         )
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(240)
 def test_trainers_keep_training_after_the_first_monitor_dies(story):
     out, roles = story["out"], story["roles"]
     pids = roles["monitor_a"].tree()
@@ -112,7 +112,7 @@ def test_trainers_keep_training_after_the_first_monitor_dies(story):
         assert roles[name].proc.poll() is None, roles[name].text()[-2000:]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_a_trainer_joins_through_the_surviving_monitor(story):
     out, roles = story["out"], story["roles"]
     swarm_step = last_step(out / "monitor_b" / "metrics.jsonl")

@@ -62,7 +62,7 @@ def tree_of(role: Role, ranks: int, timeout: float = 60) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.alone
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(240)
 def test_peers_of_two_ranks_and_one_rank_train_together_and_export_the_same_model(clm_data, tmp_path):
     import transformers
 

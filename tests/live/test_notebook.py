@@ -68,7 +68,7 @@ def swarm(demo_data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(240)
 def test_the_notebook_joins_the_swarm_and_averages(swarm, tmp_path):
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager

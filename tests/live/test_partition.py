@@ -216,7 +216,7 @@ def hosts(network_guard):
         net.close()
 
 
-@pytest.mark.timeout(720)  # about 2 minutes on an idle machine; the limit is for a loaded one
+@pytest.mark.timeout(240)  # about 2 minutes on an idle machine; the limit is for a loaded one
 def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_data, tmp_path):
     strategy = "diloco"
     for i in range(3):

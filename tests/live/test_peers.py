@@ -103,7 +103,7 @@ def swarm(demo_data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(240)
 def test_a_client_mode_trainer_averages_with_a_normal_one(swarm):
     roles, metrics = swarm["roles"], swarm["out"] / "monitor" / "metrics.jsonl"
     for name in ("server", "client"):
@@ -135,7 +135,7 @@ def test_identity_files_are_created_private(swarm):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(240)
 def test_a_second_peer_with_a_used_identity_is_refused(swarm):
     joined_peer_id(swarm["roles"]["server"], 300, "the trainer to be online")
     rc, out = run_cotrain(
@@ -161,7 +161,7 @@ def test_a_second_peer_with_a_used_identity_is_refused(swarm):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(240)
 def test_a_restarted_trainer_keeps_its_peer_id(swarm):
     roles, out = swarm["roles"], swarm["out"]
     before = joined_peer_id(roles["server"], 300, "the trainer to be online")
@@ -174,7 +174,7 @@ def test_a_restarted_trainer_keeps_its_peer_id(swarm):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(240)
 def test_a_restarted_monitor_keeps_its_peer_id(swarm):
     roles = swarm["roles"]
     before = [a.split("/p2p/")[1] for a in swarm["initial"]]

@@ -96,7 +96,7 @@ def story(demo_data, tmp_path_factory):
                 role.kill_all()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_1_the_monitor_checkpoints_while_two_trainers_train(story):
     monitor = story["monitor"]("m1", env={"COTRAIN_FAULT": "checkpoint-before-rename:3"})
     initial = story["initial_peers"]()

@@ -14,7 +14,7 @@ from support.diloco_peers import by_round, joint_rounds
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_sparse_rounds_keep_the_members_bit_identical_a_client_a_latecomer_and_a_leaver_included(
     peers, tmp_path
 ):
@@ -80,7 +80,7 @@ def uncarried(peer, rounds: list[int]) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_a_peer_late_for_its_round_takes_the_groups_average_and_stays_in_step(peers, tmp_path):
     """After a round of the three, c's step in a later round R lasts until a and b have averaged R without
     it. c does not apply its change alone: it takes a's and b's average from them

@@ -83,7 +83,7 @@ def swarm(demo_data, tmp_path_factory):
                 role.kill_all()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_trainers_reach_the_same_global_step(swarm):
     t0, t1 = ([r["step"] for r in trainer_rows(swarm["roles"][f"trainer{i}"])] for i in range(2))
     common = set(t0) & set(t1)

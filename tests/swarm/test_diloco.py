@@ -228,3 +228,54 @@ def test_a_holder_attests_the_lineage_it_vouches_for_with_its_momentum():
     for bad in ({"lineage": b"short"}, {"momentum": record.momentum[:-4]}, {"momentum": record.momentum * 3}):
         with pytest.raises(ValueError):
             sc.StepFingerprint.parse_obj({**record.dict(), **bad})
+
+
+@pytest.mark.timeout(120)
+def test_the_global_parameters_are_a_diloco_peers_nan_backup():
+    # DiLoCo's NaN guard keeps no copy of the state (cotrain.engine.backup): the global parameters move only
+    # by finite outer steps, and a model gone non-finite restarts its round from them
+    import cotrain
+    from cotrain.engine.parts import NanGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    peer = cotrain.SwarmPeer(
+        model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        run_id="diloco-nan-backup",
+        target_batch_size=2,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        strategy="diloco",
+        local_steps=2,
+        backup_every_steps=1,
+        matchmaking_time=1.0,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
+    try:
+        (guard,) = [p.guard for p in peer.parts if isinstance(p, NanGuard)]
+        opt = peer.strategy.opt
+        glob = opt.state_averager.global_parameters
+        for _ in range(8):  # rounds of 2 inner steps of 2 samples
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            peer.step(batch_size=2)
+        assert peer.global_step >= 2 and guard.step is not None
+        assert guard.params == [] and guard.optimizer_state is None  # no copy kept
+        assert all(p.grad is None for p in glob)  # the outer step lends the average; no buffer between rounds
+        with opt.outer_averager.get_tensors() as tensors:  # rounds average the outer state's own tensors
+            state = tensors[opt.changes :]
+        carried = opt._carried_state()  # the global parameters, then the momentum: the same tensors all along
+        assert len(carried) == 2 * len(glob) and carried[len(glob)].abs().sum() > 0
+        assert [t.data_ptr() for t in state] == [t.data_ptr() for t in carried]
+        assert carried[len(glob) :] == opt.state_averager.pinned_momentum
+        before = [p.detach().clone() for p in glob]
+        # a non-finite average is not applied: the global parameters stay (the next round carries the state)
+        opt._outer_step([torch.full_like(p, float("nan")) for p in glob], None)
+        assert all(torch.equal(a, b) for a, b in zip(before, glob, strict=True))
+        with torch.no_grad():
+            model.weight.fill_(float("nan"))
+        assert guard.after_global_step()  # restored: the model from the global parameters, the round anew
+        assert guard.restores == 1 and opt.samples == 0
+        assert all(torch.equal(m, g) for m, g in zip(model.parameters(), glob, strict=True))
+    finally:
+        peer.shutdown()

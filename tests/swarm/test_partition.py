@@ -39,7 +39,7 @@ async def _lose_every_link(dht, node) -> None:
         await node.p2p._client.disconnect(peer_id)
 
 
-@pytest.mark.timeout(300)  # seconds on an idle machine; the limit is for a loaded one
+@pytest.mark.timeout(240)  # seconds on an idle machine; the limit is for a loaded one
 def test_the_healer_brings_back_a_peer_that_lost_every_link():
     import threading
 

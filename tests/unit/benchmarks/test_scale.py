@@ -3,9 +3,7 @@ newcomers."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -56,22 +54,3 @@ def test_the_scale_summary_counts_steps_groups_rounds_dht_traffic_and_newcomers(
     assert line["event"] == "scale_summary" and line["newcomer_seconds"] == 40.0
     assert line["newcomers_not_contributing"] == 1 and line["failed_rounds"] == 3
     assert line["global_steps"] == 4 and line["max_group_size"] == 3
-
-
-def test_the_scale_configuration_waits_for_newcomers_that_have_not_contributed(tmp_path):
-    swarm = scale.Swarm(scale.parse_args(["--peers", "2", "--minutes", "1"]), 0, False, tmp_path)
-    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
-    try:
-        now = time.monotonic()
-        swarm.procs = dict(enumerate(procs))
-        # trainers 0 and 1 were there at t0; 2 is a newcomer that contributed; 3 one that has not
-        swarm.started = {0: now - 100, 1: now - 100, 2: now - 50, 3: now - 40}
-        swarm.inbox = {0: [], 1: [], 2: [{"contributing": 12.0, "at": now - 38}], 3: [{"epoch": 1}]}
-        assert swarm.newcomers_waiting(now - 90, timeout=60) == [3]
-        assert swarm.newcomers_waiting(now - 90, timeout=30) == []  # started too long ago
-        swarm.killed = [3]
-        assert swarm.newcomers_waiting(now - 90, timeout=60) == []  # its host vanished
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()

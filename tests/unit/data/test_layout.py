@@ -8,7 +8,7 @@ import torch
 from cotrain import checkpoints as ck
 from cotrain.config import resolve
 from cotrain.errors import UserError
-from cotrain.host.layout import LayoutModel, describe, run_state_layout
+from cotrain.host.layout import LayoutModel, describe
 from cotrain.models import build_model
 from cotrain.optim import optimizer_factory, parameter_groups, scheduler_factory
 
@@ -65,21 +65,6 @@ def test_a_checkpoint_of_a_layout_model_loads_into_the_model_and_back(tmp_path):
     for (name, a), (_, b) in zip(real.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert again.predictions.decoder.weight is again.albert.embeddings.word_embeddings.weight
-
-
-def test_a_model_the_child_cannot_build_gives_one_clear_error(tmp_path):
-    from cotrain.data import demo_corpus, train_albert_tokenizer
-
-    train_albert_tokenizer(demo_corpus()[:300], 300, tmp_path / "given")
-    config = resolve(
-        overrides={
-            "run": {"preset": "albert-tiny", "model": {"no_such_key": 1}},
-            "peer": {"tokenizer_path": str(tmp_path / "given")},
-        }
-    )
-    with pytest.raises(UserError, match=r"^cannot read the model's layout: .*no_such_key"):
-        run_state_layout(config, tmp_path / "checkpoints", tmp_path / "saved")
-    assert not (tmp_path / "saved").exists()  # nothing half-saved
 
 
 def test_a_persistent_buffer_has_no_layout():

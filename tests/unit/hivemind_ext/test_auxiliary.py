@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hivemind.optim.progress_tracker import GlobalTrainingProgress
 
-from conftest import (
-    DEAD_PEER,
-    LOCALHOST,
-)
 from cotrain.algorithms.sparse import TopK
 from cotrain.hivemind_ext.auxiliary import AUX_GATHER, contributors, is_auxiliary, needed
 from cotrain.hivemind_ext.reducers import RecordParts
-from cotrain.net import reachability
 
 
 def _progress(peers: int, clients: int) -> GlobalTrainingProgress:
@@ -59,9 +53,3 @@ def test_an_auxiliary_reducer_carries_what_its_records_left_out_into_its_next_av
     sent = first + second + aux.feedback[: codec.chunk]
     assert torch.allclose(sent, average, atol=1e-6)  # nothing is lost: sent, or still kept
     assert aux.feedback[codec.chunk :].abs().sum() == 0  # the other chunk was not this part's
-
-
-@pytest.mark.timeout(60)
-def test_a_probe_nobody_answers_returns_at_once_and_assumes_nothing():
-    found = reachability.dial_back([DEAD_PEER], [LOCALHOST], [], timeout=5.0)
-    assert found.reached is None and found.peer == "" and found.addresses

@@ -1,0 +1,28 @@
+"""The unit suite starts no process: a test here that does (a `cotrain` role, a libp2p daemon, a child
+interpreter, a forked worker) fails, naming it; such a test belongs in tests/swarm or tests/live."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def no_process(monkeypatch):
+    started: list[str] = []
+    popen_init, fork = subprocess.Popen.__init__, os.fork
+
+    def popen(self, args, *rest, **kwargs):
+        started.append(str(args)[:120])
+        return popen_init(self, args, *rest, **kwargs)
+
+    def forked():
+        started.append("os.fork()")
+        return fork()
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(os, "fork", forked)
+    yield
+    assert not started, f"a unit test started a process: {started}"
