@@ -1,13 +1,6 @@
 """A peer the swarm left behind (cotrain.hivemind_ext.optimizer.SwarmOptimizer.left_behind).
 
-Fast: the decision, on hivemind's own objects' fields: behind, alone in no group, and with fewer samples than
-its share of a step.
-Slow: two live `cotrain.SwarmPeer`s of one run on 127.0.0.1, in one process. Peer a stands for the swarm at
-step 5, peer b for a newcomer that loaded step 4 just before the swarm moved on (the chase a test run showed:
-a newcomer stepped alone 19 -> 20 -> 21 -> 22 on 8, 16 and 24 samples, each a step at the full learning rate,
-and the next parameter average took the swarm's loss from 6.2 to 8.5). With one micro-batch of its own, b
-loads the swarm's state instead of stepping alone on it: it ends at step 5 with a's parameters.
-"""
+Here, with cotrain processes; the rest in tests/unit/hivemind_ext/test_catch_up.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Peers on one machine share its cores: the share, the registry of live peers, and the share following
-peers that come and go."""
+"""Peers on one machine share its cores.
+
+Here, with cotrain processes; the rest in tests/unit/host/test_cores.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Tests of cotrain.data: corpora, sentence splitting, tokenizer, SOP examples, prepared datasets and
-the MLM collator, on WikiText-2's validation text from ../shared when it is beside the repository, otherwise
-on a WikiText-format sample in tests/assets."""
+"""Tests of cotrain.data.
+
+Here, with cotrain processes; the rest in tests/unit/data/test_data.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`cotrain prepare` end to end: WikiText statistics for albert-large-v2, objectives, tokenizer types,
-determinism, the held-out split, shards and manifest, sources, and every bad input."""
+"""`cotrain prepare` end to end.
+
+Here, with cotrain processes; the rest in tests/unit/data/test_data_prepare.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Prepared datasets served over HTTP: lazy, verified, resumable, cached shard downloads, and a real
-trainer that starts training before the dataset's second shard is released."""
+"""Prepared datasets served over HTTP.
+
+Here, with cotrain processes; the rest in tests/unit/data/test_data_stream.py."""
 
 from __future__ import annotations
 

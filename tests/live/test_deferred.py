@@ -1,4 +1,6 @@
-"""cotrain.host.deferred: hivemind's scipy.optimize is imported only when an all-reduce needs it."""
+"""cotrain.host.deferred.
+
+Here, with cotrain processes; the rest in tests/unit/host/test_deferred.py."""
 
 from __future__ import annotations
 

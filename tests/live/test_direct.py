@@ -1,6 +1,7 @@
-"""The direct TCP path of the all-reduce (cotrain.hivemind_ext.direct): sealed frames, tickets, its caps
-(frames, read-ahead, tickets and streams per peer, connections without a ticket), live all-reduces over it
-(one while an outsider floods a reducer's endpoint), and the fall-back to libp2p."""
+"""The direct TCP path of the all-reduce (cotrain.hivemind_ext.direct).
+
+Here, with cotrain processes; the rest in tests/swarm/test_direct.py and
+tests/unit/hivemind_ext/test_direct.py."""
 
 import asyncio
 import collections

@@ -1,12 +1,6 @@
 """The evaluation peer.
 
-Fast: the metrics on fixed batches (what they are, that the batches and masks are the same every time), the
-signed record's bounds, the monitor's JSONL row and dashboard view, the command line.
-
-Slow, one swarm on 127.0.0.1: a monitor, two albert-tiny trainers and `cotrain eval`. The eval peer's numbers
-are those of the very state it loaded (recomputed here from the weights it saved), they improve as the swarm
-trains, and the monitor logs them beside the training metrics.
-"""
+Here, with cotrain processes; the rest in tests/unit/roles/test_eval.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """A peer's DHT and averagers served from threads of its process (cotrain.hivemind_ext.hosting), or from
-processes of their own (``--swarm-processes``)."""
+processes of their own (``--swarm-processes``).
+
+Here, with cotrain processes; the rest in tests/swarm/test_hosting.py and
+tests/unit/hivemind_ext/test_hosting.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Integrity of the swarm's records and of its training: forged or absurd records change nothing, a peer with
-NaN gradients keeps them to itself, and a peer whose swarm-wide config differs is refused before it averages.
+"""Integrity of the swarm's records and of its training.
 
-The live part runs one real swarm on 127.0.0.1 (a monitor, two trainers, one of them with a NaN gradient
-injected) and brings to it a forger (a DHT peer of this test process), a trainer with another learning rate
-and a trainer with a mistyped run id.
-"""
+Here, with cotrain processes; the rest in tests/unit/net/test_integrity.py."""
 
 from __future__ import annotations
 

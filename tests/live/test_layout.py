@@ -1,4 +1,6 @@
-"""A model's layout without its code (cotrain.host.layout): the monitor's state holder."""
+"""A model's layout without its code (cotrain.host.layout).
+
+Here, with cotrain processes; the rest in tests/unit/data/test_layout.py."""
 
 from __future__ import annotations
 

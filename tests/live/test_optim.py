@@ -1,4 +1,6 @@
-"""cotrain.optim: the schedules are transformers' own, without importing transformers."""
+"""cotrain.optim.
+
+Here, with cotrain processes; the rest in tests/unit/test_optim.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Every option of the original trainer and monitor: it parses, reaches the field it names, and the parts that
-need no swarm (address translation, model config override, automatic micro-batch, mixed precision, compression
-of optimizer statistics, public address discovery) behave as documented."""
+"""Every option of the original trainer and monitor.
+
+Here, with cotrain processes; the rest in tests/unit/test_options.py."""
 
 from __future__ import annotations
 

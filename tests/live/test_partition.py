@@ -1,21 +1,6 @@
-"""Self-healing membership: a peer cut off from the swarm re-joins it without a restart.
+"""Self-healing membership.
 
-The first test runs on 127.0.0.1: a DHT that lost every peer (as hivemind's does when its links fail) is back
-in the swarm after one check of its ``SwarmHealer``.
-
-The second puts several hosts on one machine: a trainer cut off from the swarm for 30 s re-joins it. It runs
-with diloco (2 inner steps per round): the healer and the adoption of the swarm's state go through the
-strategy's interface (share_state, adopt_swarm_state), whose hivemind-side code the two strategies share, and
-diloco's adds its own download path and lineage reset on top.
-
-The test builds its own network: a namespace holding a bridge, and one namespace per host joined to it by a
-veth pair, with addresses that exist only inside these namespaces (10.91.0.0/24). Every link is shaped with
-`tc tbf` in both directions (the kernel has no `netem`: no added delay or loss). The monitor and two trainers
-run on three hosts (`ip netns exec`). Once the swarm trains, one trainer's link is taken down for 30 s and
-brought back: the same trainer process must notice it is cut off, re-join, load the swarm's current state and
-contribute again (its records reach the monitor with a current step). Namespaces, veths and processes are
-removed at the end; the test skips where it lacks the rights (not root, no `ip`/`tc`).
-"""
+Here, with cotrain processes; the rest in tests/swarm/test_partition.py."""
 
 from __future__ import annotations
 

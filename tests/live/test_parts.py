@@ -1,7 +1,6 @@
-"""Strategies, aggregations and codecs are parts: one written in a module of its own (tests/toy_parts.py),
-its parameters declared in its registry line, plugs in through the registries and trains a live swarm with
-the values a run's config gives them, the engine unchanged; the registries refuse what they cannot hold and
-the run's config reads its choices and the parts' parameters from them."""
+"""Strategies, aggregations and codecs are parts.
+
+Here, with cotrain processes; the rest in tests/unit/strategies/test_parts.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Per-peer network settings: ``--identity-path`` (a stable peer id) and ``--client-mode`` (no incoming
-connections). One swarm on 127.0.0.1 is shared by the live tests: a monitor and a trainer with identity
-files, and a trainer in client mode."""
+"""Per-peer network settings.
+
+Here, with cotrain processes; the rest in tests/unit/net/test_peers.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Process hygiene without a swarm: a worker whose supervisor is SIGKILLed takes its process group with it."""
+"""Process hygiene without a swarm.
+
+Here, with cotrain processes; the rest in tests/unit/host/test_procs.py."""
 
 from __future__ import annotations
 

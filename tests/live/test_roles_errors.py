@@ -1,4 +1,6 @@
-"""What a user sees when a role cannot start: one line, a non-zero exit, no traceback."""
+"""What a user sees when a role cannot start.
+
+Here, with cotrain processes; the rest in tests/unit/roles/test_roles_errors.py."""
 
 from __future__ import annotations
 

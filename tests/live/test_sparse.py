@@ -1,6 +1,6 @@
-"""DiLoCo's sparse rounds (--outer-compression topk, cotrain.algorithms.sparse): the codec, the reducer that
-refuses malformed records and re-encodes the average, the settings, and (slow) a live swarm whose members
-hold bit-identical global parameters after every round they share."""
+"""DiLoCo's sparse rounds (--outer-compression topk, cotrain.algorithms.sparse).
+
+Here, with cotrain processes; the rest in tests/unit/algorithms/test_sparse.py."""
 
 from __future__ import annotations
 

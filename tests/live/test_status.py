@@ -1,4 +1,6 @@
-"""`cotrain status` without a swarm: an unreachable peer is one line, exit status 2, nothing left."""
+"""`cotrain status` without a swarm.
+
+Here, with cotrain processes; the rest in tests/unit/test_status.py."""
 
 from __future__ import annotations
 

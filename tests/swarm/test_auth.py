@@ -1,12 +1,7 @@
-"""Private swarms: access tokens, their checks, and a live private swarm on 127.0.0.1.
+"""Private swarms.
 
-The fast tests cover tokens, the CLI, revocation lists and hivemind's signed-request protocol in one process.
-The live tests share one private swarm (a monitor holding the authority key and two trainers with tokens) and
-check that it trains, that peers without a valid token (none, expired, altered, foreign, revoked) are refused
-with one line, that averaging, matchmaking and download requests need a token too, that replayed requests and
-a revoked token with its signature re-encoded are refused, and that revoking a running trainer's token stops
-it.
-"""
+Here, with hivemind in the test process; the rest in tests/live/test_auth.py and
+tests/unit/access/test_auth.py."""
 
 from __future__ import annotations
 

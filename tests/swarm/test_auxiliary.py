@@ -1,4 +1,7 @@
-"""The monitor as an auxiliary reducer: trainers that cannot be dialed (client mode) average through it."""
+"""The monitor as an auxiliary reducer.
+
+Here, with hivemind in the test process; the rest in tests/live/test_auxiliary.py and
+tests/unit/hivemind_ext/test_auxiliary.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""cotrain's gradient averager: hivemind's all-reduce with a read-ahead setting, peers on 127.0.0.1."""
+"""cotrain's gradient averager.
+
+Here, with hivemind in the test process; the rest in tests/unit/hivemind_ext/test_averaging.py."""
 
 import threading
 import time

@@ -1,5 +1,7 @@
-"""The DHT process's request pipe: requests from processes that have exited are dropped, not fatal; a
-process's reply pipe crosses once, not with every request. The libp2p daemon's garbage collection."""
+"""The DHT process's request pipe.
+
+Here, with hivemind in the test process; the rest in tests/live/test_dht.py and
+tests/unit/hivemind_ext/test_dht.py."""
 
 import multiprocessing as mp
 import os

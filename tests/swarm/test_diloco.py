@@ -1,12 +1,7 @@
 """The DiLoCo strategy (cotrain.strategies.diloco_rounds), on its own and in live swarms on 127.0.0.1.
 
-Fast: the outer optimizer, the inner optimizer's initial state, the schedule's position, the settings' checks.
-Slow: peers of tests/diloco_peer.py (cotrain.SwarmPeer with strategy="diloco" on a small regression model)
-record what went into and out of every all-reduce and outer step; the tests recompute the average from the
-peers' own pseudo-gradients and the outer step from the average, check that a client-mode peer and a newcomer
-take part, that a peer killed mid-round stalls nobody past the averaging timeout, and that overlapped rounds
-keep the peers' global parameters together.
-"""
+Here, with hivemind in the test process; the rest in tests/live/test_diloco.py and
+tests/unit/strategies/test_diloco.py."""
 
 from __future__ import annotations
 

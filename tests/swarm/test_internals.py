@@ -1,7 +1,6 @@
-"""The wall around hivemind (cotrain.hivemind_ext): outside it, cotrain uses no private hivemind name,
-subclasses no hivemind class and imports only hivemind's public API (manifest.PUBLIC); inside it, every method
-that overrides hivemind's and every function copied from hivemind is listed in the manifest with the hash of
-its upstream source, so that a change upstream of any function cotrain touches is caught and named."""
+"""The wall around hivemind (cotrain.hivemind_ext).
+
+Here, with hivemind in the test process; the rest in tests/unit/hivemind_ext/test_internals.py."""
 
 import ast
 import inspect

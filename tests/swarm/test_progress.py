@@ -1,4 +1,6 @@
-"""What the swarm's progress counts when peers lie about theirs (cotrain.hivemind_ext.progress)."""
+"""What the swarm's progress counts when peers lie about theirs (cotrain.hivemind_ext.progress).
+
+Here, with hivemind in the test process; the rest in tests/unit/hivemind_ext/test_progress.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Signed metrics records: a peer cannot write another's record, and out-of-schema values are refused."""
+"""Signed metrics records.
+
+Here, with hivemind in the test process; the rest in tests/unit/net/test_records.py."""
 
 import hivemind
 import pytest

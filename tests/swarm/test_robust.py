@@ -1,5 +1,6 @@
-"""Robust aggregation (cotrain.hivemind_ext.reducers): CenteredClip on known inputs, the reducer's refusals,
-and live all-reduces among averagers on 127.0.0.1 with honest and malicious members."""
+"""Robust aggregation (cotrain.hivemind_ext.reducers).
+
+Here, with hivemind in the test process; the rest in tests/unit/algorithms/test_robust.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The cap on a state download (cotrain.algorithms.statelimit): a donor's stream is counted against the most a
-state of the downloader's model can hold; one that sends more tensors or bytes is refused and the next
-donor asked, while a newcomer whose optimizer has built no statistics yet takes an honest donor's state."""
+"""The cap on a state download (cotrain.algorithms.statelimit).
+
+Here, with hivemind in the test process; the rest in tests/unit/algorithms/test_statelimit.py."""
 
 from __future__ import annotations
 

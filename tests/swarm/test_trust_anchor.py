@@ -1,6 +1,7 @@
-"""The address is the trust anchor: a peer given only `--run-id` and `--initial-peers` takes the settings of
-the initial peer it names (asked over libp2p, cotrain.net.vouch), not those that most DHT records publish
-(any process can make keys and publish records)."""
+"""The address is the trust anchor.
+
+Here, with hivemind in the test process; the rest in tests/live/test_trust_anchor.py and
+tests/unit/net/test_trust_anchor.py."""
 
 from __future__ import annotations
 

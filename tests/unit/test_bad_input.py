@@ -1,9 +1,6 @@
-"""Bad input, table-driven: every row ends in one clear line, a non-zero exit, no traceback and no file left.
+"""Bad input, table-driven.
 
-Most rows call the CLI's entry function (`cotrain.cli.main`) in this process; the rows that need the network
-layer or a training process start `cotrain` as a user would. ``python tests/live/test_bad_input.py`` runs
-every row and prints the table recorded in docs/reliability.md.
-"""
+Here, in the test process alone; the rest in tests/live/test_bad_input.py."""
 
 from __future__ import annotations
 

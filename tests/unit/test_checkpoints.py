@@ -1,5 +1,6 @@
-"""Checkpoints in one process: atomic save, verification, corrupted/truncated fallback, keep-last-K, resume
-into fresh objects, export to a Hugging Face folder, and the Hub uploader's schedule and retries."""
+"""Checkpoints in one process.
+
+Here, in the test process alone; the rest in tests/live/test_checkpoints.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """notebooks/join.ipynb, executed headless with nbclient in this virtual environment's kernel against a live
-swarm on 127.0.0.1 (a monitor and one trainer on the CPU): only the values of its parameters cell change."""
+swarm on 127.0.0.1 (a monitor and one trainer on the CPU).
+
+Here, in the test process alone; the rest in tests/live/test_notebook.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""cotrain.optim: the schedules are transformers' own, without importing transformers."""
+"""cotrain.optim.
+
+Here, in the test process alone; the rest in tests/live/test_optim.py."""
 
 from __future__ import annotations
 

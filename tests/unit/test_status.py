@@ -1,4 +1,6 @@
-"""`cotrain status` without a swarm: an unreachable peer is one line, exit status 2, nothing left."""
+"""`cotrain status` without a swarm.
+
+Here, in the test process alone; the rest in tests/live/test_status.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""One vote per participant in a private swarm (cotrain.access.voters): records count only where a valid token
-stands behind their signing key, and once per token, however many RSA keys its holder makes."""
+"""One vote per participant in a private swarm (cotrain.access.voters).
+
+Here, in the test process alone; the rest in tests/swarm/test_voters.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Robust aggregation (cotrain.hivemind_ext.reducers): CenteredClip on known inputs, the reducer's refusals,
-and live all-reduces among averagers on 127.0.0.1 with honest and malicious members."""
+"""Robust aggregation (cotrain.hivemind_ext.reducers).
+
+Here, in the test process alone; the rest in tests/swarm/test_robust.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""DiLoCo's sparse rounds (--outer-compression topk, cotrain.algorithms.sparse): the codec, the reducer that
-refuses malformed records and re-encodes the average, the settings, and (slow) a live swarm whose members
-hold bit-identical global parameters after every round they share."""
+"""DiLoCo's sparse rounds (--outer-compression topk, cotrain.algorithms.sparse).
+
+Here, in the test process alone; the rest in tests/live/test_sparse.py."""
 
 from __future__ import annotations
 

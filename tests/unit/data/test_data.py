@@ -1,6 +1,6 @@
-"""Tests of cotrain.data: corpora, sentence splitting, tokenizer, SOP examples, prepared datasets and
-the MLM collator, on WikiText-2's validation text from ../shared when it is beside the repository, otherwise
-on a WikiText-format sample in tests/assets."""
+"""Tests of cotrain.data.
+
+Here, in the test process alone; the rest in tests/live/test_data.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`cotrain prepare` end to end: WikiText statistics for albert-large-v2, objectives, tokenizer types,
-determinism, the held-out split, shards and manifest, sources, and every bad input."""
+"""`cotrain prepare` end to end.
+
+Here, in the test process alone; the rest in tests/live/test_data_prepare.py."""
 
 from __future__ import annotations
 

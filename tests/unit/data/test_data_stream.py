@@ -1,5 +1,6 @@
-"""Prepared datasets served over HTTP: lazy, verified, resumable, cached shard downloads, and a real
-trainer that starts training before the dataset's second shard is released."""
+"""Prepared datasets served over HTTP.
+
+Here, in the test process alone; the rest in tests/live/test_data_stream.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A hostile dataset host, and files cotrain reads back: nothing that a manifest, a server or a
-checkpoint.json says makes cotrain write, delete or download outside its cache, or read without bound.
+"""A hostile dataset host, and files cotrain reads back.
 
-A real prepared dataset is served from 127.0.0.1 with a rewritten manifest; each attack must end in one
-DataError, with only the manifest requested and no file outside the cache created or deleted (the whole
-tmp_path tree is listed before and after)."""
+Here, in the test process alone; the rest in tests/live/test_hostile.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""A model's layout without its code (cotrain.host.layout): the monitor's state holder."""
+"""A model's layout without its code (cotrain.host.layout).
+
+Here, in the test process alone; the rest in tests/live/test_layout.py."""
 
 from __future__ import annotations
 

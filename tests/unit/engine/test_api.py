@@ -1,9 +1,6 @@
 """cotrain.SwarmPeer, the API for training loops of one's own.
 
-Fast: importing cotrain stays cheap (the API loads on first use), and misuse fails before any network starts.
-Slow: examples/custom_loop.py, run as a user would, twice against a live `cotrain monitor`: the two peers
-average with each other (groups of 2), their loss falls, and the monitor logs their metrics.
-"""
+Here, in the test process alone; the rest in tests/live/test_api.py."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""A peer of several ranks (cotrain.engine.node): the model sharded with FSDP2 over gloo ranks on the CPU.
+"""A peer of several ranks (cotrain.engine.node).
 
-- the node's step is the one-process step on the union of its ranks' micro-batches, and its gather and
-  broadcast carry the parameters and the inner optimizer's state whole (two ranks, in-process, fast);
-- a swarm of a 2-rank, a 2-rank and a 1-rank peer trains llama-tiny with DiLoCo: they average, the loss
-  falls, and the 2-rank peer's checkpoint exports to the folder the 1-rank peer's export of the same round
-  is, logits and all (live, slow);
-- a rank that dies mid-step stops its peer with one line, and nothing of the peer is left running (live);
-- what a node refuses, before any rank starts (tests/live/test_bad_input.py has the command-line rows).
-"""
+Here, in the test process alone; the rest in tests/live/test_node.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Fault injection of malicious peers (cotrain.faults, COTRAIN_ATTACK): what each attack does to what a peer
-sends, and that each hook sits where the attack must act: the sync strategy's gradient after the engine's
-clipping and finiteness check, DiLoCo's pseudo-gradient in the outer all-reduce, the reported samples, the
-trainer's labels, and a silent member inside a real all-reduce."""
+"""Fault injection of malicious peers (cotrain.faults, COTRAIN_ATTACK).
+
+Here, in the test process alone; the rest in tests/live/test_attacks.py and tests/swarm/test_attacks.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The monitor as an auxiliary reducer: trainers that cannot be dialed (client mode) average through it."""
+"""The monitor as an auxiliary reducer.
+
+Here, in the test process alone; the rest in tests/live/test_auxiliary.py and
+tests/swarm/test_auxiliary.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""cotrain's gradient averager: hivemind's all-reduce with a read-ahead setting, peers on 127.0.0.1."""
+"""cotrain's gradient averager.
+
+Here, in the test process alone; the rest in tests/swarm/test_averaging.py."""
 
 import pytest
 

@@ -1,5 +1,6 @@
-"""The DHT process's request pipe: requests from processes that have exited are dropped, not fatal; a
-process's reply pipe crosses once, not with every request. The libp2p daemon's garbage collection."""
+"""The DHT process's request pipe.
+
+Here, in the test process alone; the rest in tests/live/test_dht.py and tests/swarm/test_dht.py."""
 
 import itertools
 import multiprocessing as mp

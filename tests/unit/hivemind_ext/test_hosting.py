@@ -1,5 +1,7 @@
 """A peer's DHT and averagers served from threads of its process (cotrain.hivemind_ext.hosting), or from
-processes of their own (``--swarm-processes``)."""
+processes of their own (``--swarm-processes``).
+
+Here, in the test process alone; the rest in tests/live/test_hosting.py and tests/swarm/test_hosting.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""What the swarm's progress counts when peers lie about theirs (cotrain.hivemind_ext.progress)."""
+"""What the swarm's progress counts when peers lie about theirs (cotrain.hivemind_ext.progress).
+
+Here, in the test process alone; the rest in tests/swarm/test_progress.py."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """State downloads that a malicious donor cannot poison (cotrain.hivemind_ext.statecheck).
 
-Fast: the fingerprint tolerates honest rounding and catches poisoned states; the vote over the published
-records; the order in which donors are asked; the record schema on a live DHT; the poisoned-state fault.
-Slow: live swarms on 127.0.0.1 (sync and DiLoCo) of 2 honest peers and one that serves a poisoned state with
-the highest priority; a newcomer names the poisoned donor and loads an honest peer's state.
-
-Each peer of those swarms is tests/statecheck_peer.py: ``cotrain.SwarmPeer`` on a small regression model,
-writing its state (the tensors it serves) after each global step as JSON lines:
-
-    python tests/statecheck_peer.py --out a.jsonl --strategy sync --steps 3 --until STOP [--initial-peers ...]
-    python tests/statecheck_peer.py --out n.jsonl --strategy sync --newcomer --initial-peers ...
-"""
+Here, in the test process alone; the rest in tests/live/test_statecheck.py and
+tests/swarm/test_statecheck.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Peers on one machine share its cores: the share, the registry of live peers, and the share following
-peers that come and go."""
+"""Peers on one machine share its cores.
+
+Here, in the test process alone; the rest in tests/live/test_cores.py."""
 
 from __future__ import annotations
 

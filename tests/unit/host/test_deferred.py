@@ -1,4 +1,6 @@
-"""cotrain.host.deferred: hivemind's scipy.optimize is imported only when an all-reduce needs it."""
+"""cotrain.host.deferred.
+
+Here, in the test process alone; the rest in tests/live/test_deferred.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Process hygiene without a swarm: a worker whose supervisor is SIGKILLed takes its process group with it."""
+"""Process hygiene without a swarm.
+
+Here, in the test process alone; the rest in tests/live/test_procs.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The reachability probe (cotrain.net.reachability): what a request may name, who is dialed, the answer's
-words, a private swarm's proof, and a flood of requests against an answering peer on 127.0.0.1."""
+"""The reachability probe (cotrain.net.reachability).
+
+Here, in the test process alone; the rest in tests/swarm/test_reachability.py."""
 
 from __future__ import annotations
 

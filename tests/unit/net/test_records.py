@@ -1,4 +1,6 @@
-"""Signed metrics records: a peer cannot write another's record, and out-of-schema values are refused."""
+"""Signed metrics records.
+
+Here, in the test process alone; the rest in tests/swarm/test_records.py."""
 
 import math
 

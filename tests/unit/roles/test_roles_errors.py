@@ -1,4 +1,6 @@
-"""What a user sees when a role cannot start: one line, a non-zero exit, no traceback."""
+"""What a user sees when a role cannot start.
+
+Here, in the test process alone; the rest in tests/live/test_roles_errors.py."""
 
 from __future__ import annotations
 
