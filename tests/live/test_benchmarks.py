@@ -135,7 +135,9 @@ def test_a_sparse_overlapped_round_end_takes_no_fresh_memory_of_the_models_size(
     assert out.returncode == 0, out.stderr[-2000:]
     (tree,) = json.loads(out.stdout.splitlines()[-1])["trees"]
     assert tree["rounds"] == 2 and tree["wall"] > 0, tree
-    assert tree["minflt"] < 400, tree
+    # a fresh vector of the model's size faults in its 3,906 pages; the round end's own few hundred vary with
+    # the machine's load (up to about 500 seen), so the bound is a quarter of one such vector
+    assert tree["minflt"] < 4_000_000 * 4 / 4096 / 4, tree
     bad = subprocess.run([*script, "--src", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and f"{tmp_path} holds no cotrain package" in bad.stderr, bad.stderr
 
