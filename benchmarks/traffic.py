@@ -135,8 +135,8 @@ def print_table(rows: list[dict], args) -> None:
         r["less_than_sync"] = ratio
         per_target = sync["bytes_per_target_sample"] / r["bytes_per_target_sample"] if sync else float("nan")
         r["less_than_sync_per_target_sample"] = per_target
-        goal = ""
-        if r["local_steps"]:
+        goal = "- (no sync arm)" if sync is None and r["local_steps"] else ""
+        if r["local_steps"] and sync is not None:
             r["goal_met"] = ratio >= r["local_steps"] / 2
             goal = f"{'met' if r['goal_met'] else 'NOT met'} ({r['local_steps'] / 2:g}x)"
         engine = f"{r['engine_bytes_per_sample']:,.0f}" if r["engine_bytes_per_sample"] is not None else "-"
@@ -145,11 +145,16 @@ def print_table(rows: list[dict], args) -> None:
             f"| {r['config']} | {r['window'][0]}-{r['window'][1]} | {r['samples']:,} "
             f"({r['samples_per_step']:,.0f}) | {r['bytes_sent'] / 1e6:,.1f} MB "
             f"| **{r['bytes_per_sample']:,.0f}** "
-            f"| {ratio:.1f}x less | {goal} | {per_target:.1f}x less "
+            f"| {less(ratio)} | {goal} | {less(per_target)} "
             f"| {r['sent_per_peer_per_step'] / 1e6:.2f} MB{round_bytes}, "
             f"{r['received_per_peer_per_step'] / 1e6:.2f} MB "
             f"| {engine} | {r['failed_rounds']} |"
         )
+
+
+def less(ratio: float) -> str:
+    """A ratio against the sync arm, or a dash where there was none (``--no-sync``)."""
+    return "-" if math.isnan(ratio) else f"{ratio:.1f}x less"
 
 
 def build_parser() -> argparse.ArgumentParser:
