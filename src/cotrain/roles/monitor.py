@@ -175,10 +175,11 @@ class Monitor:
         layout = self._run_layout(out)
         self._start_checkpoints(out, layout)
         self._start_reducer(layout)
-        (out / "initial_peers.txt").write_text("\n".join(maddrs) + "\n")  # last: the monitor is ready
         if "preset" not in self.config.run_given:  # no model named: the run may be a loop of one's own's too
             join += "\nor, from a training loop of one's own (docs/api.md):\n  " + api_join(maddrs, run)
         logger.info(f"Monitor of run {run.run_id!r} is up, {describe_strategy(run)}. To join, run:\n  {join}")
+        # last, after the line that says how to join: a script that waits for the file finds the line logged
+        (out / "initial_peers.txt").write_text("\n".join(maddrs) + "\n")
         period = min(peer.refresh_period, DASHBOARD_TICK) if self.dashboard else peer.refresh_period
 
         current_step = -1
