@@ -9,7 +9,7 @@ import torch
 from hivemind.optim.progress_tracker import GlobalTrainingProgress
 
 from cotrain.algorithms.sparse import TopK
-from cotrain.hivemind_ext.auxiliary import AUX_GATHER, contributors, is_auxiliary, needed
+from cotrain.hivemind_ext.auxiliary import AUX_GATHER, contributors, is_auxiliary, needed, round_to_reduce
 from cotrain.hivemind_ext.reducers import RecordParts
 
 
@@ -32,6 +32,16 @@ def test_a_reducer_counts_for_nobody_and_serves_only_swarms_with_clients():
     # two trainers, one a client: needed; full peers reduce for each other; one trainer averages with nobody
     assert needed(_progress(2, 1)) and needed(_progress(3, 3))
     assert not needed(_progress(3, 0)) and not needed(_progress(1, 1))
+
+
+def test_a_reducer_serves_the_round_most_trainers_are_in_not_a_lone_leaders():
+    assert round_to_reduce([]) is None
+    assert round_to_reduce([7]) == 7
+    # two clients a round behind a lone leader: their round, where a group of two can form
+    assert round_to_reduce([5, 4, 4]) == 4
+    assert round_to_reduce([5, 5, 4]) == 5
+    # as many in each: the latest (a lone trainer behind will join it: it averages with nobody where it is)
+    assert round_to_reduce([3, 4]) == 4 and round_to_reduce([6, 6, 5, 5, 2]) == 6
 
 
 def test_an_auxiliary_reducer_carries_what_its_records_left_out_into_its_next_average():
