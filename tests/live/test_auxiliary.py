@@ -6,6 +6,7 @@ tests/unit/hivemind_ext/test_auxiliary.py."""
 from __future__ import annotations
 
 import math
+import signal
 
 import pytest
 
@@ -20,6 +21,12 @@ from conftest import (
     trainer_rows,
     wait_until,
 )
+
+
+def steps_together(trainers: list[Role]) -> set[int]:
+    """The steps that both trainers logged as averaged in a group of two."""
+    together = [{r["step"] for r in trainer_rows(t) if r["group_size"] == 2} for t in trainers]
+    return together[0] & together[1]
 
 
 @pytest.mark.slow
@@ -55,11 +62,21 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
         )
         for i in range(2):
             args = trainer_args(common, initial, demo_data, i + 1, tmp_path / f"t{i}", *flag)
-            roles.append(Role([*args, "--max-steps", str(steps)], tmp_path / f"trainer{i}.log", env=env))
+            roles.append(Role([*args, "--max-steps", "100"], tmp_path / f"trainer{i}.log", env=env))
         trainers = roles[-2:]
+        # the event, not a count of steps: a trainer that starts its first round late may step alone for a
+        # few rounds before the two meet (a round does not wait for a peer)
+        wait_until(
+            lambda: (
+                len(steps_together(trainers)) >= 2 and all(len(trainer_rows(t)) >= steps for t in trainers)
+            ),
+            200,
+            what="two steps the clients averaged together through the monitor",
+        )
         for trainer in trainers:
-            wait_until(lambda t=trainer: t.proc.poll() is not None, 300, what="the trainers to finish")
-            assert trainer.proc.returncode == 0, trainer.text()[-3000:]
+            trainer.proc.send_signal(signal.SIGTERM)
+        for trainer in trainers:
+            assert trainer.proc.wait(timeout=60) == 0, trainer.text()[-3000:]
         if strategy == "diloco":  # a second monitor that nobody can dial could reduce nothing: it refuses
             second = tmp_path / "second"
             args = monitor_args(common, second, "--initial-peers", *initial, "--dataset-path", str(demo_data))
@@ -80,11 +97,11 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
         assert "Reduced " not in first_text and "Traceback" not in first_text
         assert "Checkpoints are off" in text  # the second machine only reduces (and logs the swarm)
     rows = [trainer_rows(t) for t in trainers]
-    together = [{r["step"] for r in rs if r["group_size"] == 2} for rs in rows]
     # clients cannot reduce for each other: every step they averaged together went through the monitor,
     # which counts for no one in the group's size
-    assert len(together[0] & together[1]) >= 2, rows
-    assert reduced >= len(together[0] & together[1]), text[-3000:]
+    together = steps_together(trainers)
+    assert len(together) >= 2, rows
+    assert reduced >= len(together), text[-3000:]
     assert all(r["group_size"] <= 2 for rs in rows for r in rs), rows
     for rs in rows:
         assert rs[-1]["step"] >= steps and rs[-1]["loss"] < rs[0]["loss"], rs

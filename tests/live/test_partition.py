@@ -26,7 +26,7 @@ SUBNET = "10.91.0"
 RATE_MBIT = 50
 
 
-CUT_SECONDS = 30
+CUT_SECONDS = 30  # the bound of each wait while the link is down (about 25 s on an idle machine)
 
 
 EXPIRATION = 20  # seconds a trainer's metrics record stays valid at the monitor (less than the cut)
@@ -202,7 +202,7 @@ def hosts(network_guard):
 
 
 @pytest.mark.timeout(240)  # about 2 minutes on an idle machine; the limit is for a loaded one
-def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_data, tmp_path):
+def test_a_cut_off_trainer_rejoins_and_contributes_again(hosts, demo_data, tmp_path):
     strategy = "diloco"
     for i in range(3):
         assert "tbf" in hosts.qdiscs(i) and f"{RATE_MBIT}Mbit" in hosts.qdiscs(i)
@@ -253,7 +253,24 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
 
         cut_at = time.time()
         hosts.set_link(2, up=False)
-        time.sleep(CUT_SECONDS)
+        # the cut lasts until both sides have seen it: the trainer says it is cut off, and the monitor, once
+        # the trainer's last record expired, counts the other trainer alone
+        wait_until(
+            lambda: _first_line(victim, "cut off from the swarm", after=cut_at),
+            CUT_SECONDS * 4,
+            interval=1,
+            what="the trainer to notice it is cut off",
+        )
+        wait_until(
+            lambda: [
+                r
+                for r in read_rows(monitor_rows)
+                if r["time"] > cut_at + EXPIRATION + 2 and r["alive_peers"] == 1
+            ],
+            CUT_SECONDS * 4,
+            interval=1,
+            what="the monitor to count the trainers left",
+        )
         step_at_heal = max(r["step"] for r in read_rows(monitor_rows))
         alone_rows = [r for r in read_rows(monitor_rows) if r["time"] > cut_at]
         healed_at = time.time()
@@ -291,7 +308,7 @@ def test_a_trainer_cut_off_for_30_s_rejoins_and_contributes_again(hosts, demo_da
         adopted_step = int(adopted_line.split("Adopted the swarm's state at global step")[1].split()[0])
         summary = {
             "event": "partition_summary",
-            "cut_seconds": CUT_SECONDS,
+            "cut_seconds": round(healed_at - cut_at, 1),
             "rate_mbit": RATE_MBIT,
             "detected_after_s": round(cut_off_at - cut_at, 1) if cut_off_at else None,
             "back_after_heal_s": round(back_at - healed_at, 1) if back_at else None,

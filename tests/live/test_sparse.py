@@ -46,9 +46,11 @@ def test_sparse_rounds_keep_the_members_bit_identical_a_client_a_latecomer_and_a
         assert p.wait(90) == 0, p.text()
     # c downloaded the swarm's state as it joined, with the lineage its donor vouched for where the other of a
     # and b attested it for that state: its first round with them need not carry the outer state (4 bytes a
-    # parameter, against the records' 0.03); a lineage nobody else attested is a fresh one, carried once
+    # parameter, against the records' 0.03); a lineage nobody else attested is a fresh one, carried once.
+    # The lineages a and b held after the round before: whatever ended it for each (an all-reduce, a round
+    # taken from the others' average, or one alone on a loaded machine)
     joined = c.rows("ready")[0]
-    after = {r["lineage"] for p in (a, b) for r in p.rows("averaged") if r["round"] == joined["step"] - 1}
+    after = {r["lineage"] for p in (a, b) for r in p.rows("average") if r["round"] == joined["step"] - 1}
     first = min(c.rows("averaged"), key=lambda r: r["round"])
     assert joined["step"] >= 2 and (joined["lineage"] in after or first["carried"]), (joined, after, first)
     shared = {
