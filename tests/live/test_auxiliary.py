@@ -145,7 +145,7 @@ def test_a_client_claiming_a_huge_weight_is_refused_and_the_honest_ones_keep_ave
             grouped = max(sum(r["group_size"] >= 2 for r in rs) for rs in rows) >= 2
             return struck and grouped and all(len(rs) >= steps for rs in rows)
 
-        wait_until(seen, 330, what="a strike by the monitor and the honest clients' steps")
+        wait_until(seen, 200, what="a strike by the monitor and the honest clients' steps")
         for trainer in honest:
             assert trainer.proc.poll() is None, trainer.text()[-3000:]  # still training beside the attacker
     finally:
