@@ -1,6 +1,6 @@
 """A peer of several ranks (cotrain.engine.node).
 
-Here, with cotrain processes; the rest in tests/unit/engine/test_node.py."""
+Here, with cotrain processes; the rest in tests/unit/engine/test_node.py and tests/swarm/test_node.py."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ interpreter, a forked worker) fails, naming it; such a test belongs in tests/swa
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import subprocess
 
@@ -16,7 +17,7 @@ LIBRARY_TOOLS = {"fc-list"}
 @pytest.fixture(autouse=True)
 def no_process(monkeypatch):
     started: list[str] = []
-    popen_init, fork = subprocess.Popen.__init__, os.fork
+    popen_init, fork, spawn = subprocess.Popen.__init__, os.fork, multiprocessing.util.spawnv_passfds
 
     def popen(self, args, *rest, **kwargs):
         if not (isinstance(args, (list, tuple)) and args and args[0] in LIBRARY_TOOLS):
@@ -27,7 +28,12 @@ def no_process(monkeypatch):
         started.append("os.fork()")
         return fork()
 
+    def spawned(path, args, passfds):  # multiprocessing's spawn and forkserver (torch.multiprocessing.spawn)
+        started.append(f"multiprocessing: {str(args)[:100]}")
+        return spawn(path, args, passfds)
+
     monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", spawned)
     monkeypatch.setattr(os, "fork", forked)
     yield
     assert not started, f"a unit test started a process: {started}"

@@ -1,6 +1,7 @@
 """A peer of several ranks (cotrain.engine.node).
 
-Here, in the test process alone; the rest in tests/live/test_node.py."""
+Here, in the test process alone; the rest in tests/swarm/test_node.py (ranks as processes of the test)
+and tests/live/test_node.py."""
 
 from __future__ import annotations
 
@@ -9,102 +10,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 from cotrain import config as cfg
 from cotrain.config.fields import ConfigError
 from cotrain.engine.node import check_shardable
 from cotrain.errors import UserError
-
-
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=97, num_key_value_heads=2, **shape))
-
-
-def batch_of(rank: int, step: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(100 * step + rank))
-    return {"input_ids": ids, "labels": ids}
-
-
-def _rank_main(rank: int, world: int, steps: int, rendezvous: str) -> None:
-    """One rank of the in-process check (spawned): rank 0 drives, checks and raises on a mismatch."""
-    import torch.distributed as dist
-
-    from cotrain.engine.node import Node
-    from cotrain.host.hardware import Precision
-    from cotrain.host.ranks import RENDEZVOUS, init_ranks
-    from cotrain.models import forward_loss
-    from cotrain.optim import parameter_groups
-
-    # the private rendezvous, as cotrain's own launch has it
-    os.environ.update({RENDEZVOUS: rendezvous, "RANK": str(rank), "WORLD_SIZE": str(world)})
-    torch.set_num_threads(1)
-    init_ranks(torch.device("cpu"))
-    adamw = lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)  # noqa: E731
-    node = Node(tiny_llama(), lambda m: parameter_groups(m, 0.1), adamw, torch.device("cpu"))
-    stream = (batch_of(rank, step) for step in range(10**6))
-    precision = Precision(torch.device("cpu"))
-    if rank:
-        node.follow(stream, 1, precision, forward_loss)
-        dist.destroy_process_group()
-        return
-    replica, reference = tiny_llama(), tiny_llama()
-    replica_opt = node.inner_optimizer(adamw)(parameter_groups(replica, 0.1))
-    node.attach(replica)
-    ref_opt = adamw(parameter_groups(reference, 0.1))
-    for step in range(steps):
-        loss = node.accumulate(stream, 1, precision, forward_loss)
-        norm = node.gradient_norm(1.0)
-        replica_opt.step()  # the node's step, at the replica's learning rates
-        replica_opt.zero_grad()
-        # the same step in one process: the mean of the ranks' losses, clipped alike
-        losses = [forward_loss(reference, batch_of(r, step)) for r in range(world)]
-        ref_loss = sum(losses) / world
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert abs(loss - ref_loss.item()) < 1e-5 and abs(norm - ref_norm.item()) < 1e-4, (loss, norm)
-    node.pull()
-    named = dict(replica.named_parameters())
-    for name, param in reference.named_parameters():
-        torch.testing.assert_close(named[name], param, atol=1e-5, rtol=1e-4, msg=name)
-        ours, theirs = replica_opt.state[named[name]], ref_opt.state[param]
-        torch.testing.assert_close(ours["exp_avg"], theirs["exp_avg"], atol=1e-6, rtol=1e-4, msg=name)
-        assert int(ours["step"]) == steps
-    with torch.no_grad():  # what rank 0 sends is what every rank then holds
-        for param in replica.parameters():
-            param.mul_(0.5)
-        for state in replica_opt.state.values():
-            state["exp_avg"].fill_(0.25)
-    sent = {name: p.detach().clone() for name, p in replica.named_parameters()}
-    node.push()
-    with torch.no_grad():
-        for param in replica.parameters():
-            param.zero_()
-    replica_opt.state.clear()
-    node.pull()
-    for name, param in replica.named_parameters():
-        torch.testing.assert_close(param, sent[name], msg=name)
-        assert bool((replica_opt.state[param]["exp_avg"] == 0.25).all()), name
-    node.stop()
-    dist.destroy_process_group()
-
-
-@pytest.mark.timeout(120)
-def test_a_node_step_is_the_one_process_step_and_its_state_moves_whole():
-    from cotrain.host.ranks import private_folder
-
-    rendezvous = private_folder()
-    try:
-        mp.spawn(_rank_main, args=(2, 3, rendezvous), nprocs=2, join=True)
-    finally:
-        shutil.rmtree(rendezvous, ignore_errors=True)
+from support.node import tiny_llama
 
 
 def test_what_a_node_refuses_before_any_rank_starts():
