@@ -26,10 +26,10 @@ SUBNET = "10.91.0"
 RATE_MBIT = 50
 
 
-CUT_SECONDS = 30  # the bound of each wait while the link is down (about 25 s on an idle machine)
+CUT_WAIT = 120  # seconds each wait while the link is down may take (the cut lasts about 25 s when idle)
 
 
-EXPIRATION = 20  # seconds a trainer's metrics record stays valid at the monitor (less than the cut)
+EXPIRATION = 20  # seconds a trainer's metrics record stays valid at the monitor (the cut lasts past it)
 
 
 RUN_ID = "partition-test"
@@ -257,7 +257,7 @@ def test_a_cut_off_trainer_rejoins_and_contributes_again(hosts, demo_data, tmp_p
         # the trainer's last record expired, counts the other trainer alone
         wait_until(
             lambda: _first_line(victim, "cut off from the swarm", after=cut_at),
-            CUT_SECONDS * 4,
+            CUT_WAIT,
             interval=1,
             what="the trainer to notice it is cut off",
         )
@@ -267,7 +267,7 @@ def test_a_cut_off_trainer_rejoins_and_contributes_again(hosts, demo_data, tmp_p
                 for r in read_rows(monitor_rows)
                 if r["time"] > cut_at + EXPIRATION + 2 and r["alive_peers"] == 1
             ],
-            CUT_SECONDS * 4,
+            CUT_WAIT,
             interval=1,
             what="the monitor to count the trainers left",
         )
