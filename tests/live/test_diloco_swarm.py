@@ -50,6 +50,7 @@ def story(demo_data, tmp_path_factory):
 
     def monitor(name: str, *extra: str) -> Role:
         checkpoints = ["--dataset-path", str(demo_data), "--save-every", "1", "--load-state-timeout", "20"]
+        checkpoints += ["--keep-checkpoints", "100"]  # the round the evaluation peer evaluated stays to compare
         (out / "monitor" / "initial_peers.txt").unlink(missing_ok=True)
         roles[name] = Role(monitor_args(common, out / "monitor", *checkpoints, *extra), out / f"{name}.log")
         return roles[name]
@@ -112,10 +113,18 @@ def test_1_checkpoints_evaluation_and_export_hold_the_global_state(story, demo_d
 
     # the evaluation peer evaluated the global parameters: the weights it evaluated at a round are the
     # monitor's checkpoint of that round (both downloaded in full precision, maybe from two trainers, whose
-    # global parameters agree to the fp16 rounding of the round's average)
+    # global parameters agree to the fp16 rounding of the round's average when both averaged that round
+    # together: a round a trainer averaged alone, as the first may be, leaves each its own)
+    def shared(step: int) -> bool:
+        return all(
+            any(r["step"] == step and r["group_size"] == 2 for r in trainer_rows(t)) for t in (t1, t2)
+        )
+
     def both_hold() -> list:
         held = ck.list_checkpoints(out / "eval" / "evaluated")
-        return [p for p in held if ck.step_dir(root, int(p.name[5:])).exists()]
+        return [
+            p for p in held if ck.step_dir(root, int(p.name[5:])).exists() and shared(int(p.name[5:]))
+        ]
 
     evaluated = wait_until(both_hold, 120, what="a round that both the monitor and the evaluation peer hold")
     step = int(evaluated[-1].name[5:])
