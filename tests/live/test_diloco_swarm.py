@@ -50,7 +50,7 @@ def story(demo_data, tmp_path_factory):
 
     def monitor(name: str, *extra: str) -> Role:
         checkpoints = ["--dataset-path", str(demo_data), "--save-every", "1", "--load-state-timeout", "20"]
-        checkpoints += ["--keep-checkpoints", "100"]  # the round the evaluation peer evaluated stays to compare
+        checkpoints += ["--keep-checkpoints", "100"]  # the evaluated round stays to compare
         (out / "monitor" / "initial_peers.txt").unlink(missing_ok=True)
         roles[name] = Role(monitor_args(common, out / "monitor", *checkpoints, *extra), out / f"{name}.log")
         return roles[name]
