@@ -116,15 +116,11 @@ def test_1_checkpoints_evaluation_and_export_hold_the_global_state(story, demo_d
     # global parameters agree to the fp16 rounding of the round's average when both averaged that round
     # together: a round a trainer averaged alone, as the first may be, leaves each its own)
     def shared(step: int) -> bool:
-        return all(
-            any(r["step"] == step and r["group_size"] == 2 for r in trainer_rows(t)) for t in (t1, t2)
-        )
+        return all(any(r["step"] == step and r["group_size"] == 2 for r in trainer_rows(t)) for t in (t1, t2))
 
     def both_hold() -> list:
         held = ck.list_checkpoints(out / "eval" / "evaluated")
-        return [
-            p for p in held if ck.step_dir(root, int(p.name[5:])).exists() and shared(int(p.name[5:]))
-        ]
+        return [p for p in held if ck.step_dir(root, int(p.name[5:])).exists() and shared(int(p.name[5:]))]
 
     evaluated = wait_until(both_hold, 120, what="a round that both the monitor and the evaluation peer hold")
     step = int(evaluated[-1].name[5:])
