@@ -43,7 +43,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-id", default="custom-gpt2", help="run id shared by the peers (and the monitor)")
     p.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], help="where to listen")
-    p.add_argument("--steps", type=int, default=20, help="global steps of the swarm to train for")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="global steps of the swarm to train for, from the one it joins at",
+    )
     p.add_argument("--target-batch-size", type=int, default=64, help="samples per global step, swarm-wide")
     p.add_argument("--batch-size", type=int, default=8, help="samples per micro-batch on this peer")
     p.add_argument("--block-size", type=int, default=64, help="bytes per training sequence")
@@ -133,10 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_grad_norm=1.0,  # each step's gradients clipped to this norm before they go to the swarm
     ) as peer:
         say(event="ready", peer_id=peer.peer_id, maddrs=peer.maddrs, step=peer.global_step)
+        last = (
+            peer.global_step + args.steps
+        )  # a peer that joins a swarm at step 40 trains until step 40 + steps
         losses: list[float] = []
         started = time.monotonic()
         model.train()
-        while peer.global_step < args.steps:  # the loop of cotrain's own trainer (cotrain.roles.trainer)
+        while peer.global_step < last:  # the loop of cotrain's own trainer (cotrain.roles.trainer)
             batch = collate([next(texts) for _ in range(args.batch_size)])
             loss = model(**batch).loss  # forward and backward over the micro-batch
             loss.backward()
@@ -151,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seconds=round(time.monotonic() - started, 1),
                 )
                 losses.clear()
-    say(event="done", step=args.steps)
+    say(event="done", step=last)
     return 0
 
 

@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -92,7 +91,10 @@ class Example:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
+def test_two_custom_loops_train_together_the_monitor_shows_them_and_ctrl_c_stops_one(tmp_path):
+    """docs/api.md's example: a first loop that trains on until Ctrl+C, and a second that joins it and trains
+    STEPS global steps from the one it joined at, then exits 0. Both averaged with each other and the monitor
+    logged them; Ctrl+C to the first one's terminal group stops it (exit 130) and leaves no process."""
     run = ["--run-id", "api-test", "--host-maddrs", LOCALHOST]
     monitor = Role(
         monitor_args([*run, "--target-batch-size", "128"], tmp_path / "monitor", "--save-every", "0"),
@@ -101,32 +103,41 @@ def test_two_custom_loops_train_together_and_the_monitor_shows_them(tmp_path):
     peers: list[Example] = []
     try:
         initial = monitor_address(tmp_path / "monitor", 120)
-        for seed in (1, 2):
-            # a target of 16 micro-batches: a peer that starts first takes a few seconds per step alone
-            args = [*run, "--initial-peers", *initial, "--steps", str(STEPS), "--seed", str(seed)]
-            args += ["--target-batch-size", "128"]
-            peers.append(Example(args, tmp_path / f"peer{seed}"))
-        wait_until(
-            lambda: all(p.steps() or p.proc.poll() is not None for p in peers),
-            200,
-            what="a first global step",
-        )
-        trees = [pid for peer in peers for pid in peer.tree()]  # the DHT, p2pd and averager processes too
-        assert len(trees) > 2
-        for peer in peers:
-            peer.proc.wait(timeout=200)
+        # a target of 16 micro-batches: the first peer steps alone until the second joins it
+        args = [*run, "--initial-peers", *initial, "--target-batch-size", "128"]
+        first = Example([*args, "--steps", "100000", "--seed", "1"], tmp_path / "peer1")
+        peers.append(first)
+        wait_until(lambda: first.steps() or first.proc.poll() is not None, 150, what="the first peer's step")
+        second = Example([*args, "--steps", str(STEPS), "--seed", "2"], tmp_path / "peer2")
+        peers.append(second)
+        wait_until(lambda: second.steps() or second.proc.poll() is not None, 150, what="the second's step")
+        trees = second.tree()  # its DHT, p2pd and averager processes too
+        second.proc.wait(timeout=200)
+        log = second.out.with_suffix(".log").read_text()
+        assert second.proc.returncode == 0 and "Traceback" not in log, log[-3000:]
+        events = second.events()
+        assert events[0]["event"] == "ready", events
+        assert events[-1] == {"event": "done", "step": events[0]["step"] + STEPS}, events
+        assert any(s["group_size"] == 2 for s in second.steps()), events  # averaged with the first peer
         # hivemind's processes end within seconds of the script (shutdown() stops them in order)
-        wait_until(lambda: not alive(trees), 15, what="the example's processes to end")
-        for peer in peers:
-            log = peer.out.with_suffix(".log").read_text()
-            assert peer.proc.returncode == 0, log[-3000:]
-            events = peer.events()
-            assert events[0]["event"] == "ready" and events[-1] == {"event": "done", "step": STEPS}
-            steps = peer.steps()
-            assert any(s["group_size"] == 2 for s in steps), steps  # averaged with the other peer
-            losses = [s["loss"] for s in steps]
-            assert losses[-1] < losses[0] - 0.1, steps
-            assert "Traceback" not in log
+        wait_until(lambda: not alive(trees), 15, what="the second peer's processes to end")
+
+        # Ctrl+C in the first one's terminal: the whole process group. hivemind's averager left SIGINT
+        # ignored in the script's process, and the terminal's SIGINT reaches the peer's p2pd daemon too,
+        # whose handlers the shutdown then waited for
+        assert first.proc.poll() is None, first.out.with_suffix(".log").read_text()[-3000:]
+        tree = first.tree()
+        assert len(tree) >= 2, tree  # the script and its p2pd daemon
+        os.killpg(first.proc.pid, signal.SIGINT)
+        first.proc.wait(timeout=30)  # 2-5 s on an idle machine
+        log = first.out.with_suffix(".log").read_text()
+        assert first.proc.returncode == 130 and "stopped (Ctrl+C)" in log and "Traceback" not in log, log[
+            -3000:
+        ]
+        wait_until(lambda: not alive(tree), 10, what="the first peer's processes to end")
+        steps = first.steps()
+        assert any(s["group_size"] == 2 for s in steps), steps
+        assert steps[-1]["loss"] < steps[0]["loss"] - 0.1, steps
         rows = [r for r in read_rows(tmp_path / "monitor" / "metrics.jsonl") if r.get("loss") is not None]
         assert rows and max(r["alive_peers"] for r in rows) == 2, rows
         assert max(r["max_group_size"] for r in rows) == 2 and max(r["step"] for r in rows) >= STEPS - 1
@@ -229,26 +240,3 @@ def test_a_peer_that_left_keeps_no_thread_cancelling_its_rounds(how):
         for proc in runs.values():
             if proc.poll() is None:
                 proc.kill()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_ctrl_c_stops_a_script_that_uses_a_peer(tmp_path):
-    # hivemind's averager left SIGINT ignored in the script's process: Ctrl+C did nothing until SIGTERM; and
-    # the terminal's SIGINT reaches the peer's p2pd daemon too, whose handlers the shutdown then waited for
-    peer = Example(["--run-id", "ctrl-c", "--host-maddrs", LOCALHOST, "--steps", "100000"], tmp_path / "peer")
-    try:
-        wait_until(lambda: len(peer.steps()) >= 2 or peer.proc.poll() is not None, 120, what="two steps")
-        assert peer.proc.poll() is None, peer.out.with_suffix(".log").read_text()[-3000:]
-        tree = peer.tree()
-        assert len(tree) >= 2, tree  # the script and its p2pd daemon
-        signalled = time.monotonic()
-        os.killpg(peer.proc.pid, signal.SIGINT)  # Ctrl+C in a terminal: the whole process group
-        peer.proc.wait(timeout=30)  # 2-5 s on an idle machine; the suite runs two files at a time
-        log = peer.out.with_suffix(".log").read_text()
-        assert peer.proc.returncode == 130 and "stopped (Ctrl+C)" in log, log[-3000:]
-        wait_until(lambda: not alive(tree), 10, what="the peer's processes to end")
-        assert time.monotonic() - signalled < 40
-    finally:
-        if peer.proc.poll() is None:
-            peer.kill()

@@ -43,7 +43,7 @@ from cotrain.engine.handover import catch_up, leave_final_state
 from cotrain.engine.join import SwarmConnection
 from cotrain.engine.parts import CoreSharing, FaultInjection, Healing, NanGuard, Part
 from cotrain.engine.settings import API_RUN, configs_of
-from cotrain.engine.shutdown import leave_in_order, shutdown_in_order
+from cotrain.engine.shutdown import kept_interrupt, leave_in_order, shutdown_in_order
 from cotrain.errors import UserError
 from cotrain.net.configrecord import API_ROLE
 from cotrain.net.logs import one_line_errors
@@ -284,7 +284,8 @@ class SwarmPeer:
             sent = samples
             for part in self.parts:
                 sent = part.outgoing(self, sent)
-            self.strategy.step(sent)
+            with kept_interrupt():  # Ctrl+C in a round's wait, which hivemind swallows, stops the script
+                self.strategy.step(sent)
             self._count(samples, loss)
             if zero_grad:
                 self.strategy.zero_grad()

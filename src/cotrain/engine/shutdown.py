@@ -3,16 +3,46 @@ was ended on purpose."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from cotrain.hivemind_ext.hosting import join_at_exit
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def kept_interrupt() -> Iterator[None]:
+    """Ctrl+C during the block is not lost: hivemind waits for an averaging round under ``except
+    BaseException`` and goes on with the local gradients, so the KeyboardInterrupt raised in the wait never
+    reached the script, which trained on. Here, in the main thread under Python's own SIGINT handler, a
+    SIGINT during the block still raises where it lands, and the block's end raises it again if it was
+    swallowed. Elsewhere (a role's own stop handler, another thread) it changes nothing."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    interrupted = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        interrupted.set()
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if interrupted.is_set():
+        raise KeyboardInterrupt
 
 
 class _DroppedTasks(logging.Filter):
