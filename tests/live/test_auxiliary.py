@@ -31,38 +31,28 @@ def steps_together(trainers: list[Role]) -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["sync", "diloco"])
-def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tmp_path):
-    """Two trainers in client mode and no other full peer: only a public monitor can reduce their parts. With
-    sync they are given --client-mode, and the first monitor reduces nothing (--no-reduce): a second monitor,
-    a public machine with no dataset (a tokenizer only) and no checkpoints, reduces for them. With diloco no
-    flag: the dial-back probe finds the trainers unreachable (a closed port stands for their NAT), so they
-    join as clients by themselves, and the first monitor reduces."""
-    common = ["--preset", "albert-tiny", "--run-id", f"aux-{strategy}", "--host-maddrs", LOCALHOST, *FAST]
-    common += ["--strategy", strategy]
-    if strategy == "diloco":  # sparse rounds: the reducer decodes, averages and re-encodes the records
-        common += ["--local-steps", "2", "--outer-compression", "topk"]
-    steps = 6 if strategy == "sync" else 4  # sync: a loaded machine may start one trainer two steps late
-    first = ["--dataset-path", str(demo_data), "--save-every", "0"]
-    first += ["--no-reduce"] if strategy == "sync" else []
+def test_two_client_trainers_average_through_a_second_monitor(demo_data, tmp_path):
+    """Two sync trainers given --client-mode and no other full peer: only a public monitor can reduce their
+    parts. The first monitor reduces nothing (--no-reduce): a second monitor, a public machine with no dataset
+    (a tokenizer only) and no checkpoints, reduces for them. (DiLoCo clients that find out by themselves:
+    the huge-weight test below.)"""
+    common = ["--preset", "albert-tiny", "--run-id", "aux-sync", "--host-maddrs", LOCALHOST, *FAST]
+    steps = 6  # a loaded machine may start one trainer two steps late
+    first = ["--dataset-path", str(demo_data), "--save-every", "0", "--no-reduce"]
     monitor = Role(monitor_args(common, tmp_path / "monitor", *first), tmp_path / "monitor.log")
     roles = [monitor]
     try:
         initial = monitor_address(tmp_path / "monitor", 90)
-        reducer = monitor
-        if strategy == "sync":  # a second public machine: no dataset, no checkpoints, no dashboard
-            args = ["--initial-peers", *initial, "--tokenizer-path", str(demo_data / "tokenizer")]
-            reducer = Role(
-                monitor_args(common, tmp_path / "second", *args, "--save-every", "0"), tmp_path / "second.log"
-            )
-            roles.append(reducer)
-            monitor_address(tmp_path / "second", 90, what="the second monitor's address")
-        flag, env = (
-            (["--client-mode"], None) if strategy == "sync" else ([], {"COTRAIN_DEBUG_UNREACHABLE": "1"})
+        # a second public machine: no dataset, no checkpoints, no dashboard
+        args = ["--initial-peers", *initial, "--tokenizer-path", str(demo_data / "tokenizer")]
+        reducer = Role(
+            monitor_args(common, tmp_path / "second", *args, "--save-every", "0"), tmp_path / "second.log"
         )
+        roles.append(reducer)
+        monitor_address(tmp_path / "second", 90, what="the second monitor's address")
         for i in range(2):
-            args = trainer_args(common, initial, demo_data, i + 1, tmp_path / f"t{i}", *flag)
-            roles.append(Role([*args, "--max-steps", "100"], tmp_path / f"trainer{i}.log", env=env))
+            args = trainer_args(common, initial, demo_data, i + 1, tmp_path / f"t{i}", "--client-mode")
+            roles.append(Role([*args, "--max-steps", "100"], tmp_path / f"trainer{i}.log"))
         trainers = roles[-2:]
         # the event, not a count of steps: a trainer that starts its first round late may step alone for a
         # few rounds before the two meet (a round does not wait for a peer)
@@ -77,25 +67,16 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
             trainer.proc.send_signal(signal.SIGTERM)
         for trainer in trainers:
             assert trainer.proc.wait(timeout=60) == 0, trainer.text()[-3000:]
-        if strategy == "diloco":  # a second monitor that nobody can dial could reduce nothing: it refuses
-            second = tmp_path / "second"
-            args = monitor_args(common, second, "--initial-peers", *initial, "--dataset-path", str(demo_data))
-            refused = Role(args, tmp_path / "second.log", env={"COTRAIN_DEBUG_UNREACHABLE": "1"})
-            assert refused.proc.wait(timeout=120) != 0
-            lines = [line for line in refused.text().splitlines() if line.strip()]
-            assert "cannot dial this monitor" in lines[-1] and "--no-reduce" in lines[-1], lines
-            assert not (second / "initial_peers.txt").exists() and "Traceback" not in refused.text()
     finally:
         for role in roles:
             role.stop()
     text = reducer.log_path.read_text()
     assert "Reducing the trainers'" in text and "as an auxiliary peer" in text, text[-3000:]
     reduced = int(text.split("Reduced ", 1)[1].split()[0])  # its last line: rounds it took part in
-    if strategy == "sync":
-        first_text = monitor.log_path.read_text()
-        assert "Not reducing for client-mode trainers (--no-reduce)" in first_text, first_text[-3000:]
-        assert "Reduced " not in first_text and "Traceback" not in first_text
-        assert "Checkpoints are off" in text  # the second machine only reduces (and logs the swarm)
+    first_text = monitor.log_path.read_text()
+    assert "Not reducing for client-mode trainers (--no-reduce)" in first_text, first_text[-3000:]
+    assert "Reduced " not in first_text and "Traceback" not in first_text
+    assert "Checkpoints are off" in text  # the second machine only reduces (and logs the swarm)
     rows = [trainer_rows(t) for t in trainers]
     # clients cannot reduce for each other: every step they averaged together went through the monitor,
     # which counts for no one in the group's size
@@ -106,22 +87,27 @@ def test_two_client_trainers_average_through_the_monitor(strategy, demo_data, tm
     for rs in rows:
         assert rs[-1]["step"] >= steps and rs[-1]["loss"] < rs[0]["loss"], rs
     for trainer in trainers:
-        log = trainer.log_path.read_text()
-        assert "Traceback" not in log
-        if strategy == "diloco":  # it found out by itself, and said so in one line
-            assert "could not reach it at /ip4/127.0.0.1/tcp/1" in log and "joining as a client" in log, log
+        assert "Traceback" not in trainer.log_path.read_text()
     assert "Traceback" not in text
+
+
+def grouped(rows: list[list[dict]]) -> int:
+    """The most steps that one of the trainers whose ``rows`` these are averaged in a group."""
+    return max(sum(r["group_size"] >= 2 for r in rs) for rs in rows)
 
 
 @pytest.mark.slow
 @pytest.mark.alone  # four peers of sparse rounds: under another live test's load, clients' rounds rarely meet
 @pytest.mark.timeout(240)
-def test_a_client_claiming_a_huge_weight_is_refused_and_the_honest_ones_keep_averaging(demo_data, tmp_path):
-    """Sparse rounds through the monitor, the only public peer, with two honest clients and one that sends
-    its parts with weight 1e39 every round (finite as a double, Inf in float32: it once made the monitor's
-    average NaN and its carried residue NaN for every later group). The monitor refuses that sender and
-    strikes it (one line each; excluded at the third), nobody else; the honest clients' rounds through it
-    stay finite and keep averaging."""
+def test_unreachable_clients_average_through_the_monitor_which_refuses_a_huge_weight(demo_data, tmp_path):
+    """Sparse DiLoCo rounds through the monitor, the only public peer (it decodes, averages and re-encodes
+    the records), with three trainers given no flag: the dial-back probe finds them unreachable (a closed
+    port stands for their NAT), so they join as clients by themselves. Two are honest; one sends its parts
+    with weight 1e39 every round (finite as a double, Inf in float32: it once made the monitor's average NaN
+    and its carried residue NaN for every later group). The monitor refuses that sender and strikes it (one
+    line each; excluded at the third), nobody else; the honest clients average through it, their
+    rounds stay finite, and they stop on SIGTERM with exit 0. A second monitor that nobody can dial could
+    reduce nothing: it refuses to start."""
     common = ["--preset", "albert-tiny", "--run-id", "aux-weight", "--host-maddrs", LOCALHOST, *FAST]
     common += ["--strategy", "diloco", "--local-steps", "2", "--outer-compression", "topk"]
     steps = 5
@@ -142,12 +128,22 @@ def test_a_client_claiming_a_huge_weight_is_refused_and_the_honest_ones_keep_ave
         def seen() -> bool:  # the monitor struck a sender; the honest clients took their steps, in groups
             struck = "(strike " in monitor.log_path.read_text()
             rows = [trainer_rows(t) for t in honest]
-            grouped = max(sum(r["group_size"] >= 2 for r in rs) for rs in rows) >= 2
-            return struck and grouped and all(len(rs) >= steps for rs in rows)
+            return struck and grouped(rows) >= 2 and all(len(rs) >= steps for rs in rows)
 
-        wait_until(seen, 200, what="a strike by the monitor and the honest clients' steps")
+        wait_until(seen, 200, what="a strike by the monitor and the honest clients' steps in groups")
         for trainer in honest:
             assert trainer.proc.poll() is None, trainer.text()[-3000:]  # still training beside the attacker
+            trainer.proc.send_signal(signal.SIGTERM)
+        for trainer in honest:
+            assert trainer.proc.wait(timeout=60) == 0, trainer.text()[-3000:]
+        second = tmp_path / "second"
+        args = monitor_args(common, second, "--initial-peers", *initial, "--dataset-path", str(demo_data))
+        refused = Role(args, tmp_path / "second.log", env=unreachable)
+        roles.append(refused)
+        assert refused.proc.wait(timeout=120) != 0
+        lines = [line for line in refused.text().splitlines() if line.strip()]
+        assert "cannot dial this monitor" in lines[-1] and "--no-reduce" in lines[-1], lines
+        assert not (second / "initial_peers.txt").exists() and "Traceback" not in refused.text()
     finally:
         for role in reversed(roles):  # the trainers, then the monitor that reduces for them
             role.stop()
@@ -159,13 +155,16 @@ def test_a_client_claiming_a_huge_weight_is_refused_and_the_honest_ones_keep_ave
     strikes = [line for line in text.splitlines() if "(strike " in line]
     assert attacker_id and strikes, text[-4000:]
     assert all(f"from peer {attacker_id} refused" in s for s in strikes), strikes
-    assert int(text.split("Reduced ", 1)[1].split()[0]) >= 2, text[-3000:]  # rounds it reduced
     rows = [trainer_rows(t) for t in honest]
-    # the honest clients averaged through the monitor (a slow one may have stepped alone: rounds do not
+    # the honest clients averaged through the monitor (a slow one may step alone for a while: rounds do not
     # wait for a peer, and the attacker's samples count toward them until it is excluded)
-    assert max(sum(r["group_size"] >= 2 for r in rs) for rs in rows) >= 2, rows
+    assert int(text.split("Reduced ", 1)[1].split()[0]) >= grouped(rows) >= 2, text[-3000:]  # rounds reduced
+    # clients cannot reduce for each other: the monitor, which counts for no one in a group's size, did
+    assert all(r["group_size"] <= 3 for rs in rows for r in rs), rows
     for trainer, rs in zip(honest, rows, strict=True):
         log = trainer.log_path.read_text()
         assert "non-finite average" not in log and "Traceback" not in log, log[-3000:]
+        # it found out by itself that nobody can dial it, and said so in one line
+        assert "could not reach it at /ip4/127.0.0.1/tcp/1" in log and "joining as a client" in log, log
         assert all(math.isfinite(r["loss"]) for r in rs) and rs[-1]["loss"] < rs[0]["loss"], rs
         assert rs[-1]["step"] >= steps, rs
