@@ -22,8 +22,16 @@ def swallowing_wait() -> str:
     return "averaged"
 
 
-def test_a_ctrl_c_swallowed_in_the_block_is_raised_at_its_end_and_the_handler_is_put_back():
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler, as in a script started from a terminal (a test worker may have SIGINT
+    ignored, as a background job of a script has)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_swallowed_in_the_block_is_raised_at_its_end_and_the_handler_is_put_back(python_sigint):
     done = []
     with pytest.raises(KeyboardInterrupt):
         with kept_interrupt():
@@ -39,7 +47,7 @@ def test_a_ctrl_c_swallowed_in_the_block_is_raised_at_its_end_and_the_handler_is
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_handler_of_ones_own_and_other_threads_are_left_alone():
+def test_a_handler_of_ones_own_and_other_threads_are_left_alone(python_sigint):
     seen = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
     try:
