@@ -138,9 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_grad_norm=1.0,  # each step's gradients clipped to this norm before they go to the swarm
     ) as peer:
         say(event="ready", peer_id=peer.peer_id, maddrs=peer.maddrs, step=peer.global_step)
-        last = (
-            peer.global_step + args.steps
-        )  # a peer that joins a swarm at step 40 trains until step 40 + steps
+        # a peer that joins a swarm at step 40 trains until step 40 + steps
+        last = peer.global_step + args.steps
         losses: list[float] = []
         started = time.monotonic()
         model.train()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from cotrain.host.procs import exit_worker
 from support.node import batch_of, tiny_llama
 
 
@@ -79,11 +79,9 @@ def _rank_main(rank: int, world: int, steps: int, rendezvous: str) -> None:
         assert bool((replica_opt.state[param]["exp_avg"] == 0.25).all()), name
     node.stop()
     dist.destroy_process_group()
-    # as cotrain's own workers end (cotrain.host.procs.exit_worker): at interpreter exit, a gloo thread still
-    # winding down under load aborted the rank ("terminate called without an active exception")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # as cotrain's own workers end: at interpreter exit, a gloo thread still winding down under load aborted
+    # the rank ("terminate called without an active exception")
+    exit_worker(0, None)
 
 
 @pytest.mark.timeout(120)
